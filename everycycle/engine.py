@@ -1,0 +1,515 @@
+"""The engine: a GGUF model resident on an executor, decoding for N slots on its own thread.
+
+llama.cpp's low-level API through llama-cpp-python, with llama.cpp's own sampler
+chain. One ``Runner`` owns one ``llama_model`` and ``llama_context`` and a worker
+thread; every call into the context happens on that thread. Each step puts the
+pending work of every active slot (prefill chunks and one token per decoding slot)
+into one ``llama_batch``, runs one ``llama_decode``, samples each slot with its own
+chain, and hands that step's outputs to ``notify`` in one call. Requests enter free
+slots and leave between steps, so a cancel takes effect within one step. A slot
+keeps its KV cells after a request ends; a new request sharing a prefix with them
+only prefills the rest.
+
+The engine knows nothing of sockets or event loops: ``notify`` is a plain callable.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import EverycycleError, InternalError, InvalidRequestError
+from .protocol import Format
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
+_PENALTY_LAST_N = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling settings; llama-server's defaults. ``temperature == 0`` is greedy."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """What one step produced for one job: a chunk, and whether it ended the job."""
+
+    text: str
+    ids: tuple[int, ...]
+    finished: bool = False
+    reason: str | None = None
+    """``eos``, ``length``, ``stop``, ``context``, ``cancelled`` or ``error`` when finished."""
+    error: EverycycleError | None = None
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation: prompt tokens in, Outputs out through the runner's ``notify``."""
+
+    tokens: Sequence[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: Sequence[str] = ()
+    tag: Any = None
+    """Opaque to the engine: whatever the caller uses to route outputs."""
+    # Filled in by the runner, read by callers once the job finished:
+    n_prompt: int = 0
+    n_reused: int = 0
+    n_generated: int = 0
+    _cancel_reason: str | None = None
+
+
+@dataclass(eq=False)
+class _Slot:
+    seq: int
+    cached: list[int] = field(default_factory=list)
+    job: Job | None = None
+    sampler: Any = None
+    todo: list[int] = field(default_factory=list)
+    n_past: int = 0
+    last: int = -1
+    decoder: Any = None
+    held_text: str = ""
+    held_ids: list[int] = field(default_factory=list)
+
+
+Notify = Callable[[list[tuple[Job, Output]]], None]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _stop_split(text: str, stops: Sequence[str]) -> tuple[int | None, int]:
+    """(index of the first stop string in text or None, length of a held-back tail)."""
+    first: int | None = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (first is None or i < first):
+            first = i
+    if first is not None:
+        return first, 0
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return None, hold
+
+
+class Runner:
+    """A model loaded on an executor, with ``parallel`` slots and a decode thread.
+
+    Construct it off the event loop (loading takes time). Raises InvalidRequestError
+    for a file llama.cpp cannot load.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        context: int,
+        parallel: int,
+        notify: Notify,
+        gpu_devices: Sequence[int] = (),
+        n_threads: int | None = None,
+        n_batch: int = 512,
+    ) -> None:
+        import llama_cpp as L
+
+        self._L = L
+        self.path = path
+        self.context = context
+        self.parallel = parallel
+        self._notify = notify
+        self._n_batch = n_batch
+        _backend_init()
+        mparams = L.llama_model_default_params()
+        # Pin the model to the executor's devices: a NULL-terminated list (empty = CPU).
+        self._devices = (ctypes.c_void_p * (len(gpu_devices) + 1))(*gpu_devices, None)
+        mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p).value
+        mparams.n_gpu_layers = 999 if gpu_devices else 0
+        if not path.is_file():
+            raise InvalidRequestError(f"{path} is not a file")
+        model = L.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise InvalidRequestError(f"llama.cpp could not load {path} (not a valid GGUF?)")
+        self._model = model
+        self._vocab = L.llama_model_get_vocab(model)
+        threads = n_threads or max(1, os.cpu_count() or 1)
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = context * parallel
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_seq_max = parallel
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        if hasattr(cparams, "kv_unified"):
+            cparams.kv_unified = False
+        ctx = L.llama_init_from_model(model, cparams)
+        if not ctx:
+            L.llama_model_free(model)
+            raise InternalError(f"llama.cpp could not create a context for {path}")
+        self._ctx = ctx
+        self._mem = L.llama_get_memory(ctx)
+        self.n_ctx_slot = L.llama_n_ctx(ctx) // parallel
+        self._batch = L.llama_batch_init(n_batch, 0, 1)
+        self._slots = [_Slot(seq=i) for i in range(parallel)]
+        self._pending: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._template = self._chat_template()
+        self._thread = threading.Thread(target=self._run, name=f"engine:{path.name}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ any thread
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def tokenize(self, prompt: str, fmt: Format | None = None) -> list[int]:
+        """Prompt to tokens: the chat template unless ``fmt`` is RAW or the model has none."""
+        L = self._L
+        text = prompt
+        special = False
+        if fmt is not Format.RAW and self._template is not None:
+            text = self._apply_template(prompt)
+            special = True
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (L.llama_token * n_max)()
+        n = L.llama_tokenize(self._vocab, data, len(data), buf, n_max, True, special)
+        if n < 0:
+            buf = (L.llama_token * -n)()
+            n = L.llama_tokenize(self._vocab, data, len(data), buf, -n, True, special)
+        return list(buf[:n])
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` as the stream renders it (invalid UTF-8 replaced)."""
+        return b"".join(self._piece(t) for t in ids).decode("utf-8", "replace")
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; it starts in the next free slot. Raises InvalidRequestError
+        when the prompt does not fit the context."""
+        if not job.tokens:
+            raise InvalidRequestError("the prompt is empty after tokenization")
+        if len(job.tokens) >= self.n_ctx_slot:
+            raise InvalidRequestError(
+                f"prompt is {len(job.tokens)} tokens; the context holds {self.n_ctx_slot}"
+            )
+        with self._cond:
+            if self._closing:
+                raise InternalError("the model is being unloaded")
+            self._pending.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job, reason: str) -> None:
+        """Ask ``job`` to stop; it ends with ``reason`` within one decode step."""
+        with self._cond:
+            if job._cancel_reason is None:
+                job._cancel_reason = reason
+            self._cond.notify()
+
+    def busy_slots(self) -> int:
+        return sum(1 for s in self._slots if s.job is not None)
+
+    def close(self) -> None:
+        """Stop the thread (active jobs end cancelled) and free llama.cpp state."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+        L = self._L
+        L.llama_batch_free(self._batch)
+        L.llama_free(self._ctx)
+        L.llama_model_free(self._model)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _chat_template(self) -> bytes | None:
+        L = self._L
+        tmpl = L.llama_model_chat_template(self._model, None)
+        if not tmpl:
+            return None
+        probe = self._render(tmpl, "x")
+        return tmpl if probe is not None else None
+
+    def _render(self, tmpl: bytes, prompt: str) -> str | None:
+        L = self._L
+        content = prompt.encode("utf-8")
+        msg = (L.llama_chat_message * 1)()
+        msg[0].role = b"user"
+        msg[0].content = content
+        size = 2 * len(content) + 256
+        buf = ctypes.create_string_buffer(size)
+        n = L.llama_chat_apply_template(tmpl, msg, 1, True, buf, size)
+        if n < 0:
+            return None
+        if n > size:
+            buf = ctypes.create_string_buffer(n)
+            n = L.llama_chat_apply_template(tmpl, msg, 1, True, buf, n)
+        return buf.raw[:n].decode("utf-8", "replace")
+
+    def _apply_template(self, prompt: str) -> str:
+        assert self._template is not None
+        out = self._render(self._template, prompt)
+        if out is None:
+            raise InternalError("the model's chat template could not be applied")
+        return out
+
+    def _piece(self, token: int) -> bytes:
+        L = self._L
+        buf = ctypes.create_string_buffer(64)
+        n = L.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+        return buf.raw[:n]
+
+    def _make_sampler(self, s: Sampling) -> Any:
+        L = self._L
+        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        if s.repeat_penalty != 1.0:
+            L.llama_sampler_chain_add(
+                chain, _penalties(_PENALTY_LAST_N, s.repeat_penalty)
+            )
+        if s.temperature <= 0.0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+            return chain
+        if s.top_k > 0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(s.top_k))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(s.top_p, 1))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(s.min_p, 1))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(s.temperature))
+        seed = _DEFAULT_SEED if s.seed is None else s.seed
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
+        return chain
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _start(self, job: Job) -> None:
+        """Put ``job`` in the free slot whose cached tokens share the longest prefix."""
+        L = self._L
+        free = [s for s in self._slots if s.job is None]
+        slot = max(free, key=lambda s: _common_prefix(s.cached, job.tokens))
+        reuse = _common_prefix(slot.cached, job.tokens)
+        reuse = min(reuse, len(job.tokens) - 1)  # at least one token to get logits from
+        L.llama_memory_seq_rm(self._mem, slot.seq, reuse, -1)
+        del slot.cached[reuse:]
+        slot.job = job
+        slot.sampler = self._make_sampler(job.sampling)
+        slot.todo = list(job.tokens[reuse:])
+        slot.n_past = reuse
+        slot.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        slot.held_text, slot.held_ids = "", []
+        job.n_prompt, job.n_reused, job.n_generated = len(job.tokens), reuse, 0
+
+    def _finish(self, slot: _Slot, out: list[tuple[Job, Output]], reason: str,
+                error: EverycycleError | None = None) -> None:
+        job = slot.job
+        assert job is not None
+        text, ids = "", []
+        if reason not in ("cancelled", "error"):
+            text = slot.held_text + slot.decoder.decode(b"", True)
+            ids = slot.held_ids
+            if reason != "stop" and job.stop:
+                cut, _ = _stop_split(text, job.stop)
+                if cut is not None:
+                    text, reason = text[:cut], "stop"
+        out.append((job, Output(text, tuple(ids), True, reason, error)))
+        self._L.llama_sampler_free(slot.sampler)
+        slot.sampler = None
+        slot.job = None
+        slot.todo = []
+        if reason in ("error",):
+            self._L.llama_memory_seq_rm(self._mem, slot.seq, -1, -1)
+            slot.cached.clear()
+
+    def _emit(self, slot: _Slot, token: int, out: list[tuple[Job, Output]]) -> bool:
+        """Add a sampled token's text; True if a stop string ended the job."""
+        job = slot.job
+        assert job is not None
+        slot.held_ids.append(token)
+        slot.held_text += slot.decoder.decode(self._piece(token))
+        if slot.decoder.getstate()[0]:
+            return False  # a character is split across tokens: wait for the rest
+        text = slot.held_text
+        if job.stop:
+            cut, hold = _stop_split(text, job.stop)
+            if cut is not None:
+                slot.held_text = text[:cut]
+                return True
+            if hold:
+                return False
+        if text or slot.held_ids:
+            out.append((job, Output(text, tuple(slot.held_ids))))
+        slot.held_text, slot.held_ids = "", []
+        return False
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the thread must report, never vanish silently
+            log.exception("engine thread for %s failed", self.path)
+            err = InternalError(f"engine failed: {exc}")
+            with self._cond:
+                self._closing = True
+                jobs = [s.job for s in self._slots if s.job] + list(self._pending)
+                self._pending.clear()
+            self._safe_notify([(j, Output("", (), True, "error", err)) for j in jobs])
+
+    def _safe_notify(self, outputs: list[tuple[Job, Output]]) -> None:
+        if not outputs:
+            return
+        try:
+            self._notify(outputs)
+        except Exception:
+            log.exception("notify failed; %d outputs dropped", len(outputs))
+
+    def _loop(self) -> None:
+        L = self._L
+        batch = self._batch
+        while True:
+            out: list[tuple[Job, Output]] = []
+            with self._cond:
+                while not (self._closing or self._pending or any(s.job for s in self._slots)):
+                    self._cond.wait()
+                if self._closing:
+                    for s in self._slots:
+                        if s.job is not None:
+                            self._finish(s, out, "cancelled")
+                    for job in self._pending:
+                        out.append((job, Output("", (), True, "cancelled")))
+                    self._pending.clear()
+                    self._safe_notify(out)
+                    return
+                for s in self._slots:
+                    if s.job is not None and s.job._cancel_reason is not None:
+                        self._finish(s, out, "cancelled")
+                kept: deque[Job] = deque()
+                for job in self._pending:
+                    if job._cancel_reason is not None:
+                        out.append((job, Output("", (), True, "cancelled")))
+                    else:
+                        kept.append(job)
+                self._pending = kept
+                while self._pending and any(s.job is None for s in self._slots):
+                    self._start(self._pending.popleft())
+            # Build one batch: a token per decoding slot first, then prefill chunks.
+            n = 0
+            rows: list[tuple[_Slot, int]] = []  # slots whose logits come from batch row i
+            active = [s for s in self._slots if s.job is not None]
+            for s in active:
+                if not s.todo:
+                    self._put(batch, n, s.last, s.n_past, s.seq, True)
+                    s.cached.append(s.last)
+                    s.n_past += 1
+                    rows.append((s, n))
+                    n += 1
+            for s in active:
+                if not s.todo or n >= self._n_batch:
+                    continue
+                take = s.todo[: self._n_batch - n]
+                del s.todo[: len(take)]
+                for j, tok in enumerate(take):
+                    last = not s.todo and j == len(take) - 1
+                    self._put(batch, n, tok, s.n_past, s.seq, last)
+                    s.cached.append(tok)
+                    s.n_past += 1
+                    if last:
+                        rows.append((s, n))
+                    n += 1
+            if n == 0:
+                self._safe_notify(out)
+                continue
+            batch.n_tokens = n
+            rc = L.llama_decode(self._ctx, batch)
+            if rc != 0:
+                err = InternalError(f"llama_decode returned {rc}")
+                for s in active:
+                    self._finish(s, out, "error", err)
+                self._safe_notify(out)
+                continue
+            for s, row in rows:
+                running = s.job
+                assert running is not None
+                tok = L.llama_sampler_sample(s.sampler, self._ctx, row)
+                if L.llama_vocab_is_eog(self._vocab, tok):
+                    self._finish(s, out, "eos")
+                    continue
+                running.n_generated += 1
+                s.last = tok
+                if self._emit(s, tok, out):
+                    self._finish(s, out, "stop")
+                elif running.n_generated >= running.max_tokens:
+                    self._finish(s, out, "length")
+                elif s.n_past + 1 >= self.n_ctx_slot:
+                    self._finish(s, out, "context")
+            self._safe_notify(out)
+
+    @staticmethod
+    def _put(batch: Any, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
+        batch.token[i] = token
+        batch.pos[i] = pos
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = logits
+
+
+_backend_lock = threading.Lock()
+_backend_state: dict[str, Any] = {}
+
+
+def _quiet_log(level: int, text: bytes, user_data: Any) -> None:
+    """llama.cpp's log, routed to ``logging`` (it must never reach stdout)."""
+    if level in (3, 4) and text:  # GGML_LOG_LEVEL_WARN, _ERROR
+        log.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+
+
+def _backend_init() -> None:
+    """Once per process: route llama.cpp's log and initialise its backends."""
+    with _backend_lock:
+        if _backend_state:
+            return
+        import llama_cpp as L
+
+        callback = L.llama_log_callback(_quiet_log)
+        _backend_state["log"] = callback  # keep the ctypes callback alive
+        L.llama_log_set(callback, ctypes.c_void_p(0))
+        L.llama_backend_init()
+        # The binding still declares the old five-argument signature; llama.h has four.
+        lib = L.llama_cpp._lib
+        fn = type(lib.llama_sampler_init_penalties)(("llama_sampler_init_penalties", lib))
+        fn.argtypes = [ctypes.c_int32, ctypes.c_float, ctypes.c_float, ctypes.c_float]
+        fn.restype = ctypes.c_void_p
+        _backend_state["penalties"] = fn
+
+
+def _penalties(last_n: int, repeat: float) -> Any:
+    return _backend_state["penalties"](last_n, repeat, 0.0, 0.0)

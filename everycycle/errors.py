@@ -1,0 +1,111 @@
+"""The exception tree of everycycle; every error carries its wire ``ErrorKind``.
+
+::
+
+    EverycycleError                    base; .kind is an ErrorKind
+    ├── ProtocolError                  the peer sent a line we cannot accept (Invalid)
+    │   └── LineTooLongError           a line over the framing limit (Invalid, closes)
+    ├── InvalidRequestError            well-formed but unacceptable: range, unknown model (Invalid)
+    ├── ConfigError                    a models.toml or option problem (Invalid)
+    ├── ModelNotLoadedError            known model, not resident, auto-load off (ModelNotLoaded)
+    ├── RejectedError                  queue full, over a quota (Rejected)
+    ├── CancelledError                 cancelled: client, deadline, disconnect, shutdown (Cancelled)
+    ├── InternalError                  we failed: llama.cpp, I/O (Internal)
+    ├── RequestFailedError             client side: the daemon answered Error{kind} (that kind)
+    └── DaemonUnavailableError         client side: no daemon answers on the socket (Internal)
+
+``UsageError(RuntimeError)`` is separate: it signals misuse of this library's API
+(a programming error), never something a peer did.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(enum.Enum):
+    """The closed set of error kinds on the wire (DESIGN.md, "Protocol")."""
+
+    INVALID = "Invalid"
+    MODEL_NOT_LOADED = "ModelNotLoaded"
+    REJECTED = "Rejected"
+    CANCELLED = "Cancelled"
+    INTERNAL = "Internal"
+
+
+class EverycycleError(Exception):
+    """Base of every error everycycle raises on purpose."""
+
+    kind: ErrorKind = ErrorKind.INTERNAL
+
+    def __init__(self, message: str, *, kind: ErrorKind | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if kind is not None:
+            self.kind = kind
+
+
+class ProtocolError(EverycycleError):
+    """The peer sent a line that does not decode to a valid request or event."""
+
+    kind = ErrorKind.INVALID
+
+    def __init__(self, message: str, *, request_id: str = "") -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class LineTooLongError(ProtocolError):
+    """A framed line exceeded the maximum length; the connection must close."""
+
+
+class InvalidRequestError(EverycycleError):
+    """A request that decodes but cannot be served as asked (range, unknown model, context)."""
+
+    kind = ErrorKind.INVALID
+
+
+class ConfigError(EverycycleError):
+    """A configuration file (models.toml) or option is wrong; the message names where."""
+
+    kind = ErrorKind.INVALID
+
+
+class ModelNotLoadedError(EverycycleError):
+    """The model is known but not resident, and auto-load is off for this request."""
+
+    kind = ErrorKind.MODEL_NOT_LOADED
+
+
+class RejectedError(EverycycleError):
+    """Admission refused: queue full, per-connection limit, no room on an executor."""
+
+    kind = ErrorKind.REJECTED
+
+
+class CancelledError(EverycycleError):
+    """The request was cancelled (Cancel, deadline, disconnect, shutdown)."""
+
+    kind = ErrorKind.CANCELLED
+
+
+class InternalError(EverycycleError):
+    """Something failed on our side (llama.cpp, the file system)."""
+
+    kind = ErrorKind.INTERNAL
+
+
+class RequestFailedError(EverycycleError):
+    """The daemon ended a request with ``Error{kind, message}``; ``kind`` is the daemon's."""
+
+    def __init__(self, message: str, *, kind: ErrorKind, request_id: str = "") -> None:
+        super().__init__(message, kind=kind)
+        self.request_id = request_id
+
+
+class DaemonUnavailableError(EverycycleError):
+    """No daemon answers on the socket (the CLI maps this to exit 69)."""
+
+
+class UsageError(RuntimeError):
+    """This library's API was misused (a programming error, not a peer's)."""

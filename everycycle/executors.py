@@ -1,0 +1,227 @@
+"""Executors: the ggml backends this build of llama.cpp has, their devices, and placement.
+
+Discovery reads llama.cpp's own backend registry inside the ggml library that ships
+with llama-cpp-python (through ctypes), never vendor tools. One executor per backend
+(cuda, metal, vulkan, rocm, sycl, cpu) with its devices, their memory and the
+hardware vendor. Placement is pure logic over those descriptions, so it is tested
+on executor lists built as data.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import InvalidRequestError, RejectedError
+
+# ggml_backend_dev_type
+_DEV_CPU, _DEV_GPU, _DEV_IGPU, _DEV_ACCEL = 0, 1, 2, 3
+
+_BACKEND_NAMES = {
+    "cuda": "cuda",
+    "metal": "metal",
+    "mtl": "metal",
+    "vulkan": "vulkan",
+    "rocm": "rocm",
+    "hip": "rocm",
+    "sycl": "sycl",
+    "cpu": "cpu",
+}
+_BACKEND_VENDORS = {"cuda": "NVIDIA", "metal": "Apple", "rocm": "AMD", "sycl": "Intel"}
+_VENDOR_WORDS = (
+    ("nvidia", "NVIDIA"),
+    ("geforce", "NVIDIA"),
+    ("apple", "Apple"),
+    ("amd", "AMD"),
+    ("radeon", "AMD"),
+    ("intel", "Intel"),
+    ("qualcomm", "Qualcomm"),
+    ("adreno", "Qualcomm"),
+    ("mali", "Arm"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One ggml device of an executor."""
+
+    name: str
+    description: str
+    memory_total: int
+    memory_free: int
+    is_gpu: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Executor:
+    """One ggml backend with its devices."""
+
+    name: str
+    vendor: str
+    devices: tuple[Device, ...]
+
+    @property
+    def is_gpu(self) -> bool:
+        return any(d.is_gpu for d in self.devices)
+
+    @property
+    def memory_total(self) -> int:
+        return sum(d.memory_total for d in self.devices)
+
+    @property
+    def memory_free(self) -> int:
+        return sum(d.memory_free for d in self.devices)
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor, from the OS (``/proc/cpuinfo`` or the platform module)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        text = ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    vendor_id = fields.get("vendor_id", "")
+    known = {"GenuineIntel": "Intel", "AuthenticAMD": "AMD", "HygonGenuine": "Hygon"}
+    if vendor_id in known:
+        return known[vendor_id]
+    if vendor_id:
+        return vendor_id
+    implementer = fields.get("CPU implementer", "").lower()
+    arm = {"0x41": "Arm", "0x61": "Apple", "0x51": "Qualcomm", "0x48": "HiSilicon",
+           "0xc0": "Ampere", "0x4e": "NVIDIA"}
+    if implementer in arm:
+        return arm[implementer]
+    if platform.system() == "Darwin" and platform.machine() == "arm64":
+        return "Apple"
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def vendor_of(backend: str, descriptions: Sequence[str]) -> str:
+    """The hardware vendor of a backend, from its name or its devices' descriptions."""
+    if backend == "cpu":
+        return cpu_vendor()
+    if backend in _BACKEND_VENDORS:
+        return _BACKEND_VENDORS[backend]
+    for desc in descriptions:
+        low = desc.lower()
+        for word, vendor in _VENDOR_WORDS:
+            if word in low:
+                return vendor
+    return "unknown"
+
+
+def _ggml() -> Any:
+    """The ggml library llama-cpp-python loaded, with the registry functions typed."""
+    from llama_cpp import _ggml as ggml_mod
+
+    lib = ggml_mod.libggml
+    vp, sz, cp = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
+    for fn, args, res in (
+        ("ggml_backend_reg_count", [], sz),
+        ("ggml_backend_reg_get", [sz], vp),
+        ("ggml_backend_reg_name", [vp], cp),
+        ("ggml_backend_reg_dev_count", [vp], sz),
+        ("ggml_backend_reg_dev_get", [vp, sz], vp),
+        ("ggml_backend_dev_name", [vp], cp),
+        ("ggml_backend_dev_description", [vp], cp),
+        ("ggml_backend_dev_type", [vp], ctypes.c_int),
+        ("ggml_backend_dev_memory", [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)], None),
+    ):
+        f = getattr(lib, fn)
+        f.argtypes, f.restype = args, res
+    return lib
+
+
+def _backend_key(reg_name: str) -> str:
+    low = reg_name.lower()
+    return _BACKEND_NAMES.get(low, low)
+
+
+def discover() -> list[Executor]:
+    """Every backend this llama.cpp build has, GPU executors first, cpu last.
+
+    Raises InternalError-free: a backend whose devices cannot be read is skipped.
+    """
+    import llama_cpp  # noqa: F401 - initialises the backends
+
+    lib = _ggml()
+    found: list[Executor] = []
+    for r in range(lib.ggml_backend_reg_count()):
+        reg = lib.ggml_backend_reg_get(r)
+        key = _backend_key(lib.ggml_backend_reg_name(reg).decode("utf-8", "replace"))
+        devices = []
+        for d in range(lib.ggml_backend_reg_dev_count(reg)):
+            dev = lib.ggml_backend_reg_dev_get(reg, d)
+            free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+            lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+            devices.append(
+                Device(
+                    name=lib.ggml_backend_dev_name(dev).decode("utf-8", "replace"),
+                    description=lib.ggml_backend_dev_description(dev).decode("utf-8", "replace"),
+                    memory_total=total.value,
+                    memory_free=free.value,
+                    is_gpu=lib.ggml_backend_dev_type(dev) in (_DEV_GPU, _DEV_IGPU, _DEV_ACCEL),
+                )
+            )
+        if not devices:
+            continue
+        vendor = vendor_of(key, [dv.description for dv in devices])
+        found.append(Executor(name=key, vendor=vendor, devices=tuple(devices)))
+    found.sort(key=lambda e: (not e.is_gpu, e.name == "cpu"))
+    return found
+
+
+def device_handles(executor: str) -> list[int]:
+    """The ggml device pointers of ``executor``'s GPU devices, for llama_model_params."""
+    lib = _ggml()
+    out: list[int] = []
+    for r in range(lib.ggml_backend_reg_count()):
+        reg = lib.ggml_backend_reg_get(r)
+        if _backend_key(lib.ggml_backend_reg_name(reg).decode("utf-8", "replace")) != executor:
+            continue
+        for d in range(lib.ggml_backend_reg_dev_count(reg)):
+            dev = lib.ggml_backend_reg_dev_get(reg, d)
+            if lib.ggml_backend_dev_type(dev) in (_DEV_GPU, _DEV_IGPU, _DEV_ACCEL):
+                out.append(dev)
+    return out
+
+
+def place(wanted: str, executors: Sequence[Executor], need_bytes: int) -> Executor:
+    """Choose the executor for a model needing ``need_bytes`` (weights + KV cache).
+
+    ``auto``: the first GPU executor with that much free memory, else cpu. A named
+    executor must exist in this build (else InvalidRequestError) and, for a GPU, have
+    room (else RejectedError).
+    """
+    by_name = {e.name: e for e in executors}
+    if wanted == "auto":
+        for e in executors:
+            if e.is_gpu and e.memory_free >= need_bytes:
+                return e
+        if "cpu" in by_name:
+            return by_name["cpu"]
+        raise RejectedError(f"no executor has {_mib(need_bytes)} free for this model")
+    chosen = by_name.get(wanted)
+    if chosen is None:
+        have = ", ".join(e.name for e in executors) or "none"
+        raise InvalidRequestError(
+            f"executor '{wanted}' is not in this build of llama.cpp (have: {have})"
+        )
+    if chosen.is_gpu and chosen.memory_free < need_bytes:
+        raise RejectedError(
+            f"executor '{wanted}' has {_mib(chosen.memory_free)} free; "
+            f"the model needs {_mib(need_bytes)}"
+        )
+    return chosen
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"

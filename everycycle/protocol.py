@@ -1,0 +1,581 @@
+"""The wire protocol: requests, events, and their one-line JSON encoding. No I/O.
+
+Every message is a frozen dataclass whose constructor validates it, so an object
+that exists is an object that may go on the wire. ``encode`` turns one into a line
+of bytes exactly as serde_json encodes the seed's Rust types (externally tagged
+enums, ``Option`` as value-or-null, newtypes as their inner value, compact
+separators, UTF-8); ``decode_request`` / ``decode_event`` turn one line back, and
+raise :class:`~everycycle.errors.ProtocolError` (kind Invalid, carrying the
+request id when one could be read) for anything else. ``LineFramer`` splits a byte
+stream into lines and enforces the 1 MiB limit.
+
+Rules the decoder follows, serde's own:
+  * unknown fields are ignored; a missing required field is an error;
+  * an ``Option`` field may be absent or ``null``;
+  * a duplicate field, a bool where a number is wanted, NaN/Infinity, lone
+    surrogates, or a top-level object with other than one key are errors.
+Fields marked ``skip_none`` are everycycle extensions: written only when set, so the
+seed's own lines still round-trip byte for byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import re
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+
+from .errors import ErrorKind, LineTooLongError, ProtocolError
+
+__all__ = [
+    "MAX_LINE_BYTES",
+    "MAX_TOKENS_LIMIT",
+    "Accepted",
+    "Auth",
+    "Cancel",
+    "DescribeFleet",
+    "Done",
+    "Error",
+    "ErrorKind",
+    "ExecutorSummary",
+    "FleetDescription",
+    "FleetSnapshot",
+    "Format",
+    "Generate",
+    "LineFramer",
+    "Load",
+    "LoadedModel",
+    "Request",
+    "ServerEvent",
+    "Shutdown",
+    "TokenChunk",
+    "Tokens",
+    "Unload",
+    "decode_event",
+    "decode_request",
+    "encode",
+    "is_terminal",
+    "validate_request_id",
+]
+
+MAX_LINE_BYTES = 1 << 20
+"""Longest line (excluding the newline) either side may send."""
+
+MAX_TOKENS_LIMIT = 32768
+_U32_MAX = 2**32 - 1
+_TOKEN_ID_MAX = 2**31 - 1
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_MAX_NAME = 256
+_MAX_STOPS = 16
+_MAX_STOP_CHARS = 256
+_MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
+
+
+def validate_request_id(value: str) -> str:
+    """Return ``value`` if it is a valid RequestId; raises ProtocolError otherwise."""
+    if not _REQUEST_ID.fullmatch(value):
+        raise ProtocolError("request_id must be 1-64 characters of [A-Za-z0-9._:-]")
+    return value
+
+
+def _check_range(name: str, value: float | None, lo: float, hi: float) -> None:
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ProtocolError(f"{name} must be a finite number")
+    if not lo <= value <= hi:
+        lo_s = int(lo) if float(lo).is_integer() else lo
+        hi_s = int(hi) if float(hi).is_integer() else hi
+        raise ProtocolError(f"{name} must be between {lo_s} and {hi_s}")
+
+
+def _check_name(what: str, value: str) -> None:
+    if not 1 <= len(value) <= _MAX_NAME:
+        raise ProtocolError(f"{what} must be 1-{_MAX_NAME} characters")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ProtocolError(f"{what} must not contain control characters")
+
+
+class Format(enum.Enum):
+    """How a Generate prompt is turned into tokens."""
+
+    CHAT = "chat"
+    """Apply the model's own chat template (the default where the GGUF has one)."""
+    RAW = "raw"
+    """Tokenize the prompt as is."""
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The request was admitted; ``queue_position`` requests are ahead of it."""
+
+    request_id: str
+    queue_position: int
+
+    def __post_init__(self) -> None:
+        validate_request_id(self.request_id)
+        _check_range("queue_position", self.queue_position, 0, _U32_MAX)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """Generated text and the token ids it came from; ``text`` is whole UTF-8."""
+
+    text: str
+    ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for i in self.ids:
+            _check_range("token id", i, 0, _TOKEN_ID_MAX)
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """A chunk of generated text; the last one of a request has ``finished``."""
+
+    request_id: str
+    chunk: TokenChunk
+    finished: bool
+
+    def __post_init__(self) -> None:
+        validate_request_id(self.request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorSummary:
+    """One ggml backend and its devices, as the fleet reports it."""
+
+    name: str
+    vendor: str
+    device_count: int
+    memory_total: int | None = field(default=None, metadata={"skip_none": True})
+    memory_free: int | None = field(default=None, metadata={"skip_none": True})
+
+    def __post_init__(self) -> None:
+        _check_range("device_count", self.device_count, 0, _U32_MAX)
+        _check_range("memory_total", self.memory_total, 0, 2**63 - 1)
+        _check_range("memory_free", self.memory_free, 0, 2**63 - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model resident on an executor; ``revision`` is its pinned commit, if any."""
+
+    name: str
+    revision: str | None
+    assigned_executor: str
+    slots: int | None = field(default=None, metadata={"skip_none": True})
+    busy: int | None = field(default=None, metadata={"skip_none": True})
+    queued: int | None = field(default=None, metadata={"skip_none": True})
+
+    def __post_init__(self) -> None:
+        for name in ("slots", "busy", "queued"):
+            _check_range(name, getattr(self, name), 0, _U32_MAX)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    """The daemon's executors, resident models and active (running + queued) requests."""
+
+    hostname: str
+    executors: tuple[ExecutorSummary, ...]
+    loaded_models: tuple[LoadedModel, ...]
+    active_requests: int
+
+    def __post_init__(self) -> None:
+        _check_range("active_requests", self.active_requests, 0, _U32_MAX)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetDescription:
+    """Answer to DescribeFleet (a newtype around FleetSnapshot: no request id)."""
+
+    snapshot: FleetSnapshot
+    newtype: ClassVar[bool] = True
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Terminal failure of a request; ``request_id`` is "" when none could be read."""
+
+    request_id: str
+    kind: ErrorKind
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.request_id:
+            validate_request_id(self.request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Terminal success of Load, Unload, Cancel and Shutdown (an extension)."""
+
+    request_id: str
+
+    def __post_init__(self) -> None:
+        validate_request_id(self.request_id)
+
+
+ServerEvent = Accepted | Tokens | FleetDescription | Error | Done
+
+
+def is_terminal(event: ServerEvent) -> bool:
+    """True for the one event that ends a request."""
+    if isinstance(event, Tokens):
+        return event.finished
+    return not isinstance(event, Accepted)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    """Generate text from ``prompt`` with ``model``; unset options take the model's defaults."""
+
+    request_id: str
+    model: str
+    prompt: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    format: Format | None = None
+    auto_load: bool | None = None
+    deadline_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        validate_request_id(self.request_id)
+        _check_name("model", self.model)
+        _check_range("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        _check_range("temperature", self.temperature, 0.0, 100.0)
+        _check_range("top_p", self.top_p, 0.0, 1.0)
+        _check_range("top_k", self.top_k, 0, 1_000_000)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("repeat_penalty", self.repeat_penalty, 0.01, 10.0)
+        _check_range("seed", self.seed, 0, _U32_MAX - 1)
+        _check_range("deadline_ms", self.deadline_ms, 1, _MAX_DEADLINE_MS)
+        if self.stop is not None:
+            if len(self.stop) > _MAX_STOPS:
+                raise ProtocolError(f"at most {_MAX_STOPS} stop strings")
+            for s in self.stop:
+                if not 1 <= len(s) <= _MAX_STOP_CHARS:
+                    raise ProtocolError(f"stop strings must be 1-{_MAX_STOP_CHARS} characters")
+
+
+@dataclass(frozen=True, slots=True)
+class DescribeFleet:
+    """Ask for a FleetSnapshot."""
+
+    request_id: str
+
+    def __post_init__(self) -> None:
+        validate_request_id(self.request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Cancel the active request ``target`` (any connection of the same user)."""
+
+    request_id: str
+    target: str
+
+    def __post_init__(self) -> None:
+        validate_request_id(self.request_id)
+        validate_request_id(self.target)
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Make ``model`` resident, on ``executor`` if given."""
+
+    request_id: str
+    model: str
+    executor: str | None = None
+
+    def __post_init__(self) -> None:
+        validate_request_id(self.request_id)
+        _check_name("model", self.model)
+        if self.executor is not None:
+            _check_name("executor", self.executor)
+
+
+@dataclass(frozen=True, slots=True)
+class Unload:
+    """Release ``model``; its active requests are cancelled first."""
+
+    request_id: str
+    model: str
+
+    def __post_init__(self) -> None:
+        validate_request_id(self.request_id)
+        _check_name("model", self.model)
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Stop the daemon gracefully."""
+
+    request_id: str
+
+    def __post_init__(self) -> None:
+        validate_request_id(self.request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    """First line on a TCP connection: the bearer token."""
+
+    token: str
+
+
+Request = Generate | DescribeFleet | Cancel | Load | Unload | Shutdown | Auth
+
+_EVENTS: dict[str, type[Any]] = {
+    c.__name__: c for c in (Accepted, Tokens, FleetDescription, Error, Done)
+}
+_REQUESTS: dict[str, type[Any]] = {
+    c.__name__: c for c in (Generate, DescribeFleet, Cancel, Load, Unload, Shutdown, Auth)
+}
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _to_json(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if getattr(obj, "newtype", False):
+            return _to_json(getattr(obj, dataclasses.fields(obj)[0].name))
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if value is None and f.metadata.get("skip_none"):
+                continue
+            out[f.name] = _to_json(value)
+        return out
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, tuple):
+        return [_to_json(v) for v in obj]
+    return obj
+
+
+def encode(message: ServerEvent | Request) -> bytes:
+    """One wire line (with its trailing newline) for ``message``."""
+    body = {type(message).__name__: _to_json(message)}
+    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text.encode("utf-8") + b"\n"
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _reject_constant(name: str) -> Any:
+    raise ProtocolError(f"invalid number {name}")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ProtocolError(f"duplicate field `{key}`")
+        out[key] = value
+    return out
+
+
+_HINTS: dict[type[Any], dict[str, Any]] = {}
+
+
+def _hints(cls: type[Any]) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = get_type_hints(cls)
+    return hints
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _from_json(tp: Any, value: Any, where: str) -> Any:
+    origin = get_origin(tp)
+    if origin is Union or origin is types.UnionType:
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _from_json(inner[0], value, where)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ProtocolError(f"{where}: expected a string, got {_describe(value)}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ProtocolError(f"{where}: string is not valid Unicode") from None
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ProtocolError(f"{where}: expected a boolean, got {_describe(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(f"{where}: expected an integer, got {_describe(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ProtocolError(f"{where}: expected a number, got {_describe(value)}")
+        try:
+            return float(value)
+        except OverflowError:
+            raise ProtocolError(f"{where}: number out of range") from None
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if not isinstance(value, str):
+            raise ProtocolError(f"{where}: expected a string, got {_describe(value)}")
+        try:
+            return tp(value)
+        except ValueError:
+            allowed = ", ".join(f"`{m.value}`" for m in tp)
+            raise ProtocolError(
+                f"{where}: unknown variant `{value}`, expected one of {allowed}"
+            ) from None
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected an array, got {_describe(value)}")
+        (elem,) = (a for a in get_args(tp) if a is not Ellipsis)
+        return tuple(_from_json(elem, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        return _struct(typing.cast(type[Any], tp), value, where)
+    raise TypeError(f"no decoder for {tp!r}")  # pragma: no cover - a bug in this module
+
+
+def _struct(cls: type[Any], value: Any, where: str) -> Any:
+    if getattr(cls, "newtype", False):
+        inner = dataclasses.fields(cls)[0]
+        return cls(_from_json(_hints(cls)[inner.name], value, where))
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{where}: expected an object, got {_describe(value)}")
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        optional = f.default is not dataclasses.MISSING or type(None) in get_args(tp)
+        if f.name not in value:
+            if not optional:
+                raise ProtocolError(f"{where}: missing field `{f.name}`")
+            continue
+        kwargs[f.name] = _from_json(tp, value[f.name], f"{where}.{f.name}")
+    return cls(**kwargs)
+
+
+def _peek_request_id(body: Any) -> str:
+    if isinstance(body, dict) and len(body) == 1:
+        (inner,) = body.values()
+        if isinstance(inner, dict):
+            rid = inner.get("request_id")
+            if isinstance(rid, str) and _REQUEST_ID.fullmatch(rid):
+                return rid
+    return ""
+
+
+def _decode(line: bytes | str, variants: dict[str, type[Any]]) -> Any:
+    if isinstance(line, bytes | bytearray):
+        if len(line.rstrip(b"\r\n")) > MAX_LINE_BYTES:
+            raise LineTooLongError(f"line longer than {MAX_LINE_BYTES} bytes")
+        try:
+            text = bytes(line).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError("line is not valid UTF-8") from None
+    else:
+        text = line
+    try:
+        body = json.loads(
+            text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant
+        )
+    except ProtocolError:
+        raise
+    except RecursionError:
+        raise ProtocolError("JSON nested too deeply") from None
+    except ValueError as exc:
+        raise ProtocolError(f"not JSON: {exc}") from None
+    rid = _peek_request_id(body)
+    try:
+        if not isinstance(body, dict) or len(body) != 1:
+            raise ProtocolError("expected an object with exactly one key naming the variant")
+        ((tag, payload),) = body.items()
+        cls = variants.get(tag)
+        if cls is None:
+            allowed = ", ".join(f"`{n}`" for n in variants)
+            raise ProtocolError(f"unknown variant `{tag}`, expected one of {allowed}")
+        return _struct(cls, payload, tag)
+    except ProtocolError as exc:
+        raise ProtocolError(exc.message, request_id=rid) from None
+    except RecursionError:
+        raise ProtocolError("JSON nested too deeply", request_id=rid) from None
+
+
+def decode_request(line: bytes | str) -> Request:
+    """Decode one client line. Raises ProtocolError (with ``request_id`` if readable)."""
+    result: Request = _decode(line, _REQUESTS)
+    return result
+
+
+def decode_event(line: bytes | str) -> ServerEvent:
+    """Decode one daemon line. Raises ProtocolError."""
+    result: ServerEvent = _decode(line, _EVENTS)
+    return result
+
+
+class LineFramer:
+    """Splits a byte stream into lines of at most ``max_line`` bytes. No I/O.
+
+    ``feed`` returns the complete lines received so far (without newlines). A line
+    that grows past the limit raises LineTooLongError; the stream cannot be resynced,
+    so the caller closes the connection.
+    """
+
+    def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
+        self._max = max_line
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """Add ``data``; yield each complete line. Raises LineTooLongError."""
+        self._buf += data
+        start = 0
+        while True:
+            nl = self._buf.find(b"\n", start)
+            if nl < 0:
+                break
+            if nl - start > self._max:
+                raise LineTooLongError(f"line longer than {self._max} bytes")
+            yield bytes(self._buf[start:nl])
+            start = nl + 1
+        del self._buf[:start]
+        if len(self._buf) > self._max:
+            raise LineTooLongError(f"line longer than {self._max} bytes")
+
+    @property
+    def pending(self) -> int:
+        """Bytes received after the last newline."""
+        return len(self._buf)

@@ -1,0 +1,203 @@
+"""The model registry: models.toml files, and resolving a model name to a local GGUF.
+
+The shipped ``models.toml`` holds the defaults; ``<config_dir>/models.toml`` extends
+and overrides it entry by entry; an explicit ``--models FILE`` replaces both. A model
+names exactly one source: a local ``path`` (relative to its file), a pip ``package``
+that ships the weights (its ``assemble()`` returns the GGUF path), or a Hugging Face
+``hf_repo`` + ``hf_file`` pinned at a ``revision``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import paths
+from .errors import ConfigError, InvalidRequestError
+from .protocol import Format
+
+SHIPPED_MODELS = Path(__file__).with_name("models.toml")
+
+_KEYS = {
+    "path": str,
+    "package": str,
+    "hf_repo": str,
+    "hf_file": str,
+    "revision": str,
+    "sha256": str,
+    "description": str,
+    "context": int,
+    "parallel": int,
+    "executor": str,
+    "format": str,
+}
+_SOURCES = ("path", "package", "hf_repo")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One registry entry, validated."""
+
+    name: str
+    origin: Path
+    path: Path | None = None
+    package: str | None = None
+    hf_repo: str | None = None
+    hf_file: str | None = None
+    revision: str | None = None
+    sha256: str | None = None
+    description: str = ""
+    context: int = 4096
+    parallel: int = 4
+    executor: str = "auto"
+    format: Format | None = None
+
+    @property
+    def source(self) -> str:
+        """A one-line description of where the weights come from."""
+        if self.path is not None:
+            return str(self.path)
+        if self.package is not None:
+            return f"pip:{self.package}"
+        rev = f"@{self.revision}" if self.revision else ""
+        return f"hf://{self.hf_repo}/{self.hf_file}{rev}"
+
+
+@dataclass(frozen=True, slots=True)
+class Registry:
+    """All known models and the default one."""
+
+    models: Mapping[str, ModelSpec]
+    default: str | None
+    files: tuple[Path, ...]
+
+    def get(self, name: str) -> ModelSpec:
+        """The spec for ``name``. Raises InvalidRequestError for an unknown name."""
+        spec = self.models.get(name)
+        if spec is None:
+            known = ", ".join(sorted(self.models)) or "none"
+            raise InvalidRequestError(f"unknown model '{name}' (known: {known})")
+        return spec
+
+    def default_name(self) -> str:
+        """The model ``run`` uses without ``-m``. Raises ConfigError if none is set."""
+        if self.default is None:
+            raise ConfigError("no default model: set `default = \"NAME\"` in models.toml")
+        return self.default
+
+
+def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
+    where = f"{origin}: [models.{name}]"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a table")
+    for key, value in raw.items():
+        expected = _KEYS.get(key)
+        if expected is None:
+            allowed = ", ".join(sorted(_KEYS))
+            raise ConfigError(f"{where}: unknown key '{key}' (expected one of {allowed})")
+        if not isinstance(value, expected) or isinstance(value, bool):
+            raise ConfigError(f"{where}.{key} must be a {expected.__name__}")
+    sources = [s for s in _SOURCES if s in raw]
+    if len(sources) != 1:
+        raise ConfigError(f"{where} needs exactly one source: path, package or hf_repo")
+    if "hf_repo" in raw and "hf_file" not in raw:
+        raise ConfigError(f"{where}: hf_repo needs hf_file")
+    for key, lo, hi in (("context", 16, 1 << 20), ("parallel", 1, 256)):
+        if key in raw and not lo <= raw[key] <= hi:
+            raise ConfigError(f"{where}.{key} must be between {lo} and {hi}")
+    fmt = raw.get("format")
+    if fmt is not None and fmt not in ("chat", "raw"):
+        raise ConfigError(f"{where}.format must be \"chat\" or \"raw\"")
+    sha = raw.get("sha256")
+    if sha is not None and (len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha)):
+        raise ConfigError(f"{where}.sha256 must be 64 lowercase hex digits")
+    path = Path(raw["path"]).expanduser() if "path" in raw else None
+    if path is not None and not path.is_absolute():
+        path = origin.parent / path
+    return ModelSpec(
+        name=name,
+        origin=origin,
+        path=path,
+        package=raw.get("package"),
+        hf_repo=raw.get("hf_repo"),
+        hf_file=raw.get("hf_file"),
+        revision=raw.get("revision"),
+        sha256=sha,
+        description=raw.get("description", ""),
+        context=raw.get("context", 4096),
+        parallel=raw.get("parallel", 4),
+        executor=raw.get("executor", "auto"),
+        format=Format(fmt) if fmt else None,
+    )
+
+
+def parse_file(path: Path) -> tuple[dict[str, ModelSpec], str | None]:
+    """Parse one models.toml. Raises ConfigError naming the file, line or model."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    for key in data:
+        if key not in ("default", "models"):
+            raise ConfigError(f"{path}: unknown top-level key '{key}' (expected default, models)")
+    default = data.get("default")
+    if default is not None and not isinstance(default, str):
+        raise ConfigError(f"{path}: default must be a string")
+    models_raw = data.get("models", {})
+    if not isinstance(models_raw, dict):
+        raise ConfigError(f"{path}: models must be a table of [models.NAME] entries")
+    models = {name: _parse_entry(name, raw, path) for name, raw in models_raw.items()}
+    return models, default
+
+
+def load_registry(models_file: Path | None = None) -> Registry:
+    """The registry: ``models_file`` alone, or the shipped file plus the user's.
+
+    Raises ConfigError for a malformed file or a default that names no model.
+    """
+    files = [models_file] if models_file else [SHIPPED_MODELS, paths.user_models_file()]
+    models: dict[str, ModelSpec] = {}
+    default: str | None = None
+    used: list[Path] = []
+    for i, f in enumerate(files):
+        if i > 0 and not f.exists():
+            continue
+        entries, file_default = parse_file(f)
+        models.update(entries)
+        default = file_default or default
+        used.append(f)
+    if default is not None and default not in models:
+        raise ConfigError(f"{used[-1]}: default '{default}' is not a model in the registry")
+    return Registry(models=models, default=default, files=tuple(used))
+
+
+def local_file(spec: ModelSpec) -> Path:
+    """The GGUF on disk for ``spec``, without any network access.
+
+    Raises InvalidRequestError when the file is missing or not yet downloaded, and
+    ConfigError when the weights package is not installed.
+    """
+    if spec.path is not None:
+        if not spec.path.is_file():
+            raise InvalidRequestError(f"model '{spec.name}': {spec.path} is not a file")
+        return spec.path
+    if spec.package is not None:
+        try:
+            module = importlib.import_module(spec.package)
+        except ImportError:
+            raise ConfigError(
+                f"model '{spec.name}' needs the package {spec.package}: "
+                "pip install 'everycycle[default-model]'"
+            ) from None
+        return Path(module.assemble())
+    from . import hub
+
+    return hub.cached_file(spec)

@@ -1,0 +1,97 @@
+"""Writes a tiny random-weight llama GGUF with a byte-level vocabulary.
+
+Real llama.cpp loads and decodes it in milliseconds. The vocabulary is SentencePiece
+style: <unk>, <s>, </s>, the 256 byte tokens <0x00>..<0xFF>, then a few whole
+words, so generated text really does split UTF-8 characters across tokens. The
+GGUF carries Gemma's chat template text, which llama.cpp recognises.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<start_of_turn>' + message['role'] + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+WORDS = [" ", "hello", "world", " the", " a", "ing", "é", "✓", "<start_of_turn>", "<end_of_turn>"]
+
+N_EMBD = 64
+N_HEAD = 4
+N_LAYER = 2
+N_FF = 128
+N_CTX = 4096
+
+
+def vocabulary() -> tuple[list[str], list[float], list[int]]:
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    for b in range(256):
+        tokens.append(f"<0x{b:02X}>")
+        types.append(gguf.TokenType.BYTE)
+    for w in WORDS:
+        tokens.append(w.replace(" ", "\u2581"))
+        types.append(
+            gguf.TokenType.CONTROL if w.startswith("<") else gguf.TokenType.NORMAL
+        )
+    scores = [0.0] * len(tokens)
+    for i in range(len(WORDS)):
+        scores[259 + i] = -1.0 - i
+    return tokens, scores, [int(t) for t in types]
+
+
+def write_tiny_gguf(path: Path, *, seed: int = 1234) -> Path:
+    """Write the tiny model to ``path`` and return it."""
+    rng = np.random.default_rng(seed)
+    tokens, scores, types = vocabulary()
+    n_vocab = len(tokens)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-random-llama")
+    w.add_context_length(N_CTX)
+    w.add_embedding_length(N_EMBD)
+    w.add_block_count(N_LAYER)
+    w.add_feed_forward_length(N_FF)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_HEAD)
+    w.add_rope_dimension_count(N_EMBD // N_HEAD)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def t(name: str, *shape: int, scale: float = 0.5) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+
+    def ones(name: str) -> None:
+        w.add_tensor(name, np.ones(N_EMBD, dtype=np.float32))
+
+    t("token_embd.weight", n_vocab, N_EMBD, scale=1.0)
+    ones("output_norm.weight")
+    t("output.weight", n_vocab, N_EMBD, scale=1.0)
+    for i in range(N_LAYER):
+        ones(f"blk.{i}.attn_norm.weight")
+        t(f"blk.{i}.attn_q.weight", N_EMBD, N_EMBD)
+        t(f"blk.{i}.attn_k.weight", N_EMBD, N_EMBD)
+        t(f"blk.{i}.attn_v.weight", N_EMBD, N_EMBD)
+        t(f"blk.{i}.attn_output.weight", N_EMBD, N_EMBD)
+        ones(f"blk.{i}.ffn_norm.weight")
+        t(f"blk.{i}.ffn_gate.weight", N_FF, N_EMBD)
+        t(f"blk.{i}.ffn_up.weight", N_FF, N_EMBD)
+        t(f"blk.{i}.ffn_down.weight", N_EMBD, N_FF)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
