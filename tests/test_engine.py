@@ -1,0 +1,142 @@
+"""The engine on real llama.cpp with the tiny GGUF: sampling, streaming, stops, slots."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from enginehelp import Collector
+from everycycle.engine import Job, Runner, Sampling
+from everycycle.errors import InvalidRequestError
+from everycycle.protocol import Format
+
+GREEDY = Sampling(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def collector() -> Collector:
+    return Collector()
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_gguf: Path, collector: Collector) -> Iterator[Runner]:
+    r = Runner(tiny_gguf, context=256, parallel=4, notify=collector)
+    yield r
+    r.close()
+
+
+def run(runner: Runner, collector: Collector, tag: str, prompt: str, **kw: object) -> str:
+    job = Job(tokens=runner.tokenize(prompt, Format.RAW), tag=tag, **kw)  # type: ignore[arg-type]
+    runner.submit(job)
+    return collector.text(tag)
+
+
+def test_greedy_is_deterministic(runner: Runner, collector: Collector) -> None:
+    a = run(runner, collector, "g1", "hello world", max_tokens=24, sampling=GREEDY)
+    b = run(runner, collector, "g2", "hello world", max_tokens=24, sampling=GREEDY)
+    assert a and a == b
+
+
+def test_seeded_sampling_is_deterministic(runner: Runner, collector: Collector) -> None:
+    texts = [
+        run(runner, collector, f"s{i}", "the", max_tokens=24,
+            sampling=Sampling(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=seed))
+        for i, seed in enumerate((7, 7, 8))
+    ]
+    assert texts[0] == texts[1]
+    assert texts[0] != texts[2]
+
+
+def test_chunks_are_whole_utf8_and_match_detokenized_ids(
+    runner: Runner, collector: Collector
+) -> None:
+    split_seen = False
+    for seed in range(6):
+        tag = f"u{seed}"
+        job = Job(tokens=runner.tokenize("é✓", Format.RAW), tag=tag, max_tokens=64,
+                  sampling=Sampling(temperature=2.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed))
+        runner.submit(job)
+        outs = collector.wait(tag)
+        ids = [i for o in outs for i in o.ids]
+        assert "".join(o.text for o in outs) == runner.detokenize(ids)
+        for o in outs:
+            o.text.encode("utf-8")  # never a lone surrogate
+            if len(o.ids) > 1 and len(o.text) == 1 and ord(o.text) > 0x7F and o.text != "\ufffd":
+                split_seen = True  # one character made of several byte tokens
+    assert split_seen, "the tiny model should emit a multi-byte character split over tokens"
+
+
+def test_max_tokens_bounds_the_output(runner: Runner, collector: Collector) -> None:
+    job = Job(tokens=runner.tokenize("a", Format.RAW), tag="m", max_tokens=5, sampling=GREEDY)
+    runner.submit(job)
+    outs = collector.wait("m")
+    assert outs[-1].finished and outs[-1].reason in ("length", "eos")
+    assert job.n_generated <= 5
+    if outs[-1].reason == "length":
+        assert job.n_generated == 5
+
+
+def test_stop_string_ends_the_stream_before_it(runner: Runner, collector: Collector) -> None:
+    full = run(runner, collector, "f", "hello", max_tokens=40, sampling=GREEDY)
+    stop = full[5:8]
+    assert len(stop) == 3
+    cut = run(runner, collector, "c", "hello", max_tokens=40, sampling=GREEDY, stop=[stop])
+    assert cut == full[: full.index(stop)]
+    assert collector.wait("c")[-1].reason == "stop"
+
+
+def test_cancel_stops_within_a_step(runner: Runner, collector: Collector) -> None:
+    job = Job(tokens=runner.tokenize("hello", Format.RAW), tag="x", max_tokens=4000,
+              sampling=Sampling(temperature=1.0, seed=3))
+    runner.submit(job)
+    runner.cancel(job, "test")
+    outs = collector.wait("x")
+    assert outs[-1].reason == "cancelled"
+    assert job.n_generated < 4000
+
+
+def test_prompt_longer_than_context_is_invalid(runner: Runner) -> None:
+    tokens = runner.tokenize("hello " * 300, Format.RAW)
+    with pytest.raises(InvalidRequestError, match="context holds 256"):
+        runner.submit(Job(tokens=tokens, max_tokens=4))
+
+
+def test_chat_format_applies_the_gguf_template(runner: Runner) -> None:
+    assert runner.has_chat_template
+    chat = runner.detokenize(runner.tokenize("hi", Format.CHAT))
+    raw = runner.detokenize(runner.tokenize("hi", Format.RAW))
+    assert "hi" in chat and chat != raw
+
+
+def test_batched_greedy_output_equals_output_alone(runner: Runner, collector: Collector) -> None:
+    prompts = ["hello", "world", "the a", "ing é", "✓✓"]
+    alone = [run(runner, collector, f"alone{i}", p, max_tokens=20, sampling=GREEDY)
+             for i, p in enumerate(prompts)]
+    for i, p in enumerate(prompts):
+        runner.submit(Job(tokens=runner.tokenize(p, Format.RAW), tag=f"b{i}", max_tokens=20,
+                          sampling=GREEDY))
+    together = [collector.text(f"b{i}") for i in range(len(prompts))]
+    assert together == alone
+
+
+def test_a_follow_up_prompt_reuses_the_cached_prefix(runner: Runner, collector: Collector) -> None:
+    first = Job(tokens=runner.tokenize("hello world the world", Format.RAW), tag="p1",
+                max_tokens=4, sampling=GREEDY)
+    runner.submit(first)
+    collector.wait("p1")
+    longer = list(first.tokens) + runner.tokenize(" a", Format.RAW)[1:]
+    second = Job(tokens=longer, tag="p2", max_tokens=4, sampling=GREEDY)
+    runner.submit(second)
+    collector.wait("p2")
+    assert second.n_reused == len(first.tokens)
+
+
+def test_a_missing_or_bad_file_is_invalid(tmp_path: Path, collector: Collector) -> None:
+    with pytest.raises(InvalidRequestError):
+        Runner(tmp_path / "nope.gguf", context=64, parallel=1, notify=collector)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\x00" * 100)
+    with pytest.raises(InvalidRequestError):
+        Runner(junk, context=64, parallel=1, notify=collector)

@@ -1,0 +1,122 @@
+"""Executor discovery on this machine, placement over executor data, and models.toml."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from everycycle import executors as ex
+from everycycle.errors import ConfigError, InvalidRequestError, RejectedError
+from everycycle.registry import load_registry, local_file, parse_file
+
+GIB = 1 << 30
+
+
+def test_discovery_finds_exactly_the_cpu_executor_here() -> None:
+    found = ex.discover()
+    assert [e.name for e in found] == ["cpu"]
+    cpu = found[0]
+    assert cpu.vendor and cpu.vendor not in ("unknown", "cpu")
+    assert cpu.vendor == ex.cpu_vendor()
+    assert len(cpu.devices) >= 1 and not cpu.is_gpu
+
+
+def gpu(name: str, free: int, vendor: str = "NVIDIA") -> ex.Executor:
+    dev = ex.Device(f"{name}0", f"{vendor} card", 24 * GIB, free, True)
+    return ex.Executor(name, vendor, (dev,))
+
+
+CPU = ex.Executor("cpu", "AMD", (ex.Device("CPU", "AMD EPYC", 64 * GIB, 32 * GIB, False),))
+
+
+def test_auto_picks_the_first_gpu_with_room() -> None:
+    fleet = [gpu("cuda", 1 * GIB), gpu("vulkan", 8 * GIB, "AMD"), CPU]
+    assert ex.place("auto", fleet, 2 * GIB).name == "vulkan"
+
+
+def test_auto_falls_back_to_cpu_when_no_gpu_has_room() -> None:
+    assert ex.place("auto", [gpu("cuda", 1 * GIB), CPU], 2 * GIB).name == "cpu"
+    assert ex.place("auto", [CPU], 2 * GIB).name == "cpu"
+
+
+def test_a_named_executor_missing_from_the_build_is_invalid() -> None:
+    with pytest.raises(InvalidRequestError, match="'cuda' is not in this build"):
+        ex.place("cuda", [CPU], GIB)
+
+
+def test_a_named_gpu_without_room_is_rejected() -> None:
+    with pytest.raises(RejectedError, match="needs"):
+        ex.place("cuda", [gpu("cuda", GIB), CPU], 2 * GIB)
+
+
+def test_vendor_from_backend_and_descriptions() -> None:
+    assert ex.vendor_of("cuda", []) == "NVIDIA"
+    assert ex.vendor_of("metal", []) == "Apple"
+    assert ex.vendor_of("vulkan", ["AMD Radeon RX 7900"]) == "AMD"
+    assert ex.vendor_of("vulkan", ["Intel(R) Arc(tm) A770"]) == "Intel"
+
+
+# ----------------------------------------------------------------- registry
+
+
+def test_shipped_registry_has_the_default_model() -> None:
+    reg = load_registry()
+    spec = reg.get(reg.default_name())
+    assert spec.name == "gemma-3-270m" and spec.package and spec.sha256
+
+
+def test_user_file_overrides_and_extends(tmp_path: Path, _private_paths: Path) -> None:
+    user = _private_paths / "config" / "models.toml"
+    user.parent.mkdir(parents=True)
+    user.write_text('default = "mine"\n[models.mine]\npath = "m.gguf"\ncontext = 128\n')
+    reg = load_registry()
+    assert reg.default_name() == "mine"
+    assert "gemma-3-270m" in reg.models
+    assert reg.get("mine").path == user.parent / "m.gguf"
+
+
+def test_models_file_replaces_both(models_file: Path) -> None:
+    reg = load_registry(models_file)
+    assert set(reg.models) == {"tiny", "tiny4", "missing"}
+    assert reg.default_name() == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[models.x]\npath = 'a'\nbogus = 1\n", r"\[models.x\]: unknown key 'bogus'"),
+        ("[models.x]\ncontext = 5\n", r"\[models.x\] needs exactly one source"),
+        ("[models.x]\npath = 'a'\npackage = 'b'\n", "exactly one source"),
+        ("[models.x]\npath = 'a'\ncontext = 'big'\n", r"\[models.x\].context must be a int"),
+        ("[models.x]\npath = 'a'\nparallel = 0\n", "parallel must be between"),
+        ("[models.x]\nhf_repo = 'a/b'\n", "hf_repo needs hf_file"),
+        ("[models.x]\npath = 'a'\nsha256 = 'abc'\n", "sha256 must be 64"),
+        ("[models.x]\npath = 'a'\nformat = 'yaml'\n", "format must be"),
+        ("[models.x\n", "line 1"),
+        ("default = 3\n", "default must be a string"),
+        ("default = 'nope'\n", "default 'nope' is not a model"),
+        ("models = 3\n", "models must be a table"),
+        ("extra = 1\n", "unknown top-level key 'extra'"),
+        ("[models]\nx = 3\n", r"\[models.x\] must be a table"),
+    ],
+)
+def test_malformed_models_toml_names_file_and_key(tmp_path: Path, text: str, match: str) -> None:
+    f = tmp_path / "models.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=match) as info:
+        load_registry(f)
+    assert str(f) in info.value.message
+
+
+def test_missing_models_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_file(tmp_path / "none.toml")
+
+
+def test_unknown_model_and_missing_file_are_invalid(models_file: Path) -> None:
+    reg = load_registry(models_file)
+    with pytest.raises(InvalidRequestError, match="unknown model 'zzz'"):
+        reg.get("zzz")
+    with pytest.raises(InvalidRequestError, match="is not a file"):
+        local_file(reg.get("missing"))
