@@ -513,3 +513,27 @@ def _backend_init() -> None:
 
 def _penalties(last_n: int, repeat: float) -> Any:
     return _backend_state["penalties"](last_n, repeat, 0.0, 0.0)
+
+
+def estimate_bytes(path: Path, n_ctx_total: int) -> int:
+    """Memory a model needs: its file size plus an f16 KV cache for ``n_ctx_total`` cells.
+
+    Reads only the GGUF's metadata header. Raises InvalidRequestError for a file
+    that is not a readable GGUF.
+    """
+    from .ggufmeta import read_metadata
+
+    meta = read_metadata(path)
+    arch = meta.get("general.architecture", "")
+
+    def num(key: str, default: int) -> int:
+        value = meta.get(f"{arch}.{key}", default)
+        return value if isinstance(value, int) and value > 0 else default
+
+    n_layer = num("block_count", 1)
+    n_embd = num("embedding_length", 1)
+    n_head = num("attention.head_count", 1)
+    n_head_kv = num("attention.head_count_kv", n_head)
+    head_dim = num("attention.key_length", n_embd // n_head)
+    kv = 2 * 2 * n_layer * n_ctx_total * head_dim * n_head_kv
+    return path.stat().st_size + kv

@@ -37,7 +37,7 @@ def models_file(tmp_path: Path, tiny_gguf: Path) -> Path:
         'default = "tiny"\n'
         "[models.tiny]\n"
         f'path = "{tiny_gguf}"\n'
-        "context = 512\nparallel = 1\n"
+        "context = 8192\nparallel = 1\n"
         "[models.tiny4]\n"
         f'path = "{tiny_gguf}"\n'
         "context = 512\nparallel = 4\n"

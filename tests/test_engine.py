@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from enginehelp import Collector
+
 from everycycle.engine import Job, Runner, Sampling
 from everycycle.errors import InvalidRequestError
 from everycycle.protocol import Format

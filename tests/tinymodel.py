@@ -24,7 +24,7 @@ N_EMBD = 64
 N_HEAD = 4
 N_LAYER = 2
 N_FF = 128
-N_CTX = 4096
+N_CTX = 16384
 
 
 def vocabulary() -> tuple[list[str], list[float], list[int]]:
@@ -77,21 +77,35 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234) -> Path:
     def ones(name: str) -> None:
         w.add_tensor(name, np.ones(N_EMBD, dtype=np.float32))
 
-    t("token_embd.weight", n_vocab, N_EMBD, scale=1.0)
+    # Dimension 0 of the residual stream is a constant that no layer writes to, and only
+    # EOS reads it (strongly negative): the model never ends a stream by itself, so tests
+    # control every stream's length.
+    embd = rng.standard_normal((n_vocab, N_EMBD)).astype(np.float32)
+    embd[:, 0] = 4.0
+    w.add_tensor("token_embd.weight", embd)
     ones("output_norm.weight")
-    t("output.weight", n_vocab, N_EMBD, scale=1.0)
+    out = rng.standard_normal((n_vocab, N_EMBD)).astype(np.float32)
+    out[:, 0] = 0.0
+    out[2, 0] = -1000.0
+    w.add_tensor("output.weight", out)
     for i in range(N_LAYER):
         ones(f"blk.{i}.attn_norm.weight")
         t(f"blk.{i}.attn_q.weight", N_EMBD, N_EMBD)
         t(f"blk.{i}.attn_k.weight", N_EMBD, N_EMBD)
         t(f"blk.{i}.attn_v.weight", N_EMBD, N_EMBD)
-        t(f"blk.{i}.attn_output.weight", N_EMBD, N_EMBD)
+        w.add_tensor(f"blk.{i}.attn_output.weight", _no_write_to_dim0(rng, N_EMBD, N_EMBD))
         ones(f"blk.{i}.ffn_norm.weight")
         t(f"blk.{i}.ffn_gate.weight", N_FF, N_EMBD)
         t(f"blk.{i}.ffn_up.weight", N_FF, N_EMBD)
-        t(f"blk.{i}.ffn_down.weight", N_EMBD, N_FF)
+        w.add_tensor(f"blk.{i}.ffn_down.weight", _no_write_to_dim0(rng, N_EMBD, N_FF))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _no_write_to_dim0(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    m = (rng.standard_normal((rows, cols)) * 0.5).astype(np.float32)
+    m[0, :] = 0.0
+    return m

@@ -1,0 +1,312 @@
+"""The daemon: listeners, NDJSON framing, one task group per connection, shutdown.
+
+Thin I/O around the protocol module and the supervisor. One daemon per socket: a
+lock on the pid file beside the socket decides; whoever holds it may replace a stale
+socket. The Unix socket lives in a private (0700) directory and is 0600 itself; the
+optional TCP listener requires ``{"Auth":{"token":…}}`` as its first line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hmac
+import ipaddress
+import itertools
+import logging
+import math
+import os
+import secrets
+import socket as pysocket
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectSendStream
+
+from . import paths
+from .audit import AuditLog
+from .errors import ConfigError, ErrorKind, LineTooLongError, ProtocolError
+from .protocol import Auth, Error, LineFramer, ServerEvent, decode_request, encode
+from .registry import load_registry
+from .supervisor import Limits, Supervisor
+
+log = logging.getLogger(__name__)
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    """Everything ``serve`` needs; the CLI builds it from flags."""
+
+    socket: Path = field(default_factory=paths.socket_path)
+    models_file: Path | None = None
+    limits: Limits = field(default_factory=Limits)
+    auto_load: bool = True
+    audit_prompts: bool = False
+    tcp: tuple[str, int] | None = None
+    allow_remote: bool = False
+
+
+class AlreadyRunningError(ConfigError):
+    """Another daemon holds this socket; ``pid`` is its process id when known."""
+
+    def __init__(self, message: str, pid: int | None) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
+@contextlib.contextmanager
+def socket_lock(sock: Path) -> Iterator[Path]:
+    """Hold the pid-file lock for ``sock`` (writing our pid), or raise AlreadyRunningError."""
+    paths.ensure_private_dir(sock.parent)
+    pid_path = paths.pid_file_for(sock)
+    fd = os.open(pid_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            other = read_pid(sock)
+            who = f"pid {other}" if other else "another process"
+            raise AlreadyRunningError(f"{sock} is already served by {who}", other) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            yield pid_path
+        finally:
+            with contextlib.suppress(OSError):
+                sock.unlink()
+            with contextlib.suppress(OSError):
+                pid_path.unlink()
+    finally:
+        os.close(fd)
+
+
+def read_pid(sock: Path) -> int | None:
+    """The pid recorded for the daemon of ``sock``, if any."""
+    try:
+        return int(paths.pid_file_for(sock).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def load_or_create_token() -> str:
+    """The TCP bearer token, created (0600) on first use."""
+    path = paths.token_file()
+    paths.ensure_private_dir(path.parent)
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        token = secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        return token
+
+
+def _wake_reader(stream: anyio.abc.ByteStream) -> None:
+    """End a pending receive with EOF instead of cancelling it.
+
+    Cancelling a receive on an asyncio UNIX socket stream can leave a reader callback
+    that fails later (anyio#1267); shutting the socket down ends it cleanly.
+    """
+    raw = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
+    if raw is not None:
+        with contextlib.suppress(OSError):
+            raw.shutdown(pysocket.SHUT_RDWR)
+
+
+class _Connection:
+    """One client connection: its outgoing queue and identity (a supervisor Peer)."""
+
+    def __init__(self, send: MemoryObjectSendStream[ServerEvent], *, allow_paths: bool) -> None:
+        self.id = next(_ids)
+        self.allow_paths = allow_paths
+        self._send = send
+
+    def emit(self, event: ServerEvent) -> None:
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._send.send_nowait(event)
+
+    def close(self) -> None:
+        self._send.close()
+
+
+class Daemon:
+    """Listeners + supervisor. ``await tg.start(daemon.run)`` returns once it accepts."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        registry = load_registry(config.models_file)
+        audit = AuditLog(paths.audit_file(), include_prompts=config.audit_prompts)
+        self.supervisor = Supervisor(
+            registry, limits=config.limits, auto_load=config.auto_load, audit=audit,
+            on_shutdown=self.stop,
+        )
+        self._stop = anyio.Event()
+        self._connections: set[_Connection] = set()
+        self._token: str | None = None
+        self.tcp_port: int | None = None
+        self._idle: anyio.Event | None = None
+        self.audit = audit
+        if config.tcp is not None:
+            host = config.tcp[0]
+            try:
+                loopback = ipaddress.ip_address(host).is_loopback
+            except ValueError:
+                loopback = host == "localhost"
+            if not loopback and not config.allow_remote:
+                raise ConfigError(f"--tcp {host} is not a loopback address; add --allow-remote")
+            self._token = load_or_create_token()
+
+    def stop(self) -> None:
+        """Begin a graceful shutdown (from the event loop)."""
+        self._stop.set()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Serve until ``stop()`` or cancellation; raises AlreadyRunningError."""
+        sock = self.config.socket
+        with socket_lock(sock):
+            with contextlib.suppress(FileNotFoundError):
+                sock.unlink()  # we hold the lock: any socket here is stale
+            listeners: list[anyio.abc.SocketListener] = [await anyio.create_unix_listener(sock)]
+            os.chmod(sock, 0o600)
+            if self.config.tcp is not None:
+                host, port = self.config.tcp
+                tcp = await anyio.create_tcp_listener(local_host=host, local_port=port)
+                self.tcp_port = tcp.extra(anyio.abc.SocketAttribute.local_port)
+                listeners.extend(typing.cast(list[anyio.abc.SocketListener], tcp.listeners))
+            async with anyio.create_task_group() as tg:
+                await tg.start(self.supervisor.run)
+                try:
+                    async with anyio.create_task_group() as accepting:
+                        for i, listener in enumerate(listeners):
+                            accepting.start_soon(self._accept, listener, i > 0, tg)
+                        log.info("serving on %s (pid %d)", sock, os.getpid())
+                        task_status.started()
+                        await self._stop.wait()
+                        accepting.cancel_scope.cancel()
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        for listener in listeners:
+                            await listener.aclose()
+                await self.supervisor.close()
+                for conn in list(self._connections):
+                    conn.close()
+                self._idle = anyio.Event()
+                with anyio.move_on_after(2):  # let writers flush the terminal events
+                    if self._connections:
+                        await self._idle.wait()
+                tg.cancel_scope.cancel()
+
+    async def _accept(
+        self, listener: anyio.abc.SocketListener, is_tcp: bool, tg: anyio.abc.TaskGroup
+    ) -> None:
+        """Accept connections until cancelled; each runs in ``tg``, outliving this loop."""
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # e.g. EMFILE: keep serving the connections we have
+                log.warning("accept failed: %s", exc)
+                await anyio.sleep(0.1)
+                continue
+            tg.start_soon(self._serve_connection, stream, is_tcp)
+
+    async def _serve_connection(self, stream: anyio.abc.ByteStream, is_tcp: bool) -> None:
+        send, recv = anyio.create_memory_object_stream[ServerEvent](math.inf)
+        conn = _Connection(send, allow_paths=not is_tcp)
+        self._connections.add(conn)
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def writer() -> None:
+                    try:
+                        async with recv:
+                            async for event in recv:
+                                await stream.send(encode(event))
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                        pass
+                    finally:
+                        self.supervisor.disconnect(conn)
+                        _wake_reader(stream)
+
+                tg.start_soon(writer)
+                try:
+                    await self._read_loop(stream, conn, tg, need_auth=is_tcp)
+                finally:
+                    self.supervisor.disconnect(conn)
+                    conn.close()
+        finally:
+            self._connections.discard(conn)
+            if not self._connections and self._idle is not None:
+                self._idle.set()
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _read_loop(self, stream: anyio.abc.ByteStream, conn: _Connection,
+                         tg: anyio.abc.TaskGroup, *, need_auth: bool) -> None:
+        framer = LineFramer()
+        authed = not need_auth
+        while True:
+            try:
+                data = await stream.receive(65536)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
+                    OSError):
+                return
+            try:
+                for line in framer.feed(data):
+                    try:
+                        request = decode_request(line)
+                    except ProtocolError as exc:
+                        conn.emit(Error(exc.request_id, ErrorKind.INVALID, exc.message))
+                        if not authed:
+                            return
+                        continue
+                    if not authed:
+                        if not isinstance(request, Auth):
+                            conn.emit(Error("", ErrorKind.INVALID, "authentication required"))
+                            self.audit.write({"event": "auth", "outcome": "missing"})
+                            return
+                        assert self._token is not None
+                        if not hmac.compare_digest(request.token.encode(), self._token.encode()):
+                            conn.emit(Error("", ErrorKind.REJECTED, "invalid token"))
+                            self.audit.write({"event": "auth", "outcome": "refused"})
+                            return
+                        authed = True
+                        continue
+                    if isinstance(request, Auth):
+                        conn.emit(Error("", ErrorKind.INVALID, "Auth is only for TCP connections"
+                                        if not need_auth else "already authenticated"))
+                        continue
+                    tg.start_soon(self.supervisor.handle, conn, request)
+            except LineTooLongError as exc:
+                conn.emit(Error("", ErrorKind.INVALID, exc.message))
+                return
+
+
+async def serve(config: DaemonConfig, *, handle_signals: bool = True) -> None:
+    """Run a daemon until SIGTERM/SIGINT or a Shutdown request."""
+    import signal
+
+    daemon = Daemon(config)
+
+    async def watch_signals(scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("signal %d: shutting down", signum)
+                daemon.stop()
+                return
+
+    async with anyio.create_task_group() as tg:
+        if handle_signals:
+            tg.start_soon(watch_signals, tg.cancel_scope)
+        await daemon.run()
+        tg.cancel_scope.cancel()

@@ -1,0 +1,490 @@
+"""The supervisor: admission, per-model queues and positions, limits, deadlines,
+cancellation, loading and unloading, and the live FleetSnapshot.
+
+It runs on the event loop and owns the engine Runners; each Runner's decode thread
+hands its step outputs back through ``anyio.from_thread.run_sync``. Peers (socket
+connections, or the embedded client) receive events through ``Peer.emit``, which
+must not block. Rules, each upheld here and tested through the daemon:
+
+1. Every request gets exactly one terminal event (``_finish``), and nothing after it.
+2. ``Accepted`` precedes any ``Tokens``; a queued request gets a fresh ``Accepted``
+   each time its position changes, and ``Accepted{0}`` when its work starts.
+3. A cancel (Cancel, deadline, disconnect, unload, shutdown) of a queued request ends
+   it at once; of a running one, within one decode step (the engine's promise).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+
+from . import executors as ex
+from .audit import AuditLog
+from .engine import Job, Output, Runner, Sampling, estimate_bytes
+from .errors import (
+    CancelledError,
+    ErrorKind,
+    EverycycleError,
+    InternalError,
+    InvalidRequestError,
+    ModelNotLoadedError,
+    RejectedError,
+)
+from .protocol import (
+    Accepted,
+    Cancel,
+    DescribeFleet,
+    Done,
+    Error,
+    ExecutorSummary,
+    FleetDescription,
+    FleetSnapshot,
+    Generate,
+    Load,
+    LoadedModel,
+    Request,
+    ServerEvent,
+    Shutdown,
+    TokenChunk,
+    Tokens,
+    Unload,
+)
+from .registry import ModelSpec, Registry, local_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Admission bounds; beyond them a request is Rejected (queues) or Invalid (sizes)."""
+
+    max_queue: int = 64
+    """Queued (not yet running) requests per model."""
+    max_inflight: int = 32
+    """Active requests per connection."""
+    max_prompt_bytes: int = 512 * 1024
+    max_tokens: int = 32768
+
+
+class Peer(Protocol):
+    """Whoever sent the request: receives its events without blocking."""
+
+    id: int
+    allow_paths: bool
+
+    def emit(self, event: ServerEvent) -> None: ...
+
+
+@dataclass(eq=False)
+class _Active:
+    req: Generate
+    peer: Peer
+    admitted: float
+    model: str = ""
+    state: str = "admitting"  # admitting | queued | running
+    job: Job | None = None
+    started: float | None = None
+    cancel_reason: str | None = None
+    deadline: anyio.CancelScope | None = None
+    n_prompt: int = 0
+    n_out: int = 0
+
+
+@dataclass(eq=False)
+class _Model:
+    spec: ModelSpec
+    runner: Runner
+    executor: str
+    running: set[_Active] = field(default_factory=set)
+    queue: list[_Active] = field(default_factory=list)
+
+
+class Supervisor:
+    """Owns resident models and every active request. Start it with ``await tg.start(sup.run)``."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        limits: Limits | None = None,
+        auto_load: bool = True,
+        audit: AuditLog | None = None,
+        on_shutdown: Callable[[], None] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.limits = limits or Limits()
+        self.auto_load = auto_load
+        self.audit = audit
+        self._on_shutdown = on_shutdown
+        self._models: dict[str, _Model] = {}
+        self._loading: dict[str, anyio.Lock] = {}
+        self._admission: dict[str, anyio.Lock] = {}
+        self._active: dict[str, _Active] = {}
+        self._executors: list[ex.Executor] = []
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._outputs: queue.SimpleQueue[list[tuple[Job, Output]] | None] = queue.SimpleQueue()
+        self.hostname = socket.gethostname()
+        self.closing = False
+
+    # ------------------------------------------------------------------ lifetime
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Serve until cancelled; then cancel every request and unload every model."""
+        self._executors = await anyio.to_thread.run_sync(ex.discover)
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._pump)
+                task_status.started()
+                await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.close()
+
+    async def close(self) -> None:
+        """Cancel everything ("daemon shutting down") and unload all models."""
+        self.closing = True
+        for active in list(self._active.values()):
+            self._cancel(active, "daemon shutting down")
+        for name in list(self._models):
+            await self._unload(name, "daemon shutting down")
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def handle(self, peer: Peer, request: Request) -> None:
+        """Serve one request from ``peer``; every outcome is an event, never an exception."""
+        rid = getattr(request, "request_id", "")
+        try:
+            if isinstance(request, Generate):
+                await self._generate(peer, request)
+            elif isinstance(request, DescribeFleet):
+                peer.emit(FleetDescription(self.snapshot()))
+            elif isinstance(request, Cancel):
+                target = self._active.get(request.target)
+                if target is None:
+                    raise InvalidRequestError(f"no active request '{request.target}'")
+                self._cancel(target, f"cancelled by request {request.request_id}")
+                peer.emit(Done(rid))
+            elif isinstance(request, Load):
+                await self._ensure_loaded(request.model, peer, request.executor)
+                peer.emit(Done(rid))
+            elif isinstance(request, Unload):
+                if request.model not in self._models:
+                    raise InvalidRequestError(f"model '{request.model}' is not loaded")
+                await self._unload(request.model, f"model '{request.model}' unloaded")
+                peer.emit(Done(rid))
+            elif isinstance(request, Shutdown):
+                await self.close()
+                peer.emit(Done(rid))
+                if self._on_shutdown is not None:
+                    self._on_shutdown()
+            else:
+                raise InvalidRequestError(f"{type(request).__name__} is not expected here")
+        except EverycycleError as exc:
+            active = self._active.get(rid)
+            if isinstance(request, Generate) and active is not None and active.peer is peer:
+                if active.cancel_reason is not None:  # cancelled while admitting
+                    exc = CancelledError(active.cancel_reason)
+                self._finish(active, Error(rid, exc.kind, exc.message))
+            else:
+                peer.emit(Error(rid, exc.kind, exc.message))
+        except Exception as exc:  # a bug must cost one request, never the daemon
+            log.exception("request %s failed", rid)
+            active = self._active.get(rid)
+            if isinstance(request, Generate) and active is not None and active.peer is peer:
+                self._finish(active, Error(rid, ErrorKind.INTERNAL, f"internal error: {exc}"))
+            else:
+                peer.emit(Error(rid, ErrorKind.INTERNAL, f"internal error: {exc}"))
+
+    def disconnect(self, peer: Peer) -> None:
+        """The peer went away: cancel all of its requests."""
+        for active in list(self._active.values()):
+            if active.peer is peer:
+                self._cancel(active, "client disconnected")
+
+    def inflight(self, peer: Peer) -> int:
+        return sum(1 for a in self._active.values() if a.peer is peer)
+
+    # ------------------------------------------------------------------ generate
+
+    async def _generate(self, peer: Peer, req: Generate) -> None:
+        rid = req.request_id
+        if rid in self._active:
+            peer.emit(Error(rid, ErrorKind.INVALID, f"request id '{rid}' is already active"))
+            return
+        if self.closing:
+            raise RejectedError("daemon shutting down")
+        if self.inflight(peer) >= self.limits.max_inflight:
+            raise RejectedError(
+                f"too many requests in flight on this connection ({self.limits.max_inflight})"
+            )
+        if len(req.prompt.encode("utf-8")) > self.limits.max_prompt_bytes:
+            raise InvalidRequestError(f"prompt longer than {self.limits.max_prompt_bytes} bytes")
+        if req.max_tokens is not None and req.max_tokens > self.limits.max_tokens:
+            raise InvalidRequestError(f"max_tokens must be between 1 and {self.limits.max_tokens}")
+        active = _Active(req=req, peer=peer, admitted=time.monotonic())
+        self._active[rid] = active
+        if req.deadline_ms is not None:
+            assert self._tg is not None
+            self._tg.start_soon(self._deadline, active, req.deadline_ms)
+        allow_load = self.auto_load and req.auto_load is not False
+        spec = self._spec_for(req.model, peer)
+        # Admission is FIFO per model (anyio locks are fair): requests queue in arrival order
+        # even though loading and tokenizing yield to the event loop.
+        async with self._admission.setdefault(spec.name, anyio.Lock()):
+            await self._admit(peer, req, active, allow_load)
+
+    async def _admit(self, peer: Peer, req: Generate, active: _Active, allow_load: bool) -> None:
+        rid = req.request_id
+        model = await self._ensure_loaded(req.model, peer, None, allow_load=allow_load)
+        active.model = model.spec.name
+        fmt = req.format or model.spec.format
+        tokens = await anyio.to_thread.run_sync(model.runner.tokenize, req.prompt, fmt)
+        if active.cancel_reason is not None:
+            self._finish(active, Error(rid, ErrorKind.CANCELLED, active.cancel_reason))
+            return
+        if len(tokens) >= model.runner.n_ctx_slot:
+            raise InvalidRequestError(
+                f"prompt is {len(tokens)} tokens; the context holds {model.runner.n_ctx_slot}"
+            )
+        max_tokens = req.max_tokens or model.runner.n_ctx_slot
+        defaults = Sampling()
+        sampling = Sampling(
+            temperature=defaults.temperature if req.temperature is None else req.temperature,
+            top_k=defaults.top_k if req.top_k is None else req.top_k,
+            top_p=defaults.top_p if req.top_p is None else req.top_p,
+            min_p=defaults.min_p if req.min_p is None else req.min_p,
+            repeat_penalty=(
+                defaults.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty
+            ),
+            seed=req.seed,
+        )
+        active.job = Job(tokens=tokens, max_tokens=max_tokens, sampling=sampling,
+                         stop=req.stop or (), tag=active)
+        active.n_prompt = len(tokens)
+        if model.queue or len(model.running) >= model.runner.parallel:
+            if len(model.queue) >= self.limits.max_queue:
+                raise RejectedError(f"queue full ({len(model.queue)} waiting)")
+            model.queue.append(active)
+            active.state = "queued"
+            peer.emit(Accepted(rid, len(model.queue)))
+        else:
+            self._start(model, active)
+
+    def _start(self, model: _Model, active: _Active) -> None:
+        assert active.job is not None
+        active.state = "running"
+        active.started = time.monotonic()
+        model.running.add(active)
+        active.peer.emit(Accepted(active.req.request_id, 0))
+        model.runner.submit(active.job)
+
+    def _advance(self, model: _Model) -> None:
+        """Start queued requests in freed slots, then tell the rest their new positions."""
+        moved = False
+        while model.queue and len(model.running) < model.runner.parallel:
+            self._start(model, model.queue.pop(0))
+            moved = True
+        if moved:
+            for i, waiting in enumerate(model.queue):
+                waiting.peer.emit(Accepted(waiting.req.request_id, i + 1))
+
+    async def _deadline(self, active: _Active, ms: int) -> None:
+        with anyio.CancelScope() as scope:
+            active.deadline = scope
+            await anyio.sleep(ms / 1000)
+            self._cancel(active, f"deadline of {ms} ms passed")
+
+    def _cancel(self, active: _Active, reason: str) -> None:
+        rid = active.req.request_id
+        if self._active.get(rid) is not active:
+            return
+        if active.cancel_reason is None:
+            active.cancel_reason = reason
+        if active.state == "running":
+            model = self._models.get(active.model)
+            if model is not None and active.job is not None:
+                model.runner.cancel(active.job, reason)
+        elif active.state == "queued":
+            model = self._models[active.model]
+            model.queue.remove(active)
+            self._finish(active, Error(rid, ErrorKind.CANCELLED, reason))
+            for i, waiting in enumerate(model.queue):
+                waiting.peer.emit(Accepted(waiting.req.request_id, i + 1))
+        # "admitting": checked once admission finishes.
+
+    def _finish(self, active: _Active, event: ServerEvent) -> None:
+        """Send the one terminal event of ``active`` and forget it."""
+        rid = active.req.request_id
+        if self._active.get(rid) is not active:
+            return
+        del self._active[rid]
+        if active.deadline is not None:
+            active.deadline.cancel()
+        active.peer.emit(event)
+        model = self._models.get(active.model)
+        if model is not None:
+            model.running.discard(active)
+        if self.audit is not None:
+            now = time.monotonic()
+            started = active.started or now
+            outcome = event.kind.value if isinstance(event, Error) else "Finished"
+            record: dict[str, Any] = {
+                "request_id": rid,
+                "model": active.model or active.req.model,
+                "executor": model.executor if model else None,
+                "prompt_tokens": active.n_prompt,
+                "output_tokens": active.job.n_generated if active.job else 0,
+                "queue_wait_ms": round((started - active.admitted) * 1000, 1),
+                "duration_ms": round((now - active.admitted) * 1000, 1),
+                "outcome": outcome,
+            }
+            if self.audit.include_prompts:
+                record["prompt"] = active.req.prompt
+            self.audit.write(record)
+
+    # ------------------------------------------------------------------ engine outputs
+
+    def _notify(self, batch: list[tuple[Job, Output]]) -> None:
+        """Runs on a decode thread: queue the step's outputs for the event loop (never blocks)."""
+        self._outputs.put(batch)
+
+    async def _pump(self) -> None:
+        """Deliver the engines' step outputs on the event loop, in order."""
+        try:
+            while True:
+                batch = await anyio.to_thread.run_sync(self._outputs.get, abandon_on_cancel=True)
+                if batch is None:
+                    return
+                self._on_outputs(batch)
+        finally:
+            self._outputs.put(None)  # release the abandoned getter thread
+
+    def _on_outputs(self, batch: list[tuple[Job, Output]]) -> None:
+        freed: set[_Model] = set()
+        for job, out in batch:
+            active: _Active = job.tag
+            rid = active.req.request_id
+            if self._active.get(rid) is not active:
+                continue
+            if not out.finished:
+                active.peer.emit(Tokens(rid, TokenChunk(out.text, out.ids), False))
+                continue
+            model = self._models.get(active.model)
+            if model is not None:
+                freed.add(model)
+            if out.reason == "cancelled":
+                reason = active.cancel_reason or "cancelled"
+                self._finish(active, Error(rid, ErrorKind.CANCELLED, reason))
+            elif out.reason == "error":
+                msg = out.error.message if out.error else "generation failed"
+                self._finish(active, Error(rid, ErrorKind.INTERNAL, msg))
+            else:
+                self._finish(active, Tokens(rid, TokenChunk(out.text, out.ids), True))
+        for model in freed:
+            if self._models.get(model.spec.name) is model:
+                self._advance(model)
+
+    # ------------------------------------------------------------------ models
+
+    def _spec_for(self, name: str, peer: Peer) -> ModelSpec:
+        if name in self.registry.models:
+            return self.registry.get(name)
+        if name.endswith(".gguf") and ("/" in name):
+            if not peer.allow_paths:
+                raise InvalidRequestError("model paths are not allowed on this connection")
+            path = Path(name).expanduser()
+            if not path.is_absolute():
+                raise InvalidRequestError("a model path must be absolute")
+            return ModelSpec(name=name, origin=path, path=path)
+        return self.registry.get(name)
+
+    async def _ensure_loaded(self, name: str, peer: Peer, executor: str | None,
+                             *, allow_load: bool = True) -> _Model:
+        spec = self._spec_for(name, peer)
+        model = self._models.get(spec.name)
+        if model is not None:
+            if executor is not None and executor != model.executor:
+                raise InvalidRequestError(
+                    f"model '{name}' is loaded on {model.executor}; unload it first"
+                )
+            return model
+        if not allow_load:
+            raise ModelNotLoadedError(f"model '{name}' is not loaded")
+        lock = self._loading.setdefault(spec.name, anyio.Lock())
+        async with lock:
+            model = self._models.get(spec.name)
+            if model is not None:
+                return model
+            if self.closing:
+                raise RejectedError("daemon shutting down")
+            model = await anyio.to_thread.run_sync(self._load_blocking, spec, executor)
+            self._models[spec.name] = model
+            log.info("loaded %s on %s", spec.name, model.executor)
+            return model
+
+    def _load_blocking(self, spec: ModelSpec, executor: str | None) -> _Model:
+        path = local_file(spec)
+        n_ctx_total = spec.context * spec.parallel
+        need = estimate_bytes(path, n_ctx_total)
+        chosen = ex.place(executor or spec.executor, self._executors, need)
+        devices = ex.device_handles(chosen.name) if chosen.is_gpu else []
+        try:
+            runner = Runner(path, context=spec.context, parallel=spec.parallel,
+                            notify=self._notify, gpu_devices=devices)
+        except EverycycleError:
+            raise
+        except Exception as exc:
+            raise InternalError(f"loading {spec.name} failed: {exc}") from exc
+        return _Model(spec=spec, runner=runner, executor=chosen.name)
+
+    async def _unload(self, name: str, reason: str) -> None:
+        model = self._models.get(name)
+        if model is None:
+            return
+        for active in list(model.queue) + list(model.running):
+            self._cancel(active, reason)
+        await anyio.to_thread.run_sync(model.runner.close)
+        # close() ended every running job through _on_outputs; nothing is left behind.
+        for active in list(model.running):
+            self._finish(active, Error(active.req.request_id, ErrorKind.CANCELLED, reason))
+        del self._models[name]
+
+    # ------------------------------------------------------------------ fleet
+
+    def snapshot(self) -> FleetSnapshot:
+        """The live fleet: executors, resident models, active (running + queued) requests."""
+        try:
+            self._executors = ex.discover()
+        except Exception:  # keep the last good view of the executors
+            log.exception("executor discovery failed")
+        return FleetSnapshot(
+            hostname=self.hostname,
+            executors=tuple(
+                ExecutorSummary(e.name, e.vendor, len(e.devices), e.memory_total, e.memory_free)
+                for e in self._executors
+            ),
+            loaded_models=tuple(
+                LoadedModel(
+                    name=m.spec.name,
+                    revision=m.spec.revision,
+                    assigned_executor=m.executor,
+                    slots=m.runner.parallel,
+                    busy=len(m.running),
+                    queued=len(m.queue),
+                )
+                for m in self._models.values()
+            ),
+            active_requests=len(self._active),
+        )
