@@ -190,18 +190,17 @@ async def connect(socket: Path | None = None, *, tcp: tuple[str, int] | None = N
         where = f"{tcp[0]}:{tcp[1]}" if tcp else str(path)
         raise DaemonUnavailableError(f"no daemon at {where} ({exc.strerror or exc})") from None
     client = Client(stream)
-    async with stream:
-        async with anyio.create_task_group() as tg:
-            if token is not None:
-                await client._send(Auth(token))
-            tg.start_soon(client._read)
-            try:
-                yield client
-            finally:
-                # End the reader with EOF rather than by cancelling it (anyio#1267).
-                from .daemon import _wake_reader
+    async with stream, anyio.create_task_group() as tg:
+        if token is not None:
+            await client._send(Auth(token))
+        tg.start_soon(client._read)
+        try:
+            yield client
+        finally:
+            # End the reader with EOF rather than by cancelling it (anyio#1267).
+            from .daemon import _wake_reader
 
-                _wake_reader(stream)
+            _wake_reader(stream)
 
 
 class _EmbeddedPeer:

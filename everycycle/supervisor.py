@@ -91,6 +91,7 @@ class _Active:
     peer: Peer
     admitted: float
     model: str = ""
+    home: _Model | None = None
     state: str = "admitting"  # admitting | queued | running
     job: Job | None = None
     started: float | None = None
@@ -194,9 +195,10 @@ class Supervisor:
         except EverycycleError as exc:
             active = self._active.get(rid)
             if isinstance(request, Generate) and active is not None and active.peer is peer:
+                err = exc
                 if active.cancel_reason is not None:  # cancelled while admitting
-                    exc = CancelledError(active.cancel_reason)
-                self._finish(active, Error(rid, exc.kind, exc.message))
+                    err = CancelledError(active.cancel_reason)
+                self._finish(active, Error(rid, err.kind, err.message))
             else:
                 peer.emit(Error(rid, exc.kind, exc.message))
         except Exception as exc:  # a bug must cost one request, never the daemon
@@ -251,9 +253,12 @@ class Supervisor:
         active.model = model.spec.name
         fmt = req.format or model.spec.format
         tokens = await anyio.to_thread.run_sync(model.runner.tokenize, req.prompt, fmt)
+        if active.cancel_reason is None and self._models.get(model.spec.name) is not model:
+            active.cancel_reason = f"model '{model.spec.name}' unloaded"
         if active.cancel_reason is not None:
             self._finish(active, Error(rid, ErrorKind.CANCELLED, active.cancel_reason))
             return
+        active.home = model
         if len(tokens) >= model.runner.n_ctx_slot:
             raise InvalidRequestError(
                 f"prompt is {len(tokens)} tokens; the context holds {model.runner.n_ctx_slot}"
@@ -312,12 +317,11 @@ class Supervisor:
             return
         if active.cancel_reason is None:
             active.cancel_reason = reason
+        model = active.home
         if active.state == "running":
-            model = self._models.get(active.model)
             if model is not None and active.job is not None:
                 model.runner.cancel(active.job, reason)
-        elif active.state == "queued":
-            model = self._models[active.model]
+        elif active.state == "queued" and model is not None:
             model.queue.remove(active)
             self._finish(active, Error(rid, ErrorKind.CANCELLED, reason))
             for i, waiting in enumerate(model.queue):
@@ -333,7 +337,7 @@ class Supervisor:
         if active.deadline is not None:
             active.deadline.cancel()
         active.peer.emit(event)
-        model = self._models.get(active.model)
+        model = active.home
         if model is not None:
             model.running.discard(active)
         if self.audit is not None:
@@ -381,9 +385,8 @@ class Supervisor:
             if not out.finished:
                 active.peer.emit(Tokens(rid, TokenChunk(out.text, out.ids), False))
                 continue
-            model = self._models.get(active.model)
-            if model is not None:
-                freed.add(model)
+            if active.home is not None:
+                freed.add(active.home)
             if out.reason == "cancelled":
                 reason = active.cancel_reason or "cancelled"
                 self._finish(active, Error(rid, ErrorKind.CANCELLED, reason))
@@ -450,16 +453,16 @@ class Supervisor:
         return _Model(spec=spec, runner=runner, executor=chosen.name)
 
     async def _unload(self, name: str, reason: str) -> None:
-        model = self._models.get(name)
+        model = self._models.pop(name, None)
         if model is None:
             return
         for active in list(model.queue) + list(model.running):
             self._cancel(active, reason)
         await anyio.to_thread.run_sync(model.runner.close)
-        # close() ended every running job through _on_outputs; nothing is left behind.
+        # Running jobs end through the engine's cancelled outputs; any not delivered yet
+        # end here (a late output for them is then ignored).
         for active in list(model.running):
             self._finish(active, Error(active.req.request_id, ErrorKind.CANCELLED, reason))
-        del self._models[name]
 
     # ------------------------------------------------------------------ fleet
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-
 from daemonhelp import Raw, running_daemon
+
 from everycycle import paths
 from everycycle.client import connect
 from everycycle.daemon import AlreadyRunningError, Daemon, DaemonConfig, load_or_create_token
@@ -20,7 +20,6 @@ from everycycle.protocol import (
     Accepted,
     Done,
     Error,
-    FleetDescription,
     Generate,
     Tokens,
     encode,
@@ -92,7 +91,7 @@ async def test_cancel_a_queued_request(models_file: Path) -> None:
     async with running_daemon(models_file), Raw.open() as c:
         await c.send(long_gen("a"))
         await c.send(long_gen("b"))
-        while (ev := await c.next()) != Accepted("b", 1):
+        while await c.next() != Accepted("b", 1):
             pass
         await c.send(b'{"Cancel":{"request_id":"c","target":"b"}}')
         b = await c.until_terminal("b")
@@ -126,7 +125,7 @@ async def test_disconnect_frees_the_slot(models_file: Path) -> None:
             assert await c.next() == Accepted("gone", 0)
             assert isinstance(await c.next(), Tokens)
         with anyio.fail_after(5):  # freed within a decode step of noticing the disconnect
-            while daemon.supervisor.snapshot().active_requests:
+            while daemon.supervisor.snapshot().active_requests:  # noqa: ASYNC110 - outside view
                 await anyio.sleep(0.01)
         async with Raw.open() as c:
             await c.send(gen("next", max_tokens=4))

@@ -87,7 +87,7 @@ generates = st.builds(
     stop=opt(st.lists(st.text(min_size=1, max_size=10), max_size=4).map(tuple)),
     format=opt(st.sampled_from(p.Format)),
     auto_load=opt(st.booleans()),
-    deadline_ms=opt(st.integers(1, 10**9)),
+    deadline_ms=opt(st.integers(1, 604_800_000)),
 )
 requests = st.one_of(
     generates,

@@ -78,7 +78,7 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234) -> Path:
         w.add_tensor(name, np.ones(N_EMBD, dtype=np.float32))
 
     # Dimension 0 of the residual stream is a constant that no layer writes to, and only
-    # EOS reads it (strongly negative): the model never ends a stream by itself, so tests
+    # the end tokens read it (strongly negative): the model never ends a stream by itself, so tests
     # control every stream's length.
     embd = rng.standard_normal((n_vocab, N_EMBD)).astype(np.float32)
     embd[:, 0] = 4.0
@@ -87,6 +87,9 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234) -> Path:
     out = rng.standard_normal((n_vocab, N_EMBD)).astype(np.float32)
     out[:, 0] = 0.0
     out[2, 0] = -1000.0
+    for i, word in enumerate(WORDS):
+        if word.startswith("<"):  # llama.cpp treats <end_of_turn> as end-of-generation too
+            out[259 + i, 0] = -1000.0
     w.add_tensor("output.weight", out)
     for i in range(N_LAYER):
         ones(f"blk.{i}.attn_norm.weight")
