@@ -488,8 +488,10 @@ _backend_state: dict[str, Any] = {}
 
 def _quiet_log(level: int, text: bytes, user_data: Any) -> None:
     """llama.cpp's log, routed to ``logging`` (it must never reach stdout)."""
-    if level in (3, 4) and text:  # GGML_LOG_LEVEL_WARN, _ERROR
+    if level == 4 and text:  # GGML_LOG_LEVEL_ERROR
         log.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+    elif level == 3 and text:  # GGML_LOG_LEVEL_WARN: model quirks, not the user's concern
+        log.debug("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
 
 
 def _backend_init() -> None:

@@ -1,0 +1,5 @@
+"""``python -m everycycle``."""
+
+from everycycle.cli import main
+
+main()

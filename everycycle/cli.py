@@ -1,0 +1,482 @@
+"""The everycycle command line: parse, call the client, render, map errors to exit codes.
+
+stdout of ``run`` carries generated text only; every diagnostic goes to stderr.
+Nothing heavy is imported at start: llama_cpp only on the embedded path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import anyio
+import typer
+
+from . import __version__, paths
+from .client import BaseClient, connect, embedded, new_request_id
+from .errors import (
+    ConfigError,
+    DaemonUnavailableError,
+    ErrorKind,
+    EverycycleError,
+    ProtocolError,
+)
+from .protocol import Accepted, Error, FleetDescription, Format, Generate, Tokens, encode
+
+EXIT_CODES = {
+    ErrorKind.INTERNAL: 1,
+    ErrorKind.INVALID: 2,
+    ErrorKind.MODEL_NOT_LOADED: 3,
+    ErrorKind.REJECTED: 4,
+    ErrorKind.CANCELLED: 5,
+}
+EXIT_INTERRUPTED = 130
+EXIT_UNAVAILABLE = 69
+
+app = typer.Typer(
+    help="A local LLM daemon and CLI over llama.cpp.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+SocketOpt = Annotated[Path | None, typer.Option("--socket", help="Daemon socket path.",
+                                                envvar="EVERYCYCLE_SOCKET")]
+ModelsOpt = Annotated[Path | None, typer.Option("--models", help="Use this models.toml only.")]
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    sys.stderr.write(f"everycycle: {message}\n")
+    raise typer.Exit(code)
+
+
+def _exit_for(exc: EverycycleError) -> NoReturn:
+    if isinstance(exc, DaemonUnavailableError):
+        _fail(exc.message, EXIT_UNAVAILABLE)
+    _fail(f"{exc.kind.value}: {exc.message}", EXIT_CODES[exc.kind])
+
+
+def _version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"everycycle {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Show the version and exit.")] = False,
+) -> None:
+    """A local LLM daemon and CLI over llama.cpp."""
+
+
+@contextlib.asynccontextmanager
+async def _client(socket: Path | None, models: Path | None, no_daemon: bool,
+                  status: _Status) -> AsyncIterator[BaseClient]:
+    if not no_daemon:
+        try:
+            async with connect(socket) as client:
+                yield client
+                return
+        except DaemonUnavailableError:
+            status.show("no daemon: running in-process")
+    async with embedded(models) as client:
+        yield client
+
+
+class _Status:
+    """A one-line status on stderr, only on a terminal (or with -v), cleared when text comes."""
+
+    def __init__(self, verbose: bool) -> None:
+        self.tty = sys.stderr.isatty()
+        self.enabled = self.tty or verbose
+        self.shown = False
+
+    def show(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            sys.stderr.write(f"\r\x1b[2K{text}")
+            self.shown = True
+        else:
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+            self.shown = False
+
+
+def _registry_default(models: Path | None) -> str:
+    from .registry import load_registry
+
+    return load_registry(models).default_name()
+
+
+@app.command()
+def run(
+    prompt: Annotated[str | None, typer.Argument(help="The prompt; piped stdin is appended.")]
+    = None,
+    model: Annotated[str | None, typer.Option("-m", "--model", help="Model name.")] = None,
+    max_tokens: Annotated[int | None, typer.Option("-n", "--max-tokens")] = None,
+    temperature: Annotated[float | None, typer.Option("--temperature")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p")] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k")] = None,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")]
+    = None,
+    deadline: Annotated[float | None, typer.Option("--deadline", help="Seconds.")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="No chat template.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the ServerEvent lines.")]
+    = False,
+    no_daemon: Annotated[bool, typer.Option("--no-daemon", help="Run in-process.")] = False,
+    models: ModelsOpt = None,
+    socket: SocketOpt = None,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+) -> None:
+    """Generate text, streaming it to stdout.
+
+    Example: cat notes.md | everycycle run -m gemma-3-270m "Summarize:" | tee out.txt
+    """
+    text = prompt or ""
+    if not sys.stdin.isatty():
+        piped = sys.stdin.buffer.read().decode("utf-8", "replace")
+        if piped:
+            text = f"{text}\n\n{piped}" if text else piped
+    if prompt is None and not text:
+        _fail("usage: give a PROMPT or pipe text on stdin", 2)
+    status = _Status(verbose)
+    try:
+        name = model or _registry_default(models)
+        req = Generate(
+            request_id=new_request_id(), model=name, prompt=text, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop=tuple(stop) if stop else None, format=Format.RAW if raw else None,
+            deadline_ms=None if deadline is None else max(1, int(deadline * 1000)),
+        )
+    except EverycycleError as exc:
+        _exit_for(exc)
+    code = anyio.run(_run, req, socket, models, no_daemon, as_json, status)
+    raise typer.Exit(code)
+
+
+async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemon: bool,
+               as_json: bool, status: _Status) -> int:
+    out = sys.stdout.buffer
+    interrupted = False
+    try:
+        async with _client(socket, models, no_daemon, status) as client:
+            status.show("loading…")
+            async with anyio.create_task_group() as tg:
+
+                async def on_sigint() -> None:
+                    nonlocal interrupted
+                    with anyio.open_signal_receiver(signal.SIGINT) as signals:
+                        async for _ in signals:
+                            interrupted = True
+                            await client.cancel(req.request_id)
+                            return
+
+                tg.start_soon(on_sigint)
+                result = 0
+                try:
+                    async for event in client.request(req):
+                        if as_json:
+                            out.write(encode(event))
+                            out.flush()
+                        if isinstance(event, Accepted):
+                            if event.queue_position:
+                                status.show(f"queued: position {event.queue_position}")
+                            else:
+                                status.show("generating…")
+                        elif isinstance(event, Tokens):
+                            status.clear()
+                            if not as_json and event.chunk.text:
+                                out.write(event.chunk.text.encode("utf-8"))
+                                out.flush()
+                        elif isinstance(event, Error):
+                            status.clear()
+                            if interrupted:
+                                result = EXIT_INTERRUPTED
+                            else:
+                                sys.stderr.write(f"everycycle: {event.kind.value}: "
+                                                 f"{event.message}\n")
+                                result = EXIT_CODES[event.kind]
+                except BrokenPipeError:
+                    # The reader went away (`| head`): cancel on the daemon, exit quietly.
+                    with anyio.move_on_after(2, shield=True):
+                        with contextlib.suppress(EverycycleError):
+                            await client.cancel(req.request_id)
+                    _silence_stdout()
+                    result = 0
+                tg.cancel_scope.cancel()
+            if not as_json and result == 0 and sys.stdout.isatty():
+                out.write(b"\n")
+            return result
+    except EverycycleError as exc:
+        status.clear()
+        if isinstance(exc, DaemonUnavailableError):
+            sys.stderr.write(f"everycycle: {exc.message}\n")
+            return EXIT_UNAVAILABLE
+        sys.stderr.write(f"everycycle: {exc.kind.value}: {exc.message}\n")
+        return EXIT_CODES[exc.kind]
+
+
+def _silence_stdout() -> None:
+    # Point fd 1 at /dev/null so the interpreter's final flush cannot fail again.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _call(socket: Path | None, fn: Any) -> Any:
+    async def go() -> Any:
+        async with connect(socket) as client:
+            return await fn(client)
+
+    try:
+        return anyio.run(go)
+    except EverycycleError as exc:
+        _exit_for(exc)
+
+
+@app.command()
+def fleet(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the FleetSnapshot line.")]
+    = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh live until Ctrl-C.")] = False,
+    socket: SocketOpt = None,
+) -> None:
+    """Show executors, loaded models and active requests.
+
+    Example: everycycle fleet --json
+    """
+    try:
+        snap = _call_raw(socket)
+    except DaemonUnavailableError as exc:
+        sys.stderr.write(f"everycycle: {exc.message}\n")
+        if not as_json:
+            from rich.console import Console
+            from rich.table import Table
+
+            from .executors import discover
+
+            table = Table(title="executors on this machine (no daemon)", title_justify="left")
+            for col in ("name", "vendor", "devices"):
+                table.add_column(col)
+            for e in discover():
+                table.add_row(e.name, e.vendor, str(len(e.devices)))
+            Console(stderr=True).print(table)
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    if as_json:
+        sys.stdout.buffer.write(encode(FleetDescription(snap)))
+        return
+    from rich.console import Console
+
+    from .render import fleet_view
+
+    console = Console(stderr=not sys.stdout.isatty())
+    if not watch:
+        console.print(fleet_view(snap))
+        return
+    from rich.live import Live
+
+    with contextlib.suppress(KeyboardInterrupt), Live(fleet_view(snap), console=console) as live:
+        while True:
+            time.sleep(1)
+            try:
+                live.update(fleet_view(_call_raw(socket)))
+            except DaemonUnavailableError:
+                break
+
+
+def _call_raw(socket: Path | None) -> Any:
+    async def go() -> Any:
+        async with connect(socket) as client:
+            return await client.describe_fleet()
+
+    try:
+        return anyio.run(go)
+    except DaemonUnavailableError:
+        raise
+    except EverycycleError as exc:
+        _exit_for(exc)
+
+
+@app.command(name="models")
+def models_cmd(
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    models: ModelsOpt = None,
+) -> None:
+    """List the model registry.
+
+    Example: everycycle models --json
+    """
+    from .registry import load_registry
+
+    try:
+        reg = load_registry(models)
+    except EverycycleError as exc:
+        _exit_for(exc)
+    rows: list[dict[str, Any]] = []
+    for spec in reg.models.values():
+        rows.append({
+            "name": spec.name, "default": spec.name == reg.default, "source": spec.source,
+            "revision": spec.revision, "available": _available(spec), "context": spec.context,
+            "parallel": spec.parallel, "executor": spec.executor,
+        })
+    if as_json:
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="models", title_justify="left")
+    for col in ("name", "source", "revision", "available", "context x parallel"):
+        table.add_column(col)
+    for r in rows:
+        mark = " (default)" if r["default"] else ""
+        table.add_row(f"{r['name']}{mark}", r["source"], r["revision"] or "-",
+                      "yes" if r["available"] else "no", f"{r['context']} x {r['parallel']}")
+    Console(stderr=not sys.stdout.isatty()).print(table)
+
+
+def _available(spec: Any) -> bool:
+    import importlib.util
+
+    if spec.path is not None:
+        return bool(spec.path.is_file())
+    if spec.package is not None:
+        return importlib.util.find_spec(spec.package) is not None
+    from .hub import cached_file
+
+    try:
+        cached_file(spec)
+    except EverycycleError:
+        return False
+    return True
+
+
+@app.command()
+def load(
+    model: str,
+    executor: Annotated[str | None, typer.Option("--executor", help="cuda, metal, cpu, …")]
+    = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Load MODEL on the daemon.  Example: everycycle load gemma-3-270m --executor cpu"""
+    _call(socket, lambda c: c.load(model, executor))
+
+
+@app.command()
+def unload(model: str, socket: SocketOpt = None) -> None:
+    """Unload MODEL (its requests are cancelled).  Example: everycycle unload gemma-3-270m"""
+    _call(socket, lambda c: c.unload(model))
+
+
+@app.command()
+def cancel(request_id: str, socket: SocketOpt = None) -> None:
+    """Cancel a request by id.  Example: everycycle cancel 3f2a…"""
+    _call(socket, lambda c: c.cancel(request_id))
+
+
+@app.command()
+def stop(socket: SocketOpt = None) -> None:
+    """Shut the daemon down gracefully.  Example: everycycle stop"""
+    _call(socket, lambda c: c.shutdown())
+
+
+@app.command()
+def daemon(
+    socket: SocketOpt = None,
+    models: ModelsOpt = None,
+    detach: Annotated[bool, typer.Option("--detach", help="Run in the background.")] = False,
+    tcp: Annotated[str | None, typer.Option("--tcp", help="Also listen on HOST:PORT.")] = None,
+    allow_remote: Annotated[bool, typer.Option("--allow-remote")] = False,
+    auto_load: Annotated[bool, typer.Option("--auto-load/--no-auto-load")] = True,
+    audit_prompts: Annotated[bool, typer.Option("--audit-prompts")] = False,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=0)] = 64,
+    max_inflight: Annotated[int, typer.Option("--max-inflight", min=1)] = 32,
+    show_token: Annotated[bool, typer.Option("--show-token", help="Print the TCP token.")]
+    = False,
+) -> None:
+    """Run the daemon in the foreground (or --detach).  Example: everycycle daemon --detach"""
+    from .daemon import AlreadyRunningError, DaemonConfig, load_or_create_token, serve
+    from .supervisor import Limits
+
+    if show_token:
+        sys.stdout.write(load_or_create_token() + "\n")
+        return
+    sock = socket or paths.socket_path()
+    tcp_addr = None
+    if tcp is not None:
+        host, _, port = tcp.rpartition(":")
+        if not host or not port.isdigit():
+            _fail("--tcp wants HOST:PORT", 2)
+        tcp_addr = (host.strip("[]"), int(port))
+    if detach:
+        _detach(sock, sys.argv[1:])
+        return
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = DaemonConfig(socket=sock, models_file=models,
+                          limits=Limits(max_queue=max_queue, max_inflight=max_inflight),
+                          auto_load=auto_load, audit_prompts=audit_prompts, tcp=tcp_addr,
+                          allow_remote=allow_remote)
+    try:
+        anyio.run(serve, config)
+    except AlreadyRunningError as exc:
+        _fail(exc.message, 1)
+    except (ConfigError, ProtocolError) as exc:
+        _fail(exc.message, 2)
+
+
+def _detach(sock: Path, argv: list[str]) -> None:
+    from .daemon import read_pid
+
+    log_path = paths.log_dir() / "daemon.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    args = [a for a in argv if a != "--detach"]
+    with log_path.open("ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "everycycle", *args, "--socket", str(sock)],
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
+        )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            _fail(f"the daemon exited with {proc.returncode}; see {log_path}", 1)
+        if read_pid(sock) == proc.pid and _answers(sock):
+            sys.stderr.write(f"everycycle: daemon pid {proc.pid} serving {sock}\n")
+            return
+        time.sleep(0.05)
+    _fail(f"the daemon did not start within 60 s; see {log_path}", 1)
+
+
+def _answers(sock: Path) -> bool:
+    import socket as pysocket
+
+    s = pysocket.socket(pysocket.AF_UNIX)
+    try:
+        s.connect(str(sock))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

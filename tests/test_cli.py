@@ -1,0 +1,190 @@
+"""The CLI as users run it: real subprocesses against a real daemon, and embedded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from everycycle import paths
+from everycycle.cli import app
+from everycycle.protocol import FleetDescription, decode_event
+
+EC = [sys.executable, "-m", "everycycle"]
+
+
+def ec(*args: str, input: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*EC, *args], input=input, capture_output=True, text=True,
+                          timeout=timeout, env=os.environ.copy(), check=False)
+
+
+@pytest.fixture
+def daemon(models_file: Path) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([*EC, "daemon", "--models", str(models_file)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sock = paths.socket_path()
+    deadline = time.monotonic() + 30
+    while not sock.exists():
+        assert proc.poll() is None, "daemon exited"
+        assert time.monotonic() < deadline, "daemon did not start"
+        time.sleep(0.02)
+    yield proc
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    assert not sock.exists()
+
+
+def test_run_streams_only_generated_text_and_matches_embedded(
+    daemon: subprocess.Popen[bytes], models_file: Path
+) -> None:
+    args = ["run", "--models", str(models_file), "-n", "12", "--temperature", "0", "hello"]
+    via_daemon = ec(*args)
+    embedded = ec(*args, "--no-daemon")
+    assert via_daemon.returncode == 0 and embedded.returncode == 0, via_daemon.stderr
+    assert via_daemon.stdout and via_daemon.stdout == embedded.stdout
+
+
+def test_piped_stdin_is_appended_to_the_prompt(daemon: subprocess.Popen[bytes],
+                                               models_file: Path) -> None:
+    base = ["run", "--models", str(models_file), "-n", "8", "--temperature", "0"]
+    piped = ec(*base, "Summarize:", input="hello world")
+    joined = ec(*base, "Summarize:\n\nhello world")
+    other = ec(*base, "Summarize:")
+    assert piped.stdout == joined.stdout
+    assert piped.stdout != other.stdout
+
+
+def test_json_prints_the_server_events(daemon: subprocess.Popen[bytes], models_file: Path) -> None:
+    out = ec("run", "--models", str(models_file), "-n", "4", "--json", "hi")
+    events = [decode_event(line) for line in out.stdout.encode().splitlines()]
+    assert type(events[0]).__name__ == "Accepted"
+    assert type(events[-1]).__name__ == "Tokens" and events[-1].finished  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["-m", "nope", "x"], 2),
+        (["--temperature", "-1", "x"], 2),
+        (["-m", "missing", "x"], 2),
+        (["--deadline", "0.2", "-n", "8000", "--temperature", "1", "x"], 5),
+    ],
+)
+def test_exit_codes(daemon: subprocess.Popen[bytes], models_file: Path, args: list[str],
+                    code: int) -> None:
+    out = ec("run", "--models", str(models_file), *args)
+    assert out.returncode == code, out.stderr
+    assert out.stdout == "" or code == 5
+    assert out.stderr.startswith("everycycle: ")
+
+
+def test_model_not_loaded_and_rejected_exit_codes(models_file: Path) -> None:
+    proc = subprocess.Popen([*EC, "daemon", "--models", str(models_file), "--no-auto-load",
+                             "--max-queue", "0"], stderr=subprocess.DEVNULL)
+    try:
+        while not paths.socket_path().exists():
+            time.sleep(0.02)
+        assert ec("run", "--models", str(models_file), "x").returncode == 3
+        assert ec("load", "tiny").returncode == 0
+        blocker = subprocess.Popen([*EC, "run", "--models", str(models_file), "-n", "8000",
+                                    "--temperature", "1", "x"], stdout=subprocess.DEVNULL)
+        time.sleep(1.0)
+        assert ec("run", "--models", str(models_file), "x").returncode == 4
+        blocker.kill()
+        blocker.wait()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+
+
+def test_sigint_cancels_on_the_daemon_and_exits_130(
+    daemon: subprocess.Popen[bytes], models_file: Path
+) -> None:
+    proc = subprocess.Popen([*EC, "run", "--models", str(models_file), "-n", "8000",
+                             "--temperature", "1", "x"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.read(1)  # it is streaming
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130, err
+    audit = [json.loads(x) for x in paths.audit_file().read_text().splitlines()]
+    assert audit[-1]["outcome"] == "Cancelled"
+
+
+def test_closed_stdout_cancels_quietly(daemon: subprocess.Popen[bytes], models_file: Path) -> None:
+    cmd = (f"{sys.executable} -m everycycle run --models {models_file} -n 8000 "
+           "--temperature 1 x | head -c 1")
+    out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.encode()) == 1 and out.stderr == ""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if paths.audit_file().exists():
+            audit = [json.loads(x) for x in paths.audit_file().read_text().splitlines()]
+            if audit and audit[-1]["outcome"] == "Cancelled":
+                return
+        time.sleep(0.05)
+    pytest.fail("the daemon never saw the cancel")
+
+
+def test_fleet_json_and_table(daemon: subprocess.Popen[bytes], models_file: Path) -> None:
+    assert ec("load", "tiny").returncode == 0
+    out = ec("fleet", "--json")
+    event = decode_event(out.stdout.encode())
+    assert isinstance(event, FleetDescription)
+    assert [m.name for m in event.snapshot.loaded_models] == ["tiny"]
+    table = ec("fleet")
+    assert "tiny" in table.stderr + table.stdout and "cpu" in table.stderr + table.stdout
+
+
+def test_fleet_without_daemon_exits_69() -> None:
+    out = ec("fleet")
+    assert out.returncode == 69 and "cpu" in out.stderr and out.stdout == ""
+    assert ec("fleet", "--json").returncode == 69
+
+
+def test_run_without_prompt_is_a_usage_error() -> None:
+    result = CliRunner().invoke(app, ["run"], input="")
+    assert result.exit_code == 2
+
+
+def test_models_json_lists_the_registry(models_file: Path) -> None:
+    result = CliRunner().invoke(app, ["models", "--json", "--models", str(models_file)])
+    rows = json.loads(result.stdout)
+    assert {r["name"]: r["available"] for r in rows} == {"tiny": True, "tiny4": True,
+                                                          "missing": False}
+
+
+def test_help_and_version() -> None:
+    runner = CliRunner()
+    assert "Usage" in runner.invoke(app, []).output
+    assert runner.invoke(app, ["--version"]).output.startswith("everycycle ")
+    for cmd in ("run", "fleet", "models", "load", "unload", "cancel", "stop", "daemon"):
+        assert "Example" in runner.invoke(app, [cmd, "--help"]).output
+
+
+def test_second_daemon_is_refused(daemon: subprocess.Popen[bytes], models_file: Path) -> None:
+    out = ec("daemon", "--models", str(models_file))
+    assert out.returncode == 1 and f"pid {daemon.pid}" in out.stderr
+
+
+def test_cli_does_not_import_llama_cpp() -> None:
+    code = "import sys, everycycle.cli; assert 'llama_cpp' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+@pytest.mark.gemma
+def test_default_gemma_model_runs_offline() -> None:
+    out = ec("run", "--no-daemon", "-n", "8", "--temperature", "0", "Say hi.", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
