@@ -188,3 +188,21 @@ def test_default_gemma_model_runs_offline() -> None:
     out = ec("run", "--no-daemon", "-n", "8", "--temperature", "0", "Say hi.", timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()
+
+
+def test_daemon_detach_then_stop(models_file: Path) -> None:
+    out = ec("daemon", "--detach", "--models", str(models_file))
+    assert out.returncode == 0, out.stderr
+    assert "serving" in out.stderr and out.stdout == ""
+    pid_file = paths.pid_file_for(paths.socket_path())
+    pid = int(pid_file.read_text())
+    assert ec("fleet", "--json").returncode == 0
+    assert ec("stop").returncode == 0
+    deadline = time.monotonic() + 20
+    while paths.socket_path().exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not paths.socket_path().exists() and not pid_file.exists()
+    with pytest.raises(ProcessLookupError):
+        for _ in range(200):
+            os.kill(pid, 0)
+            time.sleep(0.05)

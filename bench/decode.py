@@ -1,0 +1,106 @@
+"""Single-stream decode speed: the engine vs a raw llama_decode + native-sampler loop.
+
+Both run in this process, on the same GGUF, threads and prompt, alternating rounds;
+prints tok/s for each and the ratio (goal >= 0.97).
+
+    .venv/bin/python bench/decode.py [--tokens 128] [--rounds 3] [--model PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import llama_cpp as L  # noqa: N812
+
+from everycycle.engine import Job, Runner, Sampling, _backend_init
+from everycycle.protocol import Format
+from everycycle.registry import load_registry, local_file
+
+
+def raw_loop(path: Path, prompt: list[int], n: int, threads: int) -> float:
+    _backend_init()
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    model = L.llama_model_load_from_file(str(path).encode(), mp)
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 4096, 512, threads, threads
+    cp.no_perf = True
+    ctx = L.llama_init_from_model(model, cp)
+    vocab = L.llama_model_get_vocab(model)
+    smpl = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+    L.llama_sampler_chain_add(smpl, L.llama_sampler_init_greedy())
+    arr = (L.llama_token * len(prompt))(*prompt)
+    L.llama_decode(ctx, L.llama_batch_get_one(arr, len(prompt)))
+    tok_arr = (L.llama_token * 1)()
+    buf = ctypes.create_string_buffer(64)
+    start = time.perf_counter()
+    done = 0
+    for _ in range(n):
+        tok = L.llama_sampler_sample(smpl, ctx, -1)
+        if L.llama_vocab_is_eog(vocab, tok):
+            break
+        L.llama_token_to_piece(vocab, tok, buf, 64, 0, False)
+        tok_arr[0] = tok
+        L.llama_decode(ctx, L.llama_batch_get_one(tok_arr, 1))
+        done += 1
+    elapsed = time.perf_counter() - start
+    L.llama_sampler_free(smpl)
+    L.llama_free(ctx)
+    L.llama_model_free(model)
+    return done / elapsed
+
+
+def engine(path: Path, prompt: list[int], n: int, threads: int) -> float:
+    done = threading.Event()
+    first: list[float] = []
+    count = [0]
+
+    def notify(batch: list[tuple[Job, object]]) -> None:
+        for _job, out in batch:
+            if not first:
+                first.append(time.perf_counter())
+            count[0] += len(out.ids)  # type: ignore[attr-defined]
+            if out.finished:  # type: ignore[attr-defined]
+                done.set()
+
+    runner = Runner(path, context=4096, parallel=1, notify=notify, n_threads=threads)
+    job = Job(tokens=prompt, max_tokens=n + 1, sampling=Sampling(temperature=0.0))
+    runner.submit(job)
+    done.wait()
+    elapsed = time.perf_counter() - first[0]  # from the first token, as the raw loop
+    runner.close()
+    return (job.n_generated - 1) / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model", type=Path)
+    args = ap.parse_args()
+    path = args.model or local_file(load_registry().get("gemma-3-270m"))
+    threads = os.cpu_count() or 1
+    probe = Runner(path, context=256, parallel=1, notify=lambda b: None, n_threads=threads)
+    prompt = probe.tokenize("Write a long story about a lighthouse keeper.", Format.CHAT)
+    probe.close()
+    raws, engs = [], []
+    for r in range(args.rounds):
+        raws.append(raw_loop(path, prompt, args.tokens, threads))
+        engs.append(engine(path, prompt, args.tokens, threads))
+        print(f"round {r + 1}: raw {raws[-1]:.1f} tok/s  engine {engs[-1]:.1f} tok/s",
+              file=sys.stderr)
+    raw, eng = max(raws), max(engs)
+    print(f"model {path.name}, {args.tokens} tokens, {threads} threads")
+    print(f"raw llama_decode loop: {raw:.1f} tok/s")
+    print(f"everycycle engine:     {eng:.1f} tok/s")
+    print(f"ratio engine/raw:      {eng / raw:.3f}")
+
+
+if __name__ == "__main__":
+    main()
