@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-import llama_cpp as L  # noqa: N812
+import llama_cpp as L
 
 from everycycle.engine import Job, Runner, Sampling, _backend_init
 from everycycle.protocol import Format

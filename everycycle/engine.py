@@ -168,7 +168,7 @@ class Runner:
         cparams.n_threads_batch = threads
         cparams.no_perf = True
         if hasattr(cparams, "kv_unified"):
-            cparams.kv_unified = parallel == 1
+            cparams.kv_unified = False
         ctx = L.llama_init_from_model(model, cparams)
         if not ctx:
             L.llama_model_free(model)
