@@ -240,15 +240,27 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
-def _call(socket: Path | None, fn: Any) -> Any:
+def _call(socket: Path | None, fn: Any, *, unavailable_raises: bool = False) -> Any:
+    """Run ``fn(client)`` against the daemon; errors exit with their code.
+
+    With ``unavailable_raises``, DaemonUnavailableError propagates to the caller.
+    """
     async def go() -> Any:
         async with connect(socket) as client:
             return await fn(client)
 
     try:
         return anyio.run(go)
+    except DaemonUnavailableError as exc:
+        if unavailable_raises:
+            raise
+        _exit_for(exc)
     except EverycycleError as exc:
         _exit_for(exc)
+
+
+def _fleet(socket: Path | None) -> Any:
+    return _call(socket, lambda c: c.describe_fleet(), unavailable_raises=True)
 
 
 @app.command()
@@ -263,7 +275,7 @@ def fleet(
     Example: everycycle fleet --json
     """
     try:
-        snap = _call_raw(socket)
+        snap = _fleet(socket)
     except DaemonUnavailableError as exc:
         sys.stderr.write(f"everycycle: {exc.message}\n")
         if not as_json:
@@ -296,22 +308,9 @@ def fleet(
         while True:
             time.sleep(1)
             try:
-                live.update(fleet_view(_call_raw(socket)))
+                live.update(fleet_view(_fleet(socket)))
             except DaemonUnavailableError:
                 break
-
-
-def _call_raw(socket: Path | None) -> Any:
-    async def go() -> Any:
-        async with connect(socket) as client:
-            return await client.describe_fleet()
-
-    try:
-        return anyio.run(go)
-    except DaemonUnavailableError:
-        raise
-    except EverycycleError as exc:
-        _exit_for(exc)
 
 
 @app.command(name="models")

@@ -297,7 +297,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = True) -> None:
 
     daemon = Daemon(config)
 
-    async def watch_signals(scope: anyio.CancelScope) -> None:
+    async def watch_signals() -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log.info("signal %d: shutting down", signum)
@@ -306,6 +306,6 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = True) -> None:
 
     async with anyio.create_task_group() as tg:
         if handle_signals:
-            tg.start_soon(watch_signals, tg.cancel_scope)
+            tg.start_soon(watch_signals)
         await daemon.run()
         tg.cancel_scope.cancel()

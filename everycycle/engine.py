@@ -234,9 +234,6 @@ class Runner:
                 job._cancel_reason = reason
             self._cond.notify()
 
-    def busy_slots(self) -> int:
-        return sum(1 for s in self._slots if s.job is not None)
-
     def close(self) -> None:
         """Stop the thread (active jobs end cancelled) and free llama.cpp state."""
         with self._cond:
@@ -347,7 +344,7 @@ class Runner:
         slot.sampler = None
         slot.job = None
         slot.todo = []
-        if reason in ("error",):
+        if reason == "error":  # the KV cells may be half-written
             self._L.llama_memory_seq_rm(self._mem, slot.seq, -1, -1)
             slot.cached.clear()
 
