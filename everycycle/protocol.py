@@ -95,6 +95,19 @@ def _check_range(name: str, value: float | None, lo: float, hi: float) -> None:
         raise ProtocolError(f"{name} must be between {lo_s} and {hi_s}")
 
 
+def _check_text(message: object) -> None:
+    """Every string field must be encodable as UTF-8 (no lone surrogates)."""
+    for f in dataclasses.fields(message):  # type: ignore[arg-type]
+        value = getattr(message, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        for v in values:
+            if isinstance(v, str) and not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ProtocolError(f"{f.name} is not valid Unicode") from None
+
+
 def _check_name(what: str, value: str) -> None:
     if not 1 <= len(value) <= _MAX_NAME:
         raise ProtocolError(f"{what} must be 1-{_MAX_NAME} characters")
@@ -122,6 +135,7 @@ class Accepted:
     queue_position: int
 
     def __post_init__(self) -> None:
+        _check_text(self)
         validate_request_id(self.request_id)
         _check_range("queue_position", self.queue_position, 0, _U32_MAX)
 
@@ -134,6 +148,7 @@ class TokenChunk:
     ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        _check_text(self)
         for i in self.ids:
             _check_range("token id", i, 0, _TOKEN_ID_MAX)
 
@@ -147,6 +162,7 @@ class Tokens:
     finished: bool
 
     def __post_init__(self) -> None:
+        _check_text(self)
         validate_request_id(self.request_id)
 
 
@@ -161,6 +177,7 @@ class ExecutorSummary:
     memory_free: int | None = field(default=None, metadata={"skip_none": True})
 
     def __post_init__(self) -> None:
+        _check_text(self)
         _check_range("device_count", self.device_count, 0, _U32_MAX)
         _check_range("memory_total", self.memory_total, 0, 2**63 - 1)
         _check_range("memory_free", self.memory_free, 0, 2**63 - 1)
@@ -178,6 +195,7 @@ class LoadedModel:
     queued: int | None = field(default=None, metadata={"skip_none": True})
 
     def __post_init__(self) -> None:
+        _check_text(self)
         for name in ("slots", "busy", "queued"):
             _check_range(name, getattr(self, name), 0, _U32_MAX)
 
@@ -192,6 +210,7 @@ class FleetSnapshot:
     active_requests: int
 
     def __post_init__(self) -> None:
+        _check_text(self)
         _check_range("active_requests", self.active_requests, 0, _U32_MAX)
 
 
@@ -212,6 +231,7 @@ class Error:
     message: str
 
     def __post_init__(self) -> None:
+        _check_text(self)
         if self.request_id:
             validate_request_id(self.request_id)
 
@@ -223,6 +243,7 @@ class Done:
     request_id: str
 
     def __post_init__(self) -> None:
+        _check_text(self)
         validate_request_id(self.request_id)
 
 
@@ -259,6 +280,7 @@ class Generate:
     deadline_ms: int | None = None
 
     def __post_init__(self) -> None:
+        _check_text(self)
         validate_request_id(self.request_id)
         _check_name("model", self.model)
         _check_range("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
@@ -284,6 +306,7 @@ class DescribeFleet:
     request_id: str
 
     def __post_init__(self) -> None:
+        _check_text(self)
         validate_request_id(self.request_id)
 
 
@@ -295,6 +318,7 @@ class Cancel:
     target: str
 
     def __post_init__(self) -> None:
+        _check_text(self)
         validate_request_id(self.request_id)
         validate_request_id(self.target)
 
@@ -308,6 +332,7 @@ class Load:
     executor: str | None = None
 
     def __post_init__(self) -> None:
+        _check_text(self)
         validate_request_id(self.request_id)
         _check_name("model", self.model)
         if self.executor is not None:
@@ -322,6 +347,7 @@ class Unload:
     model: str
 
     def __post_init__(self) -> None:
+        _check_text(self)
         validate_request_id(self.request_id)
         _check_name("model", self.model)
 
@@ -333,6 +359,7 @@ class Shutdown:
     request_id: str
 
     def __post_init__(self) -> None:
+        _check_text(self)
         validate_request_id(self.request_id)
 
 
@@ -341,6 +368,9 @@ class Auth:
     """First line on a TCP connection: the bearer token."""
 
     token: str
+
+    def __post_init__(self) -> None:
+        _check_text(self)
 
 
 Request = Generate | DescribeFleet | Cancel | Load | Unload | Shutdown | Auth

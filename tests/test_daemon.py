@@ -341,3 +341,24 @@ async def test_many_requests_interleave_on_one_connection(models_file: Path) -> 
         for i in range(4):
             evs = await c.until_terminal(f"m{i}")
             assert evs[0] == Accepted(f"m{i}", 0) and is_terminal(evs[-1])
+
+
+async def test_prompt_and_max_tokens_bounds_are_invalid(models_file: Path) -> None:
+    limits = Limits(max_prompt_bytes=100, max_tokens=50)
+    async with running_daemon(models_file, limits=limits), Raw.open() as c:
+        await c.send(gen("big", prompt="x" * 101))
+        ev = await c.next()
+        assert isinstance(ev, Error) and ev.kind is ErrorKind.INVALID and "100 bytes" in ev.message
+        await c.send(gen("many", max_tokens=51))
+        ev = await c.next()
+        assert isinstance(ev, Error) and ev.kind is ErrorKind.INVALID and "max_tokens" in ev.message
+        await c.send(gen("fits", prompt="x" * 100, max_tokens=50))
+        assert (await c.until_terminal("fits"))[0] == Accepted("fits", 0)
+
+
+async def test_prompt_longer_than_the_context_is_invalid(models_file: Path) -> None:
+    async with running_daemon(models_file), Raw.open() as c:
+        await c.send(gen("long", model="tiny4", prompt="hello " * 400))
+        ev = await c.next()
+        assert isinstance(ev, Error) and ev.kind is ErrorKind.INVALID
+        assert "context holds 512" in ev.message

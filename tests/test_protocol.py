@@ -42,7 +42,9 @@ def test_golden_values_decode_to_the_expected_objects() -> None:
 rid = st.from_regex(r"[A-Za-z0-9._:-]{1,64}", fullmatch=True)
 text = st.text()
 name = st.text(
-    alphabet=st.characters(min_codepoint=0x20, exclude_characters="\x7f"), min_size=1, max_size=40
+    alphabet=st.characters(min_codepoint=0x20, exclude_characters="\x7f", exclude_categories=["Cs"]),
+    min_size=1,
+    max_size=40,
 )
 u32 = st.integers(0, 2**32 - 1)
 token_ids = st.lists(st.integers(0, 2**31 - 1), max_size=8).map(tuple)
@@ -209,6 +211,21 @@ def test_malformed_lines_raise_the_typed_error(line: bytes, rid: str) -> None:
     assert info.value.message
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: p.Load("a", "\ud800"),
+        lambda: p.Generate("a", "m", "x\udfff"),
+        lambda: p.Tokens("a", p.TokenChunk("\ud800", ()), False),
+        lambda: p.Auth("\ud800"),
+        lambda: p.Generate("a", "m", "", stop=("ok", "\ud800")),
+    ],
+)
+def test_a_message_with_a_lone_surrogate_cannot_be_built(make: object) -> None:
+    with pytest.raises(ProtocolError, match="not valid Unicode"):
+        make()  # type: ignore[operator]
+
+
 def test_error_messages_match_the_seed_wording() -> None:
     with pytest.raises(ProtocolError, match="max_tokens must be between 1 and 32768"):
         p.Generate("a", "m", "", max_tokens=0)
@@ -222,9 +239,13 @@ def test_arbitrary_bytes_only_ever_raise_protocol_error(data: bytes) -> None:
         pass
 
 
+def _containers(children: st.SearchStrategy[object]) -> st.SearchStrategy[object]:
+    return st.lists(children) | st.dictionaries(st.text(), children)
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
-    lambda children: st.lists(children) | st.dictionaries(st.text(), children),
+    _containers,
     max_leaves=20,
 )
 
