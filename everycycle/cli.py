@@ -141,6 +141,8 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="Print the ServerEvent lines.")]
     = False,
     no_daemon: Annotated[bool, typer.Option("--no-daemon", help="Run in-process.")] = False,
+    offline: Annotated[bool, typer.Option("--offline", help="Never download a model.")]
+    = False,
     models: ModelsOpt = None,
     socket: SocketOpt = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
@@ -165,6 +167,7 @@ def run(
             stop=tuple(stop) if stop else None, format=Format.RAW if raw else None,
             deadline_ms=None if deadline is None else max(1, int(deadline * 1000)),
         )
+        _prepull(name, models, offline)
     except EverycycleError as exc:
         _exit_for(exc)
     code = anyio.run(_run, req, socket, models, no_daemon, as_json, status)
@@ -313,8 +316,13 @@ def fleet(
                 break
 
 
-@app.command(name="models")
+models_app = typer.Typer(no_args_is_help=False)
+app.add_typer(models_app, name="models")
+
+
+@models_app.callback(invoke_without_command=True)
 def models_cmd(
+    ctx: typer.Context,
     as_json: Annotated[bool, typer.Option("--json")] = False,
     models: ModelsOpt = None,
 ) -> None:
@@ -322,6 +330,8 @@ def models_cmd(
 
     Example: everycycle models --json
     """
+    if ctx.invoked_subcommand is not None:
+        return
     from .registry import load_registry
 
     try:
@@ -351,6 +361,78 @@ def models_cmd(
     Console(stderr=not sys.stdout.isatty()).print(table)
 
 
+@models_app.command("add")
+def models_add(
+    name: str,
+    url: Annotated[str, typer.Argument(help="hf://owner/repo/file.gguf[@revision]")],
+    context: Annotated[int, typer.Option("--context")] = 4096,
+    parallel: Annotated[int, typer.Option("--parallel")] = 4,
+) -> None:
+    """Download a hub GGUF and record it, pinned, in your models.toml.
+
+    Example: everycycle models add qwen hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf
+    """
+    from . import hub
+    from .registry import add_user_entry
+
+    try:
+        ref = hub.parse_hf_url(url)
+        path = hub.download(ref, progress=sys.stderr.isatty())
+        commit = hub.commit_of(path) or ref.revision
+        digest = hub.sha256_of(path)
+        where = add_user_entry(name, {
+            "hf_repo": ref.repo, "hf_file": ref.file, "revision": commit, "sha256": digest,
+            "context": context, "parallel": parallel,
+        })
+    except EverycycleError as exc:
+        _exit_for(exc)
+    sys.stderr.write(f"everycycle: added '{name}' (revision {commit}, sha256 {digest}) "
+                     f"to {where}\n")
+
+
+@app.command()
+def pull(
+    model: Annotated[str, typer.Argument(help="A registry name or hf://owner/repo/file[@rev]")],
+    models: ModelsOpt = None,
+) -> None:
+    """Download a model into the Hugging Face cache; prints its local path.
+
+    Example: everycycle pull hf://ggml-org/gemma-3-270m-it-GGUF/gemma-3-270m-it-Q8_0.gguf
+    """
+    from . import hub
+    from .registry import load_registry, local_file
+
+    progress = sys.stderr.isatty()
+    try:
+        if model.startswith("hf:"):
+            path = hub.download(hub.parse_hf_url(model), progress=progress)
+        else:
+            spec = load_registry(models).get(model)
+            if spec.hf_repo is not None:
+                path = hub.download(hub.ref_of(spec), sha256=spec.sha256, progress=progress)
+            else:
+                path = local_file(spec)
+    except EverycycleError as exc:
+        _exit_for(exc)
+    sys.stdout.write(f"{path}\n")
+
+
+def _prepull(name: str, models: Path | None, offline: bool) -> None:
+    """Download a hub model the registry names before asking for it (progress on stderr).
+
+    Raises EverycycleError subclasses; a name the local registry does not know is left
+    for the daemon to judge.
+    """
+    from .registry import load_registry, local_file
+
+    spec = load_registry(models).models.get(name)
+    if spec is None or spec.hf_repo is None:
+        return
+    if offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    local_file(spec, download=not offline, progress=sys.stderr.isatty())
+
+
 def _available(spec: Any) -> bool:
     import importlib.util
 
@@ -372,9 +454,16 @@ def load(
     model: str,
     executor: Annotated[str | None, typer.Option("--executor", help="cuda, metal, cpu, …")]
     = None,
+    offline: Annotated[bool, typer.Option("--offline", help="Never download a model.")]
+    = False,
+    models: ModelsOpt = None,
     socket: SocketOpt = None,
 ) -> None:
     """Load MODEL on the daemon.  Example: everycycle load gemma-3-270m --executor cpu"""
+    try:
+        _prepull(model, models, offline)
+    except EverycycleError as exc:
+        _exit_for(exc)
     _call(socket, lambda c: c.load(model, executor))
 
 

@@ -1,28 +1,237 @@
-"""Hugging Face hub access: pinned downloads into the shared HF cache.
+"""Hugging Face hub access: pinned, verified downloads into the shared HF cache.
 
-Files go where every other tool looks for them (``HF_HOME`` / ``HF_HUB_CACHE``);
-``HF_HUB_OFFLINE`` is respected by huggingface-hub itself.
+Files go where every other tool looks for them (``HF_HUB_CACHE`` / ``HF_HOME``), read
+at call time; ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` are respected. huggingface-hub
+resumes an interrupted download from its ``.incomplete`` file. A sha256 pin is checked
+after download and remembered per file (size + mtime), so a verified 300 MB file is
+not hashed again on every load. A mismatch deletes nothing; the model is not used.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Self, cast
 
-from .errors import InvalidRequestError
+from . import paths
+from .errors import InternalError, InvalidRequestError
 from .registry import ModelSpec
+
+_HF_URL = re.compile(r"hf://(?P<repo>[^/@\s]+/[^/@\s]+)/(?P<file>[^@\s]+?)(?:@(?P<rev>[^@\s]+))?")
+
+
+@dataclass(frozen=True, slots=True)
+class HubRef:
+    """A file in a hub repo, optionally at a revision (a commit sha pins it)."""
+
+    repo: str
+    file: str
+    revision: str | None = None
+
+
+class ChecksumMismatchError(InvalidRequestError):
+    """The downloaded file's sha256 differs from the pinned one."""
+
+
+def parse_hf_url(url: str) -> HubRef:
+    """``hf://owner/repo/path/file.gguf[@revision]``. Raises InvalidRequestError."""
+    m = _HF_URL.fullmatch(url)
+    if m is None:
+        raise InvalidRequestError(f"not a hub URL: {url!r} (want hf://owner/repo/file.gguf[@rev])")
+    return HubRef(m["repo"], m["file"], m["rev"])
+
+
+def ref_of(spec: ModelSpec) -> HubRef:
+    if spec.hf_repo is None or spec.hf_file is None:
+        raise InvalidRequestError(f"model '{spec.name}' is not a hub model")
+    return HubRef(spec.hf_repo, spec.hf_file, spec.revision)
+
+
+def cache_dir() -> Path:
+    """The HF hub cache, from the environment as it is now."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "huggingface"
+    )
+    return Path(home) / "hub"
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def cached_file(spec: ModelSpec) -> Path:
-    """The cached GGUF of a hub model at its pinned revision, with no network access.
+    """The cached, verified GGUF of a hub model, with no network access.
 
-    Raises InvalidRequestError when it is not in the cache yet.
+    Raises InvalidRequestError when it is not in the cache (telling the user to pull)
+    and ChecksumMismatchError when it does not match its sha256 pin.
     """
     from huggingface_hub import try_to_load_from_cache
 
-    assert spec.hf_repo is not None and spec.hf_file is not None
-    found = try_to_load_from_cache(spec.hf_repo, spec.hf_file, revision=spec.revision)
-    if isinstance(found, str):
-        return Path(found)
-    raise InvalidRequestError(
-        f"model '{spec.name}' is not downloaded yet: run `everycycle pull {spec.name}`"
+    ref = ref_of(spec)
+    found = try_to_load_from_cache(ref.repo, ref.file, revision=ref.revision,
+                                   cache_dir=str(cache_dir()))
+    if not isinstance(found, str):
+        raise InvalidRequestError(
+            f"model '{spec.name}' is not downloaded yet: run `everycycle pull {spec.name}`"
+        )
+    path = Path(found)
+    if spec.sha256:
+        verify(path, spec.sha256)
+    return path
+
+
+def download(ref: HubRef, *, sha256: str | None = None, progress: bool = False) -> Path:
+    """Download ``ref`` into the HF cache (resuming a partial file) and verify it.
+
+    Raises InvalidRequestError for an unknown repo, file or revision or when offline
+    and not cached, ChecksumMismatchError for a bad file, InternalError when the hub
+    cannot be reached.
+    """
+    import httpx2
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
     )
+
+    bar: Any = _RichBar if progress else _SilentBar
+    where = f"hf://{ref.repo}/{ref.file}" + (f"@{ref.revision}" if ref.revision else "")
+    try:
+        found = hf_hub_download(
+            ref.repo, ref.file, revision=ref.revision, cache_dir=str(cache_dir()),
+            endpoint=os.environ.get("HF_ENDPOINT") or None, local_files_only=offline(),
+            tqdm_class=cast(Any, bar),
+        )
+    except GatedRepoError:
+        raise InvalidRequestError(f"{where}: the repo is gated; log in with `hf auth login`"
+                                  ) from None
+    except RepositoryNotFoundError:
+        raise InvalidRequestError(f"{where}: no such repository on the hub") from None
+    except RevisionNotFoundError:
+        raise InvalidRequestError(f"{where}: no such revision") from None
+    except LocalEntryNotFoundError as exc:
+        if offline():
+            raise InvalidRequestError(
+                f"{where} is not in the cache and the hub is offline (HF_HUB_OFFLINE); "
+                "pull it while online"
+            ) from None
+        cause = exc.__cause__ or exc.__context__ or exc
+        raise InternalError(f"{where}: cannot reach the hub ({cause}) and it is not cached"
+                            ) from None
+    except EntryNotFoundError:
+        raise InvalidRequestError(f"{where}: no such file in the repository") from None
+    except (OSError, httpx2.HTTPError) as exc:  # unreachable hub, a broken transfer, disk
+        raise InternalError(f"{where}: download failed: {type(exc).__name__}: {exc}") from None
+    path = Path(str(found))
+    if sha256:
+        verify(path, sha256)
+    return path
+
+
+def commit_of(path: Path) -> str | None:
+    """The commit a cached snapshot file belongs to (``…/snapshots/<commit>/file``)."""
+    parts = path.parts
+    if "snapshots" in parts:
+        i = parts.index("snapshots")
+        if i + 1 < len(parts):
+            return parts[i + 1]
+    return None
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(path: Path, expected: str) -> None:
+    """Check ``path`` against ``expected`` (remembered once verified).
+
+    Raises ChecksumMismatchError naming both hashes; the file is left in place.
+    """
+    real = path.resolve()
+    st = real.stat()
+    key = str(real)
+    stamp = [st.st_size, st.st_mtime_ns, expected]
+    memo_path = paths.state_dir() / "verified.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if memo.get(key) == stamp:
+        return
+    actual = sha256_of(real)
+    if actual != expected:
+        raise ChecksumMismatchError(
+            f"{path}: sha256 is {actual}, but the registry pins {expected}; "
+            "the file was not used (nothing was deleted)"
+        )
+    memo[key] = stamp
+    with contextlib.suppress(OSError):
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_path)
+
+
+class _SilentBar:
+    """A progress bar that shows nothing (stderr is not a terminal)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def update(self, n: float = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class _RichBar(_SilentBar):
+    """A Rich progress bar on stderr: bytes, speed, ETA."""
+
+    def __init__(self, *args: object, total: int | None = None, initial: int = 0,
+                 desc: str = "", **kwargs: object) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+            TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(desc or "download", total=total, completed=initial)
+
+    def update(self, n: float = 1) -> None:
+        self._progress.advance(self._task, n)
+
+    def close(self) -> None:
+        self._progress.stop()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -10,6 +10,8 @@ that ships the weights (its ``assemble()`` returns the GGUF path), or a Hugging 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -179,15 +181,21 @@ def load_registry(models_file: Path | None = None) -> Registry:
     return Registry(models=models, default=default, files=tuple(used))
 
 
-def local_file(spec: ModelSpec) -> Path:
-    """The GGUF on disk for ``spec``, without any network access.
+def local_file(spec: ModelSpec, *, download: bool = False, progress: bool = False) -> Path:
+    """The GGUF on disk for ``spec``, checked against its sha256 pin.
 
-    Raises InvalidRequestError when the file is missing or not yet downloaded, and
-    ConfigError when the weights package is not installed.
+    A hub model not in the cache is downloaded when ``download`` is set and the hub
+    is not offline (with a progress bar on stderr when ``progress``). Raises
+    InvalidRequestError when the file is missing or not yet downloaded, ConfigError
+    when the weights package is not installed, and the hub module's errors.
     """
+    from . import hub
+
     if spec.path is not None:
         if not spec.path.is_file():
             raise InvalidRequestError(f"model '{spec.name}': {spec.path} is not a file")
+        if spec.sha256:
+            hub.verify(spec.path, spec.sha256)
         return spec.path
     if spec.package is not None:
         try:
@@ -197,7 +205,43 @@ def local_file(spec: ModelSpec) -> Path:
                 f"model '{spec.name}' needs the package {spec.package}: "
                 "pip install 'everycycle[default-model]'"
             ) from None
-        return Path(module.assemble())
-    from . import hub
+        return Path(module.assemble())  # the package checks its own sha256
+    try:
+        return hub.cached_file(spec)
+    except hub.ChecksumMismatchError:
+        raise
+    except InvalidRequestError:
+        if not download or hub.offline():
+            raise
+    return hub.download(hub.ref_of(spec), sha256=spec.sha256, progress=progress)
 
-    return hub.cached_file(spec)
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(str(value), ensure_ascii=False)  # a TOML basic string
+
+
+def add_user_entry(name: str, fields: dict[str, object]) -> Path:
+    """Append ``[models."name"]`` to the user's models.toml; returns that file.
+
+    Raises ConfigError if the name is already there or the result would not parse.
+    """
+    target = paths.user_models_file()
+    existing = target.read_text(encoding="utf-8") if target.exists() else ""
+    if existing:
+        entries, _ = parse_file(target)
+        if name in entries:
+            raise ConfigError(f"{target}: model '{name}' is already defined")
+    block = f"\n[models.{json.dumps(name, ensure_ascii=False)}]\n" + "".join(
+        f"{key} = {_toml_value(value)}\n" for key, value in fields.items() if value is not None
+    )
+    text = existing + block
+    _parse_entry(name, tomllib.loads(text)["models"][name], target)  # validate before writing
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, target)
+    return target

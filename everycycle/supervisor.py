@@ -438,7 +438,7 @@ class Supervisor:
             return model
 
     def _load_blocking(self, spec: ModelSpec, executor: str | None) -> _Model:
-        path = local_file(spec)
+        path = local_file(spec, download=True)  # auto-pull a hub model (logged)
         n_ctx_total = spec.context * spec.parallel
         need = estimate_bytes(path, n_ctx_total)
         chosen = ex.place(executor or spec.executor, self._executors, need)

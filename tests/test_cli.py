@@ -169,7 +169,7 @@ def test_help_and_version() -> None:
     runner = CliRunner()
     assert "Usage" in runner.invoke(app, []).output
     assert runner.invoke(app, ["--version"]).output.startswith("everycycle ")
-    for cmd in ("run", "fleet", "models", "load", "unload", "cancel", "stop", "daemon"):
+    for cmd in ("run", "fleet", "models", "load", "unload", "cancel", "stop", "daemon", "pull"):
         assert "Example" in runner.invoke(app, [cmd, "--help"]).output
 
 
