@@ -8,21 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
-import signal
-import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
-import anyio
 import typer
 
 from . import __version__, paths
-from .client import BaseClient, connect, embedded, new_request_id
 from .errors import (
     ConfigError,
     DaemonUnavailableError,
@@ -31,6 +27,9 @@ from .errors import (
     ProtocolError,
 )
 from .protocol import Accepted, Error, FleetDescription, Format, Generate, Tokens, encode
+
+if TYPE_CHECKING:
+    from .client import BaseClient
 
 EXIT_CODES = {
     ErrorKind.INTERNAL: 1,
@@ -82,6 +81,8 @@ def _main(
 @contextlib.asynccontextmanager
 async def _client(socket: Path | None, models: Path | None, no_daemon: bool,
                   status: _Status) -> AsyncIterator[BaseClient]:
+    from .client import connect, embedded
+
     if not no_daemon:
         try:
             async with connect(socket) as client:
@@ -162,7 +163,7 @@ def run(
     try:
         name = model or _registry_default(models)
         req = Generate(
-            request_id=new_request_id(), model=name, prompt=text, max_tokens=max_tokens,
+            request_id=uuid.uuid4().hex, model=name, prompt=text, max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
             stop=tuple(stop) if stop else None, format=Format.RAW if raw else None,
             deadline_ms=None if deadline is None else max(1, int(deadline * 1000)),
@@ -170,12 +171,18 @@ def run(
         _prepull(name, models, offline)
     except EverycycleError as exc:
         _exit_for(exc)
+    import anyio
+
     code = anyio.run(_run, req, socket, models, no_daemon, as_json, status)
     raise typer.Exit(code)
 
 
 async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemon: bool,
                as_json: bool, status: _Status) -> int:
+    import signal
+
+    import anyio
+
     out = sys.stdout.buffer
     interrupted = False
     try:
@@ -244,16 +251,15 @@ def _silence_stdout() -> None:
 
 
 def _call(socket: Path | None, fn: Any, *, unavailable_raises: bool = False) -> Any:
-    """Run ``fn(client)`` against the daemon; errors exit with their code.
+    """Run ``fn(client)`` on a blocking client; errors exit with their code.
 
     With ``unavailable_raises``, DaemonUnavailableError propagates to the caller.
     """
-    async def go() -> Any:
-        async with connect(socket) as client:
-            return await fn(client)
+    from .syncclient import SyncClient
 
     try:
-        return anyio.run(go)
+        with SyncClient(socket) as client:
+            return fn(client)
     except DaemonUnavailableError as exc:
         if unavailable_raises:
             raise
@@ -516,12 +522,16 @@ def daemon(
     if detach:
         _detach(sock, sys.argv[1:])
         return
+    import logging
+
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = DaemonConfig(socket=sock, models_file=models,
                           limits=Limits(max_queue=max_queue, max_inflight=max_inflight),
                           auto_load=auto_load, audit_prompts=audit_prompts, tcp=tcp_addr,
                           allow_remote=allow_remote)
+    import anyio
+
     try:
         anyio.run(serve, config)
     except AlreadyRunningError as exc:
@@ -531,6 +541,8 @@ def daemon(
 
 
 def _detach(sock: Path, argv: list[str]) -> None:
+    import subprocess
+
     from .daemon import read_pid
 
     log_path = paths.log_dir() / "daemon.log"

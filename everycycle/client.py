@@ -1,8 +1,9 @@
-"""Clients: async over the daemon's socket, embedded (in-process), and a sync wrapper.
+"""Clients: async over the daemon's socket, and embedded (in-process).
 
 All three speak the protocol's request and event objects. ``connect`` talks to a
 running daemon; ``embedded`` runs the same Supervisor in this process, so a request
 gets the same events either way. Neither imports llama_cpp until a model loads.
+``syncclient.SyncClient`` is the blocking equivalent for programs without a loop.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ import contextlib
 import math
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import anyio
 import anyio.abc
-import anyio.from_thread
 from anyio.streams.memory import MemoryObjectSendStream
 
 from . import paths
@@ -42,7 +42,7 @@ from .protocol import (
     is_terminal,
 )
 
-__all__ = ["BaseClient", "Client", "SyncClient", "connect", "embedded", "new_request_id"]
+__all__ = ["BaseClient", "Client", "EmbeddedClient", "connect", "embedded", "new_request_id"]
 
 
 def new_request_id() -> str:
@@ -244,45 +244,3 @@ async def embedded(models_file: Path | None = None) -> AsyncIterator[EmbeddedCli
             yield client
         finally:
             tg.cancel_scope.cancel()
-
-
-class SyncClient:
-    """A blocking wrapper for programs without an event loop.
-
-    >>> with SyncClient() as c:
-    ...     for event in c.generate("gemma-3-270m", "Hi"): ...
-    """
-
-    def __init__(self, socket: Path | None = None) -> None:
-        self._socket = socket
-        self._stack = contextlib.ExitStack()
-        self._client: Client | None = None
-        self._portal: anyio.from_thread.BlockingPortal | None = None
-
-    def __enter__(self) -> Self:
-        self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
-        self._client = self._stack.enter_context(
-            self._portal.wrap_async_context_manager(connect(self._socket))
-        )
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-    def generate(self, model: str, prompt: str, **options: Any) -> Iterator[ServerEvent]:
-        """Events of a Generate request, blocking for each."""
-        assert self._client is not None and self._portal is not None
-        agen = self._client.generate(model, prompt, **options)
-        while True:
-            try:
-                yield self._portal.call(agen.__anext__)
-            except StopAsyncIteration:
-                return
-
-    def describe_fleet(self) -> FleetSnapshot:
-        assert self._client is not None and self._portal is not None
-        return self._portal.call(self._client.describe_fleet)
-
-    def cancel(self, target: str) -> None:
-        assert self._client is not None and self._portal is not None
-        self._portal.call(self._client.cancel, target)

@@ -362,3 +362,20 @@ async def test_prompt_longer_than_the_context_is_invalid(models_file: Path) -> N
         ev = await c.next()
         assert isinstance(ev, Error) and ev.kind is ErrorKind.INVALID
         assert "context holds 512" in ev.message
+
+
+async def test_sync_client_streams_and_reports_errors(models_file: Path) -> None:
+    from everycycle.syncclient import SyncClient
+
+    def use() -> tuple[list[object], ErrorKind]:
+        with SyncClient() as client:
+            events = list(client.generate("tiny", "hello", max_tokens=3, temperature=0.0))
+            assert client.describe_fleet().loaded_models[0].name == "tiny"
+            with pytest.raises(RequestFailedError) as info:
+                client.cancel("nobody")
+            return events, info.value.kind
+
+    async with running_daemon(models_file):
+        events, kind = await anyio.to_thread.run_sync(use)
+    assert isinstance(events[0], Accepted) and is_terminal(events[-1])  # type: ignore[arg-type]
+    assert kind is ErrorKind.INVALID
