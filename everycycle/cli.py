@@ -59,9 +59,7 @@ def _fail(message: str, code: int) -> NoReturn:
 
 
 def _exit_for(exc: EverycycleError) -> NoReturn:
-    if isinstance(exc, DaemonUnavailableError):
-        _fail(exc.message, EXIT_UNAVAILABLE)
-    _fail(f"{exc.kind.value}: {exc.message}", EXIT_CODES[exc.kind])
+    raise typer.Exit(_report(exc))
 
 
 def _version(value: bool) -> None:
@@ -230,17 +228,25 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
                             await client.cancel(req.request_id)
                     _silence_stdout()
                     result = 0
+                except EverycycleError as exc:  # e.g. the daemon died mid-stream
+                    status.clear()
+                    result = _report(exc)
                 tg.cancel_scope.cancel()
             if not as_json and result == 0 and sys.stdout.isatty():
                 out.write(b"\n")
             return result
     except EverycycleError as exc:
         status.clear()
-        if isinstance(exc, DaemonUnavailableError):
-            sys.stderr.write(f"everycycle: {exc.message}\n")
-            return EXIT_UNAVAILABLE
-        sys.stderr.write(f"everycycle: {exc.kind.value}: {exc.message}\n")
-        return EXIT_CODES[exc.kind]
+        return _report(exc)
+
+
+def _report(exc: EverycycleError) -> int:
+    """One line on stderr; the exit code for ``exc``."""
+    if isinstance(exc, DaemonUnavailableError):
+        sys.stderr.write(f"everycycle: {exc.message}\n")
+        return EXIT_UNAVAILABLE
+    sys.stderr.write(f"everycycle: {exc.kind.value}: {exc.message}\n")
+    return EXIT_CODES[exc.kind]
 
 
 def _silence_stdout() -> None:
