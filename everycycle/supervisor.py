@@ -16,6 +16,7 @@ must not block. Rules, each upheld here and tested through the daemon:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import time
@@ -407,9 +408,15 @@ class Supervisor:
         if name.endswith(".gguf") and ("/" in name):
             if not peer.allow_paths:
                 raise InvalidRequestError("model paths are not allowed on this connection")
-            path = Path(name).expanduser()
+            path = Path(name)
             if not path.is_absolute():
                 raise InvalidRequestError("a model path must be absolute")
+            try:
+                owner = path.stat().st_uid
+            except OSError as exc:
+                raise InvalidRequestError(f"{path}: {exc.strerror}") from None
+            if owner != os.getuid():
+                raise InvalidRequestError(f"{path} belongs to another user")
             return ModelSpec(name=name, origin=path, path=path)
         return self.registry.get(name)
 

@@ -379,3 +379,22 @@ async def test_sync_client_streams_and_reports_errors(models_file: Path) -> None
         events, kind = await anyio.to_thread.run_sync(use)
     assert isinstance(events[0], Accepted) and is_terminal(events[-1])  # type: ignore[arg-type]
     assert kind is ErrorKind.INVALID
+
+
+async def test_model_paths_only_on_the_unix_socket_and_absolute(models_file: Path,
+                                                                tiny_gguf: Path) -> None:
+    async with running_daemon(models_file, tcp=("127.0.0.1", 0)) as daemon, Raw.open() as c:
+        await c.send(gen("p", model=str(tiny_gguf), max_tokens=2))
+        assert (await c.until_terminal("p"))[0] == Accepted("p", 0)
+        await c.send(gen("rel", model="models/tiny.gguf"))
+        ev = await c.next()
+        assert isinstance(ev, Error) and "absolute" in ev.message
+        await c.send(gen("etc", model="/etc/passwd.gguf"))
+        ev = await c.next()
+        assert isinstance(ev, Error) and ev.kind is ErrorKind.INVALID
+        assert daemon.tcp_port
+        async with connect(tcp=("127.0.0.1", daemon.tcp_port),
+                           token=load_or_create_token()) as client:
+            events = [e async for e in client.generate(str(tiny_gguf), "x", max_tokens=2)]
+        assert len(events) == 1 and isinstance(events[0], Error)
+        assert "not allowed on this connection" in events[0].message
