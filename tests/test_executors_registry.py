@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,55 @@ def test_unknown_model_and_missing_file_are_invalid(models_file: Path) -> None:
         reg.get("zzz")
     with pytest.raises(InvalidRequestError, match="is not a file"):
         local_file(reg.get("missing"))
+
+
+# ----------------------------------------------------------------- models.toml fuzz
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from everycycle.registry import _toml_value
+
+toml_scalars = (st.integers(-(2**40), 2**40) | st.booleans() | st.text(max_size=20)
+                | st.sampled_from(["auto", "chat", "raw", "x.gguf", "a" * 64]))
+entry_keys = st.sampled_from(["path", "package", "hf_repo", "hf_file", "revision", "sha256",
+                              "context", "parallel", "executor", "format", "bogus"])
+
+
+def render(default: object, models: dict[str, dict[str, object]]) -> str:
+    out = [] if default is None else [f"default = {_toml_value(default)}"]
+    for name, entry in models.items():
+        out.append(f"[models.{json.dumps(name)}]")
+        out += [f"{k} = {_toml_value(v)}" for k, v in entry.items()]
+    return "\n".join(out) + "\n"
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    default=st.none() | toml_scalars,
+    models=st.dictionaries(st.text(min_size=1, max_size=8),
+                           st.dictionaries(entry_keys, toml_scalars, max_size=5), max_size=3),
+)
+def test_structured_models_toml_fuzz_only_raises_config_error(
+    tmp_path_factory: pytest.TempPathFactory, default: object,
+    models: dict[str, dict[str, object]],
+) -> None:
+    f = tmp_path_factory.mktemp("t") / "models.toml"
+    f.write_text(render(default, models))
+    try:
+        load_registry(f)
+    except ConfigError as exc:
+        assert str(f) in exc.message
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(max_size=200))
+def test_arbitrary_models_toml_text_only_raises_config_error(
+    tmp_path_factory: pytest.TempPathFactory, text: str
+) -> None:
+    f = tmp_path_factory.mktemp("t") / "models.toml"
+    f.write_bytes(text.encode("utf-8", "surrogatepass"))
+    try:
+        load_registry(f)
+    except ConfigError as exc:
+        assert str(f) in exc.message
