@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .errors import EverycycleError, InternalError, InvalidRequestError
 from .protocol import Format
 
@@ -158,6 +160,7 @@ class Runner:
             raise InvalidRequestError(f"llama.cpp could not load {path} (not a valid GGUF?)")
         self._model = model
         self._vocab = L.llama_model_get_vocab(model)
+        self._n_vocab = L.llama_vocab_n_tokens(self._vocab)
         threads = n_threads or max(1, os.cpu_count() or 1)
         cparams = L.llama_context_default_params()
         cparams.n_ctx = context * parallel
@@ -290,11 +293,22 @@ class Runner:
         return buf.raw[:n]
 
     def _make_sampler(self, s: Sampling) -> Any:
+        """llama.cpp's sampler chain for ``s``; None for plain greedy decoding.
+
+        Plain greedy (temperature 0, no penalty) is an argmax over the logits, which is
+        what llama.cpp's greedy sampler computes, without building a candidate array
+        over the whole vocabulary (262k entries for Gemma) for every token.
+        """
         L = self._L
+        if s.temperature <= 0.0 and s.repeat_penalty == 1.0:
+            return None
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         if s.repeat_penalty != 1.0:
             L.llama_sampler_chain_add(
-                chain, _penalties(_PENALTY_LAST_N, s.repeat_penalty)
+                chain,
+                L.llama_sampler_init_penalties(
+                    self._n_vocab, _PENALTY_LAST_N, s.repeat_penalty, 0.0, 0.0
+                ),
             )
         if s.temperature <= 0.0:
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
@@ -340,7 +354,8 @@ class Runner:
                 if cut is not None:
                     text, reason = text[:cut], "stop"
         out.append((job, Output(text, tuple(ids), True, reason, error)))
-        self._L.llama_sampler_free(slot.sampler)
+        if slot.sampler is not None:
+            self._L.llama_sampler_free(slot.sampler)
         slot.sampler = None
         slot.job = None
         slot.todo = []
@@ -456,7 +471,11 @@ class Runner:
             for s, row in rows:
                 running = s.job
                 assert running is not None
-                tok = L.llama_sampler_sample(s.sampler, self._ctx, row)
+                if s.sampler is None:
+                    logits = L.llama_get_logits_ith(self._ctx, row)
+                    tok = int(np.ctypeslib.as_array(logits, shape=(self._n_vocab,)).argmax())
+                else:
+                    tok = L.llama_sampler_sample(s.sampler, self._ctx, row)
                 if L.llama_vocab_is_eog(self._vocab, tok):
                     self._finish(s, out, "eos")
                     continue
@@ -502,16 +521,6 @@ def _backend_init() -> None:
         _backend_state["log"] = callback  # keep the ctypes callback alive
         L.llama_log_set(callback, ctypes.c_void_p(0))
         L.llama_backend_init()
-        # The binding still declares the old five-argument signature; llama.h has four.
-        lib = L.llama_cpp._lib
-        fn = type(lib.llama_sampler_init_penalties)(("llama_sampler_init_penalties", lib))
-        fn.argtypes = [ctypes.c_int32, ctypes.c_float, ctypes.c_float, ctypes.c_float]
-        fn.restype = ctypes.c_void_p
-        _backend_state["penalties"] = fn
-
-
-def _penalties(last_n: int, repeat: float) -> Any:
-    return _backend_state["penalties"](last_n, repeat, 0.0, 0.0)
 
 
 def estimate_bytes(path: Path, n_ctx_total: int) -> int:

@@ -140,3 +140,47 @@ def test_a_missing_or_bad_file_is_invalid(tmp_path: Path, collector: Collector) 
     junk.write_bytes(b"GGUF" + b"\x00" * 100)
     with pytest.raises(InvalidRequestError):
         Runner(junk, context=64, parallel=1, notify=collector)
+
+
+def test_greedy_fast_path_matches_llama_cpps_greedy_sampler(
+    runner: Runner, collector: Collector, tiny_gguf: Path
+) -> None:
+    import llama_cpp as L
+
+    prompt = runner.tokenize("hello world", Format.RAW)
+    job = Job(tokens=prompt, tag="argmax", max_tokens=24, sampling=GREEDY)
+    runner.submit(job)
+    ours = [i for o in collector.wait("argmax") for i in o.ids]
+
+    mp = L.llama_model_default_params()
+    model = L.llama_model_load_from_file(str(tiny_gguf).encode(), mp)
+    cp = L.llama_context_default_params()
+    cp.n_ctx = 256
+    ctx = L.llama_init_from_model(model, cp)
+    chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+    L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+    arr = (L.llama_token * len(prompt))(*prompt)
+    L.llama_decode(ctx, L.llama_batch_get_one(arr, len(prompt)))
+    theirs = []
+    for _ in range(24):
+        tok = L.llama_sampler_sample(chain, ctx, -1)
+        theirs.append(tok)
+        one = (L.llama_token * 1)(tok)
+        L.llama_decode(ctx, L.llama_batch_get_one(one, 1))
+    L.llama_sampler_free(chain)
+    L.llama_free(ctx)
+    L.llama_model_free(model)
+    assert ours == theirs
+
+
+def test_repeat_penalty_goes_through_llama_cpps_penalties_sampler(
+    runner: Runner, collector: Collector
+) -> None:
+    plain = run(runner, collector, "rp0", "the", max_tokens=48, sampling=GREEDY)
+    penalised = run(runner, collector, "rp1", "the", max_tokens=48,
+                    sampling=Sampling(temperature=0.0, repeat_penalty=5.0))
+    assert plain != penalised
+    # a strong penalty on the last 64 tokens makes repeats rarer
+    ids_plain = [i for o in collector.wait("rp0") for i in o.ids]
+    ids_pen = [i for o in collector.wait("rp1") for i in o.ids]
+    assert len(set(ids_pen)) > len(set(ids_plain))
