@@ -12,6 +12,7 @@ that extends a previous one costs to prefill.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,17 +83,6 @@ async def everycycle_load(client: BaseClient, k: int, n: int) -> Run:
     return Run(sum(c for c, _ in out), wall, [t for _, t in out])
 
 
-def daemon_run(models: Path, sock: Path, k: int, n: int, rounds: int) -> Run:
-    async def go() -> Run:
-        async with connect(sock) as client:
-            await client.load("bench")
-            await everycycle_load(client, k, min(n, 8))  # warm-up
-            runs = [await everycycle_load(client, k, n) for _ in range(rounds)]
-        return max(runs, key=lambda r: r.rate)
-
-    return anyio.run(go)
-
-
 # ----------------------------------------------------------------- llama-server
 
 
@@ -127,7 +118,19 @@ async def server_stream(port: int, i: int, n: int, out: list[tuple[int, float]])
     out.append((count, first or 0.0))
 
 
-def server_run(binary: Path, model: Path, k: int, n: int, rounds: int, threads: int) -> Run:
+async def server_load(port: int, k: int, n: int) -> Run:
+    out: list[tuple[int, float]] = []
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(k):
+            tg.start_soon(server_stream, port, i, n, out)
+    wall = time.perf_counter() - start
+    return Run(sum(c for c, _ in out), wall, [t for _, t in out])
+
+
+@contextlib.contextmanager
+def llama_server(binary: Path, model: Path, k: int, threads: int) -> Iterator[int]:
+    """A llama-server with -np K on ``model``; yields its port once healthy."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -149,40 +152,54 @@ def server_run(binary: Path, model: Path, k: int, n: int, rounds: int, threads: 
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise SystemExit("llama-server did not start")
             time.sleep(0.2)
-
-        async def go() -> Run:
-            async def load(nn: int) -> Run:
-                out: list[tuple[int, float]] = []
-                start = time.perf_counter()
-                async with anyio.create_task_group() as tg:
-                    for i in range(k):
-                        tg.start_soon(server_stream, port, i, nn, out)
-                wall = time.perf_counter() - start
-                return Run(sum(c for c, _ in out), wall, [t for _, t in out])
-
-            await load(min(n, 8))
-            runs = [await load(n) for _ in range(rounds)]
-            return max(runs, key=lambda r: r.rate)
-
-        return anyio.run(go)
+        yield port
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
 
 
+def side_by_side(sock: Path, port: int | None, k: int, n: int, rounds: int
+                 ) -> tuple[list[Run], list[Run]]:
+    """Alternate rounds: everycycle, then llama-server (if any), ``rounds`` times."""
+
+    async def go() -> tuple[list[Run], list[Run]]:
+        async with connect(sock) as client:
+            await client.load("bench")
+            await everycycle_load(client, k, min(n, 8))  # warm-up
+            if port is not None:
+                await server_load(port, k, min(n, 8))
+            ours, theirs = [], []
+            for _ in range(rounds):
+                ours.append(await everycycle_load(client, k, n))
+                if port is not None:
+                    theirs.append(await server_load(port, k, n))
+            return ours, theirs
+
+    return anyio.run(go)
+
+
 # ----------------------------------------------------------------- ttft and prefix reuse
 
 
-def ttft(client_cm: object, n_samples: int) -> list[float]:
-    async def go() -> list[float]:
-        async with client_cm as client:  # type: ignore[attr-defined]
-            await client.load("bench")
-            times = []
-            for i in range(n_samples + 1):
-                out: list[tuple[int, float]] = []
-                await one_stream(client, i, 1, out)
-                times.append(out[0][1])
-            return times[1:]
+def ttft_pair(sock: Path, models: Path, n_samples: int) -> tuple[list[float], list[float]]:
+    """Single-stream time to first token, alternating daemon and embedded requests."""
+
+    async def first(client: BaseClient, i: int) -> float:
+        out: list[tuple[int, float]] = []
+        await one_stream(client, i, 1, out)
+        return out[0][1]
+
+    async def go() -> tuple[list[float], list[float]]:
+        async with connect(sock) as daemon, embedded(models) as local:
+            await daemon.load("bench")
+            await local.load("bench")
+            await first(daemon, 0)
+            await first(local, 0)
+            via_daemon, in_process = [], []
+            for i in range(n_samples):
+                via_daemon.append(await first(daemon, i))
+                in_process.append(await first(local, i))
+            return via_daemon, in_process
 
     return anyio.run(go)
 
@@ -203,7 +220,8 @@ def prefix_reuse(sock: Path) -> tuple[float, float, float]:
         async with connect(sock) as client:
             fresh = await first_token(client, base)
             extended = await first_token(client, base + " Question: how many ships?")
-            other = await first_token(client, base.replace("lighthouse", "harbour", 1)[::-1])
+            unrelated = " ".join(f"Note {i}: the harbour master counts boats." for i in range(60))
+            other = await first_token(client, unrelated)
             return fresh, extended, other
 
     return anyio.run(go)
@@ -235,24 +253,33 @@ def main() -> None:
             if daemon.poll() is not None:
                 raise SystemExit("the daemon did not start")
             time.sleep(0.05)
-        ours = daemon_run(models, sock, args.k, args.n, args.rounds)
+        with contextlib.ExitStack() as stack:
+            port = None
+            if args.llama_server:
+                port = stack.enter_context(llama_server(args.llama_server, model, args.k,
+                                                        threads))
+            ours, theirs = side_by_side(sock, port, args.k, args.n, args.rounds)
         fresh, extended, other = prefix_reuse(sock)
-        via_daemon = ttft(connect(sock), args.ttft_samples)
+        via_daemon, in_process = ttft_pair(sock, models, args.ttft_samples)
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(60)
-    in_process = ttft(embedded(models), args.ttft_samples)
-    print(f"model {model.name}, {args.k} streams x {args.n} tokens, {threads} threads")
-    print(ours.line("everycycle"))
-    if args.llama_server:
-        theirs = server_run(args.llama_server, model, args.k, args.n, args.rounds, threads)
-        print(theirs.line("llama-server"))
-        print(f"ratio everycycle/llama-server: {ours.rate / theirs.rate:.3f}")
+    print(f"model {model.name}, {args.k} streams x {args.n} tokens, {threads} threads, "
+          f"{args.rounds} alternating rounds (best of each shown)")
+    best = max(ours, key=lambda r: r.rate)
+    print(best.line("everycycle"))
+    if theirs:
+        best_theirs = max(theirs, key=lambda r: r.rate)
+        print(best_theirs.line("llama-server"))
+        ratios = sorted(o.rate / t.rate for o, t in zip(ours, theirs, strict=True))
+        print(f"ratio everycycle/llama-server: best {best.rate / best_theirs.rate:.3f}, "
+              f"per round {' '.join(f'{r:.3f}' for r in ratios)}, "
+              f"median {statistics.median(ratios):.3f}")
     d50, e50 = statistics.median(via_daemon) * 1000, statistics.median(in_process) * 1000
     print(f"single-stream TTFT p50: daemon {d50:.1f} ms, embedded {e50:.1f} ms, "
           f"difference {d50 - e50:+.1f} ms")
     print(f"prefix reuse: long prompt {fresh * 1000:.0f} ms to first token; the same prompt "
-          f"extended {extended * 1000:.0f} ms; an unrelated prompt of the same length "
+          f"extended {extended * 1000:.0f} ms; an unrelated prompt of similar length "
           f"{other * 1000:.0f} ms")
 
 

@@ -230,7 +230,17 @@ class Daemon:
                     try:
                         async with recv:
                             async for event in recv:
-                                await stream.send(encode(event))
+                                # One write for everything queued: a decode step emits
+                                # an event per slot at once.
+                                chunks = [encode(event)]
+                                while True:
+                                    try:
+                                        chunks.append(encode(recv.receive_nowait()))
+                                    except anyio.WouldBlock:
+                                        break
+                                    except anyio.EndOfStream:
+                                        break
+                                await stream.send(b"".join(chunks))
                     except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                         pass
                     finally:
