@@ -206,3 +206,64 @@ def test_daemon_detach_then_stop(models_file: Path) -> None:
         for _ in range(200):
             os.kill(pid, 0)
             time.sleep(0.05)
+
+
+def _read_all(fd: int) -> bytes:
+    import select
+
+    out = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if not ready:
+            return out
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            return out
+        if not chunk:
+            return out
+        out += chunk
+
+
+def test_status_line_on_a_terminal_and_only_text_on_stdout(
+    daemon: subprocess.Popen[bytes], models_file: Path
+) -> None:
+    import pty
+
+    blocker = subprocess.Popen([*EC, "run", "--models", str(models_file), "-n", "8000",
+                                "--temperature", "1", "x"], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL)
+    assert blocker.stdout is not None
+    blocker.stdout.read(1)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([*EC, "run", "--models", str(models_file), "-n", "6",
+                             "--temperature", "0", "hello"], stdout=subprocess.PIPE,
+                            stderr=slave)
+    os.close(slave)
+    time.sleep(1.0)
+    blocker.kill()
+    blocker.communicate()
+    out, _ = proc.communicate(timeout=30)
+    term = _read_all(master).decode("utf-8", "replace")
+    os.close(master)
+    assert proc.returncode == 0
+    assert "queued: position 1" in term and "\x1b[2K" in term
+    assert "queued" not in out.decode() and "\x1b" not in out.decode()
+    plain = ec("run", "--models", str(models_file), "-n", "6", "--temperature", "0", "hello")
+    assert plain.stdout == out.decode() and plain.stderr == ""
+
+
+def test_verbose_status_without_a_terminal(daemon: subprocess.Popen[bytes],
+                                           models_file: Path) -> None:
+    out = ec("run", "-v", "--models", str(models_file), "-n", "4", "hello")
+    assert out.returncode == 0 and "generating" in out.stderr
+
+
+def test_fleet_watch_refreshes_until_interrupted(daemon: subprocess.Popen[bytes]) -> None:
+    proc = subprocess.Popen([*EC, "fleet", "--watch"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    time.sleep(2.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert out == b"" and b"executors on" in err
