@@ -18,8 +18,10 @@ from typing import Any
 
 from .errors import InvalidRequestError, RejectedError
 
-# ggml_backend_dev_type
-_DEV_CPU, _DEV_GPU, _DEV_IGPU, _DEV_ACCEL = 0, 1, 2, 3
+# ggml_backend_dev_type (ggml-backend.h). ACCEL devices (BLAS, AMX) work alongside the
+# CPU backend and META devices wrap others: neither is an executor of its own.
+_DEV_CPU, _DEV_GPU, _DEV_IGPU, _DEV_ACCEL, _DEV_META = 0, 1, 2, 3, 4
+_GPU_TYPES = (_DEV_GPU, _DEV_IGPU)
 
 _BACKEND_NAMES = {
     "cuda": "cuda",
@@ -148,7 +150,8 @@ def _backend_key(reg_name: str) -> str:
 def discover() -> list[Executor]:
     """Every backend this llama.cpp build has, GPU executors first, cpu last.
 
-    Raises InternalError-free: a backend whose devices cannot be read is skipped.
+    A backend with no CPU or GPU device of its own (BLAS, AMX, meta devices) is not an
+    executor. Loads llama_cpp on first use.
     """
     import llama_cpp  # noqa: F401 - initialises the backends
 
@@ -160,6 +163,9 @@ def discover() -> list[Executor]:
         devices = []
         for d in range(lib.ggml_backend_reg_dev_count(reg)):
             dev = lib.ggml_backend_reg_dev_get(reg, d)
+            kind = lib.ggml_backend_dev_type(dev)
+            if kind not in (_DEV_CPU, *_GPU_TYPES):
+                continue
             free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
             lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
             devices.append(
@@ -168,7 +174,7 @@ def discover() -> list[Executor]:
                     description=lib.ggml_backend_dev_description(dev).decode("utf-8", "replace"),
                     memory_total=total.value,
                     memory_free=free.value,
-                    is_gpu=lib.ggml_backend_dev_type(dev) in (_DEV_GPU, _DEV_IGPU, _DEV_ACCEL),
+                    is_gpu=kind in _GPU_TYPES,
                 )
             )
         if not devices:
@@ -189,7 +195,7 @@ def device_handles(executor: str) -> list[int]:
             continue
         for d in range(lib.ggml_backend_reg_dev_count(reg)):
             dev = lib.ggml_backend_reg_dev_get(reg, d)
-            if lib.ggml_backend_dev_type(dev) in (_DEV_GPU, _DEV_IGPU, _DEV_ACCEL):
+            if lib.ggml_backend_dev_type(dev) in _GPU_TYPES:
                 out.append(dev)
     return out
 
