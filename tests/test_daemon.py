@@ -398,3 +398,29 @@ async def test_model_paths_only_on_the_unix_socket_and_absolute(models_file: Pat
             events = [e async for e in client.generate(str(tiny_gguf), "x", max_tokens=2)]
         assert len(events) == 1 and isinstance(events[0], Error)
         assert "not allowed on this connection" in events[0].message
+
+
+async def test_slots_are_freed_on_every_path(models_file: Path) -> None:
+    async with running_daemon(models_file) as daemon:
+        async with Raw.open() as c:
+            await c.send(gen("fin", max_tokens=3))
+            await c.until_terminal("fin")
+            await c.send(gen("stop", max_tokens=50, stop=("e", "a", "o", "i", "t", " ")))
+            await c.until_terminal("stop")
+            await c.send(long_gen("cxl"))
+            assert await c.next() == Accepted("cxl", 0)
+            await c.send(b'{"Cancel":{"request_id":"k","target":"cxl"}}')
+            await c.until_terminal("cxl")
+            await c.until_terminal("k")
+            await c.send(long_gen("dl", deadline_ms=100))
+            await c.until_terminal("dl")
+            await c.send(long_gen("gone"))
+            assert await c.next() == Accepted("gone", 0)
+        with anyio.fail_after(5):
+            while daemon.supervisor.snapshot().active_requests:  # noqa: ASYNC110 - outside view
+                await anyio.sleep(0.01)
+        (model,) = daemon.supervisor.snapshot().loaded_models
+        assert (model.busy, model.queued) == (0, 0)
+        async with Raw.open() as c:
+            await c.send(gen("after", max_tokens=2))
+            assert (await c.until_terminal("after"))[0] == Accepted("after", 0)

@@ -184,3 +184,23 @@ def test_repeat_penalty_goes_through_llama_cpps_penalties_sampler(
     ids_plain = [i for o in collector.wait("rp0") for i in o.ids]
     ids_pen = [i for o in collector.wait("rp1") for i in o.ids]
     assert len(set(ids_pen)) > len(set(ids_plain))
+
+
+def test_cancelling_one_slot_leaves_the_others_untouched(
+    runner: Runner, collector: Collector
+) -> None:
+    prompts = ["hello", "world", "the a"]
+    alone = [run(runner, collector, f"solo{i}", p, max_tokens=40, sampling=GREEDY)
+             for i, p in enumerate(prompts)]
+    victim = Job(tokens=runner.tokenize("ing é", Format.RAW), tag="victim", max_tokens=4000,
+                 sampling=Sampling(temperature=1.0, seed=5))
+    runner.submit(victim)
+    jobs = []
+    for i, p in enumerate(prompts):
+        job = Job(tokens=runner.tokenize(p, Format.RAW), tag=f"mix{i}", max_tokens=40,
+                  sampling=GREEDY)
+        jobs.append(job)
+        runner.submit(job)
+    runner.cancel(victim, "test")
+    assert collector.wait("victim")[-1].reason == "cancelled"
+    assert [collector.text(f"mix{i}") for i in range(len(prompts))] == alone
