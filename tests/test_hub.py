@@ -132,3 +132,38 @@ def test_parse_hf_url() -> None:
     assert hub.parse_hf_url("hf://a/b/f.gguf") == hub.HubRef("a/b", "f.gguf", None)
     with pytest.raises(InvalidRequestError):
         hub.parse_hf_url("hf://a/f.gguf")
+
+
+def test_run_pulls_a_missing_hub_model_first(fake: FakeHub, tiny_gguf: Path,
+                                            tmp_path: Path) -> None:
+    models = registry(tmp_path, sha(tiny_gguf))
+    out = ec("run", "--models", str(models), "--no-daemon", "-n", "3", "--temperature", "0",
+             "hello")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout and out.stderr == ""
+    assert any(m == "GET" for m, _, _ in fake.requests)
+
+
+def test_pull_shows_a_progress_bar_on_a_terminal(fake: FakeHub) -> None:
+    import pty
+    import select
+
+    fake.add("acme/big", COMMIT, "big.gguf", os.urandom(3 << 20))
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([*EC, "pull", f"hf://acme/big/big.gguf@{COMMIT}"],
+                            stdout=subprocess.PIPE, stderr=slave, env=os.environ.copy())
+    os.close(slave)
+    out, _ = proc.communicate(timeout=60)
+    term = b""
+    while select.select([master], [], [], 0.5)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        term += chunk
+    os.close(master)
+    assert proc.returncode == 0
+    assert b"big.gguf" in term and b"MB" in term  # file, bytes done/total
+    assert out.decode().strip().endswith("big.gguf")  # stdout: the path only
