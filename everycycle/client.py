@@ -41,6 +41,7 @@ from .protocol import (
     encode,
     is_terminal,
 )
+from .sockets import wake_reader
 
 __all__ = ["BaseClient", "Client", "EmbeddedClient", "connect", "embedded", "new_request_id"]
 
@@ -197,10 +198,7 @@ async def connect(socket: Path | None = None, *, tcp: tuple[str, int] | None = N
         try:
             yield client
         finally:
-            # End the reader with EOF rather than by cancelling it (anyio#1267).
-            from .daemon import _wake_reader
-
-            _wake_reader(stream)
+            wake_reader(stream)  # EOF rather than cancelling the read (anyio#1267)
 
 
 class _EmbeddedPeer:

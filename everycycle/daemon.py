@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import secrets
-import socket as pysocket
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from .audit import AuditLog
 from .errors import ConfigError, ErrorKind, LineTooLongError, ProtocolError
 from .protocol import Auth, Error, LineFramer, ServerEvent, decode_request, encode
 from .registry import load_registry
+from .sockets import wake_reader
 from .supervisor import Limits, Supervisor
 
 log = logging.getLogger(__name__)
@@ -108,18 +108,6 @@ def load_or_create_token() -> str:
         with os.fdopen(fd, "w") as f:
             f.write(token + "\n")
         return token
-
-
-def _wake_reader(stream: anyio.abc.ByteStream) -> None:
-    """End a pending receive with EOF instead of cancelling it.
-
-    Cancelling a receive on an asyncio UNIX socket stream can leave a reader callback
-    that fails later (anyio#1267); shutting the socket down ends it cleanly.
-    """
-    raw = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
-    if raw is not None:
-        with contextlib.suppress(OSError):
-            raw.shutdown(pysocket.SHUT_RDWR)
 
 
 class _Connection:
@@ -245,7 +233,7 @@ class Daemon:
                         pass
                     finally:
                         self.supervisor.disconnect(conn)
-                        _wake_reader(stream)
+                        wake_reader(stream)
 
                 tg.start_soon(writer)
                 try:

@@ -10,8 +10,9 @@ import anyio
 import anyio.abc
 
 from everycycle import paths
-from everycycle.daemon import Daemon, DaemonConfig, _wake_reader
+from everycycle.daemon import Daemon, DaemonConfig
 from everycycle.protocol import LineFramer, ServerEvent, decode_event, is_terminal
+from everycycle.sockets import wake_reader
 
 TIMEOUT = 30
 
@@ -45,7 +46,7 @@ class Raw:
             try:
                 yield cls(stream)
             finally:
-                _wake_reader(stream)
+                wake_reader(stream)
 
     async def send(self, line: bytes) -> None:
         await self.stream.send(line if line.endswith(b"\n") else line + b"\n")
