@@ -184,6 +184,9 @@ class Runner:
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()
         self._closing = False
+        # Guards the model against use from other threads (tokenize) while close() frees it.
+        self._life = threading.Lock()
+        self._freed = False
         self._template = self._chat_template()
         self._thread = threading.Thread(target=self._run, name=f"engine:{path.name}", daemon=True)
         self._thread.start()
@@ -195,7 +198,20 @@ class Runner:
         return self._template is not None
 
     def tokenize(self, prompt: str, fmt: Format | None = None) -> list[int]:
-        """Prompt to tokens: the chat template unless ``fmt`` is RAW or the model has none."""
+        """Prompt to tokens: the chat template unless ``fmt`` is RAW or the model has none.
+
+        Safe from any thread, also while the runner closes. Raises InternalError once
+        the model is unloaded.
+        """
+        with self._life:
+            self._check_alive()
+            return self._tokenize(prompt, fmt)
+
+    def _check_alive(self) -> None:
+        if self._freed:
+            raise InternalError("the model is unloaded")
+
+    def _tokenize(self, prompt: str, fmt: Format | None) -> list[int]:
         L = self._L
         text = prompt
         special = False
@@ -212,8 +228,13 @@ class Runner:
         return list(buf[:n])
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        """Text of ``ids`` as the stream renders it (invalid UTF-8 replaced)."""
-        return b"".join(self._piece(t) for t in ids).decode("utf-8", "replace")
+        """Text of ``ids`` as the stream renders it (invalid UTF-8 replaced).
+
+        Raises InternalError once the model is unloaded.
+        """
+        with self._life:
+            self._check_alive()
+            return b"".join(self._piece(t) for t in ids).decode("utf-8", "replace")
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; it starts in the next free slot. Raises InvalidRequestError
@@ -238,17 +259,22 @@ class Runner:
             self._cond.notify()
 
     def close(self) -> None:
-        """Stop the thread (active jobs end cancelled) and free llama.cpp state."""
+        """Stop the thread (active jobs end cancelled) and free llama.cpp state.
+
+        Idempotent; waits for a tokenization in progress on another thread.
+        """
         with self._cond:
-            if self._closing:
-                return
             self._closing = True
             self._cond.notify()
         self._thread.join()
-        L = self._L
-        L.llama_batch_free(self._batch)
-        L.llama_free(self._ctx)
-        L.llama_model_free(self._model)
+        with self._life:
+            if self._freed:
+                return
+            self._freed = True
+            L = self._L
+            L.llama_batch_free(self._batch)
+            L.llama_free(self._ctx)
+            L.llama_model_free(self._model)
 
     # ------------------------------------------------------------------ helpers
 

@@ -294,7 +294,10 @@ class Supervisor:
         active.started = time.monotonic()
         model.running.add(active)
         active.peer.emit(Accepted(active.req.request_id, 0))
-        model.runner.submit(active.job)
+        try:
+            model.runner.submit(active.job)
+        except EverycycleError as exc:  # e.g. the engine thread died: this request ends here
+            self._finish(active, Error(active.req.request_id, exc.kind, exc.message))
 
     def _advance(self, model: _Model) -> None:
         """Start queued requests in freed slots, then tell the rest their new positions."""

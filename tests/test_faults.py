@@ -170,3 +170,21 @@ def test_sigterm_gives_every_request_its_cancelled_event(
     assert not paths.socket_path().exists()
     audit = [json.loads(x) for x in paths.audit_file().read_text().splitlines()]
     assert [a["outcome"] for a in audit][-3:] == ["Cancelled"] * 3
+
+
+@pytest.mark.anyio
+async def test_a_dead_engine_fails_its_requests_and_the_daemon_serves_on(
+    models_file: Path,
+) -> None:
+    async with running_daemon(models_file) as daemon, Raw.open() as c:
+        await c.send(encode(Load("l", "tiny")))
+        await c.until_terminal("l")
+        # Fault injection: the model's decode thread is gone under the supervisor's feet.
+        await anyio.to_thread.run_sync(daemon.supervisor._models["tiny"].runner.close)
+        await c.send(encode(Generate("g", "tiny", "hi", max_tokens=2)))
+        events = await c.until_terminal("g")
+        assert isinstance(events[-1], Error) and events[-1].kind is ErrorKind.INTERNAL
+        await c.send(b'{"DescribeFleet":{"request_id":"f"}}')
+        assert (await c.next()).snapshot.active_requests == 0  # type: ignore[union-attr]
+        await c.send(encode(Generate("ok", "tiny4", "hi", max_tokens=2, temperature=0.0)))
+        assert isinstance((await c.until_terminal("ok"))[-1], Tokens)
