@@ -23,9 +23,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -73,14 +74,22 @@ async def one_stream(client: BaseClient, i: int, n: int, out: list[tuple[int, fl
     out.append((count, first or 0.0))
 
 
-async def everycycle_load(client: BaseClient, k: int, n: int) -> Run:
+Stream = Callable[[Any, int, int, list[tuple[int, float]]], Awaitable[None]]
+
+
+async def concurrent(stream: Stream, target: Any, k: int, n: int) -> Run:
+    """Run ``k`` streams of ``n`` tokens at once against ``target``."""
     out: list[tuple[int, float]] = []
     start = time.perf_counter()
     async with anyio.create_task_group() as tg:
         for i in range(k):
-            tg.start_soon(one_stream, client, i, n, out)
+            tg.start_soon(stream, target, i, n, out)
     wall = time.perf_counter() - start
     return Run(sum(c for c, _ in out), wall, [t for _, t in out])
+
+
+async def everycycle_load(client: BaseClient, k: int, n: int) -> Run:
+    return await concurrent(one_stream, client, k, n)
 
 
 # ----------------------------------------------------------------- llama-server
@@ -119,13 +128,7 @@ async def server_stream(port: int, i: int, n: int, out: list[tuple[int, float]])
 
 
 async def server_load(port: int, k: int, n: int) -> Run:
-    out: list[tuple[int, float]] = []
-    start = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        for i in range(k):
-            tg.start_soon(server_stream, port, i, n, out)
-    wall = time.perf_counter() - start
-    return Run(sum(c for c, _ in out), wall, [t for _, t in out])
+    return await concurrent(server_stream, port, k, n)
 
 
 @contextlib.contextmanager
