@@ -22,9 +22,9 @@ from pathlib import Path
 
 import llama_cpp as L
 
-from everycycle.engine import Job, Runner, Sampling, _backend_init
+from everycycle.engine.runner import Job, Runner, Sampling, _backend_init
+from everycycle.models.registry import load_registry, local_file
 from everycycle.protocol import Format
-from everycycle.registry import load_registry, local_file
 
 
 def raw_loop(path: Path, prompt: list[int], n: int, threads: int) -> float:

@@ -31,8 +31,8 @@ from typing import Any
 import anyio
 
 from everycycle.client import BaseClient, connect, embedded
+from everycycle.models.registry import load_registry, local_file
 from everycycle.protocol import Format, Tokens
-from everycycle.registry import load_registry, local_file
 
 TOPICS = ["a lighthouse keeper", "a lost cat", "the first snow", "a robot gardener",
           "an old clock", "a desert train", "a quiet library", "a storm at sea"]

@@ -1,9 +1,18 @@
-"""everycycle: a local LLM daemon and CLI over llama.cpp."""
+"""everycycle: a local LLM daemon and CLI over llama.cpp.
+
+The client API is exported here: ``connect`` (async), ``SyncClient`` (blocking),
+``embedded`` (in-process) and the error tree. Client names load lazily, so importing
+the package stays light (no event loop, no llama_cpp).
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
-    CancelledError,
+    AlreadyRunningError,
+    ChecksumMismatchError,
     ConfigError,
     DaemonUnavailableError,
     ErrorKind,
@@ -13,14 +22,19 @@ from .errors import (
     ModelNotLoadedError,
     ProtocolError,
     RejectedError,
+    RequestCancelledError,
     RequestFailedError,
     UsageError,
 )
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from .client import SyncClient, connect, embedded
+
+__version__ = "0.2.0"
 
 __all__ = [
-    "CancelledError",
+    "AlreadyRunningError",
+    "ChecksumMismatchError",
     "ConfigError",
     "DaemonUnavailableError",
     "ErrorKind",
@@ -30,7 +44,19 @@ __all__ = [
     "ModelNotLoadedError",
     "ProtocolError",
     "RejectedError",
+    "RequestCancelledError",
     "RequestFailedError",
+    "SyncClient",
     "UsageError",
     "__version__",
+    "connect",
+    "embedded",
 ]
+
+_LAZY = {"SyncClient", "connect", "embedded"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(".client", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,21 +6,29 @@
     ├── ProtocolError                  the peer sent a line we cannot accept (Invalid)
     │   └── LineTooLongError           a line over the framing limit (Invalid, closes)
     ├── InvalidRequestError            well-formed but unacceptable: range, unknown model (Invalid)
+    │   └── ChecksumMismatchError      a model file differs from its sha256 pin (Invalid)
     ├── ConfigError                    a models.toml or option problem (Invalid)
+    │   └── AlreadyRunningError        another daemon serves this socket; .pid (Invalid)
     ├── ModelNotLoadedError            known model, not resident, auto-load off (ModelNotLoaded)
     ├── RejectedError                  queue full, over a quota (Rejected)
-    ├── CancelledError                 cancelled: client, deadline, disconnect, shutdown (Cancelled)
+    ├── RequestCancelledError          cancelled: client, deadline, disconnect, shutdown (Cancelled)
     ├── InternalError                  we failed: llama.cpp, I/O (Internal)
     ├── RequestFailedError             client side: the daemon answered Error{kind} (that kind)
     └── DaemonUnavailableError         client side: no daemon answers on the socket (Internal)
 
 ``UsageError(RuntimeError)`` is separate: it signals misuse of this library's API
-(a programming error), never something a peer did.
+(a programming error, e.g. reusing an active request id on one connection), never
+something a peer did.
+
+``unwrap_groups`` is for the boundaries where a task group's ExceptionGroup would
+otherwise reach a caller that expects one of these errors (anyio's migration notes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
 
 
 class ErrorKind(enum.Enum):
@@ -65,10 +73,22 @@ class InvalidRequestError(EverycycleError):
     kind = ErrorKind.INVALID
 
 
+class ChecksumMismatchError(InvalidRequestError):
+    """A model file's sha256 differs from the pinned one."""
+
+
 class ConfigError(EverycycleError):
     """A configuration file (models.toml) or option is wrong; the message names where."""
 
     kind = ErrorKind.INVALID
+
+
+class AlreadyRunningError(ConfigError):
+    """Another daemon holds this socket; ``pid`` is its process id when known."""
+
+    def __init__(self, message: str, pid: int | None) -> None:
+        super().__init__(message)
+        self.pid = pid
 
 
 class ModelNotLoadedError(EverycycleError):
@@ -83,7 +103,7 @@ class RejectedError(EverycycleError):
     kind = ErrorKind.REJECTED
 
 
-class CancelledError(EverycycleError):
+class RequestCancelledError(EverycycleError):
     """The request was cancelled (Cancel, deadline, disconnect, shutdown)."""
 
     kind = ErrorKind.CANCELLED
@@ -109,3 +129,23 @@ class DaemonUnavailableError(EverycycleError):
 
 class UsageError(RuntimeError):
     """This library's API was misused (a programming error, not a peer's)."""
+
+
+@contextlib.contextmanager
+def unwrap_groups() -> Iterator[None]:
+    """Re-raise the one exception inside (nested) single-exception groups.
+
+    A task group wraps whatever its body raised in an ExceptionGroup; at a boundary
+    whose callers catch ``EverycycleError`` (or ``KeyboardInterrupt``) the group is
+    unwrapped so the except clause that was meant for it matches. A group of two or
+    more exceptions is a real concurrent failure and propagates unchanged.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        inner: BaseException = group
+        while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
+            inner = inner.exceptions[0]
+        if inner is group:
+            raise
+        raise inner from None

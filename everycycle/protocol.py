@@ -27,7 +27,6 @@ import math
 import re
 import types
 import typing
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
@@ -51,7 +50,9 @@ __all__ = [
     "LineFramer",
     "Load",
     "LoadedModel",
+    "Message",
     "Request",
+    "Role",
     "ServerEvent",
     "Shutdown",
     "TokenChunk",
@@ -75,6 +76,7 @@ _MAX_NAME = 256
 _MAX_STOPS = 16
 _MAX_STOP_CHARS = 256
 _MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
+_MAX_MESSAGES = 4096
 
 
 def validate_request_id(value: str) -> str:
@@ -260,13 +262,36 @@ def is_terminal(event: ServerEvent) -> bool:
 # --------------------------------------------------------------------------- requests
 
 
+class Role(enum.Enum):
+    """Who said a conversation message."""
+
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One turn of a conversation (an extension: ``Generate.messages``)."""
+
+    role: Role
+    content: str
+
+    def __post_init__(self) -> None:
+        _check_text(self)
+
+
 @dataclass(frozen=True, slots=True)
 class Generate:
-    """Generate text from ``prompt`` with ``model``; unset options take the model's defaults."""
+    """Generate text with ``model`` from ``prompt`` or from a conversation, ``messages``.
+
+    Exactly one of the two is given. ``messages`` (an extension) is rendered with the
+    model's chat template; unset options take the model's defaults.
+    """
 
     request_id: str
     model: str
-    prompt: str
+    prompt: str | None = field(default=None, metadata={"skip_none": True})
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -278,11 +303,22 @@ class Generate:
     format: Format | None = None
     auto_load: bool | None = None
     deadline_ms: int | None = None
+    messages: tuple[Message, ...] | None = field(default=None, metadata={"skip_none": True})
 
     def __post_init__(self) -> None:
         _check_text(self)
         validate_request_id(self.request_id)
         _check_name("model", self.model)
+        if (self.prompt is None) == (self.messages is None):
+            raise ProtocolError("give exactly one of `prompt` and `messages`")
+        if self.messages is not None:
+            if not self.messages:
+                raise ProtocolError("`messages` must not be empty")
+            if len(self.messages) > _MAX_MESSAGES:
+                raise ProtocolError(f"at most {_MAX_MESSAGES} messages")
+            if self.format is Format.RAW:
+                raise ProtocolError("`messages` need the chat template: format `raw` is for "
+                                    "`prompt`")
         _check_range("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
         _check_range("temperature", self.temperature, 0.0, 100.0)
         _check_range("top_p", self.top_p, 0.0, 1.0)
@@ -580,18 +616,20 @@ def decode_event(line: bytes | str) -> ServerEvent:
 class LineFramer:
     """Splits a byte stream into lines of at most ``max_line`` bytes. No I/O.
 
-    ``feed`` returns the complete lines received so far (without newlines). A line
-    that grows past the limit raises LineTooLongError; the stream cannot be resynced,
-    so the caller closes the connection.
+    ``feed`` consumes its data at once (like h11's receive buffer) and returns the
+    complete lines received so far, without newlines. A line that grows past the limit
+    raises LineTooLongError; the stream cannot be resynced, so the caller closes the
+    connection.
     """
 
     def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
         self._max = max_line
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> Iterator[bytes]:
-        """Add ``data``; yield each complete line. Raises LineTooLongError."""
+    def feed(self, data: bytes) -> list[bytes]:
+        """Add ``data``; return each complete line. Raises LineTooLongError."""
         self._buf += data
+        lines: list[bytes] = []
         start = 0
         while True:
             nl = self._buf.find(b"\n", start)
@@ -599,11 +637,12 @@ class LineFramer:
                 break
             if nl - start > self._max:
                 raise LineTooLongError(f"line longer than {self._max} bytes")
-            yield bytes(self._buf[start:nl])
+            lines.append(bytes(self._buf[start:nl]))
             start = nl + 1
         del self._buf[:start]
         if len(self._buf) > self._max:
             raise LineTooLongError(f"line longer than {self._max} bytes")
+        return lines
 
     @property
     def pending(self) -> int:

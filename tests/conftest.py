@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from daemonhelp import daemon_process
 from tinymodel import write_tiny_gguf
+
+SpawnDaemon = Callable[..., subprocess.Popen[bytes]]
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +50,21 @@ def models_file(tmp_path: Path, tiny_gguf: Path) -> Path:
         'path = "nowhere.gguf"\n'
     )
     return f
+
+
+@pytest.fixture
+def spawn_daemon(models_file: Path) -> Iterator[SpawnDaemon]:
+    """Start ``everycycle daemon --models models_file ARGS`` processes (answering on their
+    socket before this returns); each is stopped with SIGTERM after the test."""
+    with contextlib.ExitStack() as stack:
+
+        def spawn(*args: str, models: Path | None = None,
+                  sock: Path | None = None) -> subprocess.Popen[bytes]:
+            return stack.enter_context(
+                daemon_process("--models", str(models or models_file), *args, sock=sock)
+            )
+
+        yield spawn
 
 
 def pytest_configure(config: pytest.Config) -> None:

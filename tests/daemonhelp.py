@@ -1,20 +1,62 @@
-"""Helpers to run the real daemon in-process and talk raw protocol to it."""
+"""Helpers to run the real daemon (in-process or as a process) and talk raw protocol."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import anyio
 import anyio.abc
 
 from everycycle import paths
-from everycycle.daemon import Daemon, DaemonConfig
-from everycycle.protocol import LineFramer, ServerEvent, decode_event, is_terminal
+from everycycle.client import ClientConnection, SyncClient
+from everycycle.daemon.server import Daemon, DaemonConfig
+from everycycle.errors import DaemonUnavailableError
+from everycycle.protocol import ServerEvent, is_terminal
 from everycycle.sockets import wake_reader
 
 TIMEOUT = 30
+EC = [sys.executable, "-m", "everycycle"]
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
+    """Poll ``check`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def answers(sock: Path | None = None) -> bool:
+    try:
+        with SyncClient(sock):
+            return True
+    except DaemonUnavailableError:
+        return False
+
+
+@contextlib.contextmanager
+def daemon_process(*args: str, sock: Path | None = None, env: dict[str, str] | None = None,
+                   ) -> Iterator[subprocess.Popen[bytes]]:
+    """``everycycle daemon ARGS`` as a process, answering on its socket; SIGTERM at exit."""
+    cmd = [*EC, "daemon", *args] + (["--socket", str(sock)] if sock else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, f"the daemon exited with {proc.returncode}"
+            return answers(sock)
+
+        wait_until(up, "the daemon to answer")
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(20)
 
 
 @contextlib.asynccontextmanager
@@ -31,11 +73,11 @@ async def running_daemon(models_file: Path, **kw: object) -> AsyncIterator[Daemo
 
 
 class Raw:
-    """A raw socket connection: send bytes, read decoded events."""
+    """A raw socket connection: send any bytes, read events routed by ClientConnection."""
 
     def __init__(self, stream: anyio.abc.ByteStream) -> None:
         self.stream = stream
-        self.framer = LineFramer()
+        self.conn = ClientConnection()
         self.buffer: list[ServerEvent] = []
 
     @classmethod
@@ -51,11 +93,19 @@ class Raw:
     async def send(self, line: bytes) -> None:
         await self.stream.send(line if line.endswith(b"\n") else line + b"\n")
 
+    async def _receive(self) -> bool:
+        """Read once into the buffer; False at end of stream."""
+        try:
+            data = await self.stream.receive(65536)
+        except (anyio.EndOfStream, anyio.BrokenResourceError):
+            data = b""
+        self.buffer.extend(r.event for r in self.conn.receive_data(data))
+        return bool(data)
+
     async def next(self) -> ServerEvent:
         with anyio.fail_after(TIMEOUT):
             while not self.buffer:
-                data = await self.stream.receive(65536)
-                self.buffer.extend(decode_event(line) for line in self.framer.feed(data))
+                assert await self._receive(), "the daemon closed the connection"
         return self.buffer.pop(0)
 
     async def until_terminal(self, rid: str) -> list[ServerEvent]:
@@ -76,9 +126,6 @@ class Raw:
 
     async def closed(self) -> bool:
         with anyio.fail_after(TIMEOUT):
-            try:
-                while True:
-                    data = await self.stream.receive()
-                    self.buffer.extend(decode_event(line) for line in self.framer.feed(data))
-            except (anyio.EndOfStream, anyio.BrokenResourceError):
-                return True
+            while await self._receive():
+                pass
+        return True

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from everycycle.audit import AuditLog
+from everycycle.daemon.audit import AuditLog
 
 
 def test_appends_and_rotates_by_size(tmp_path: Path) -> None:

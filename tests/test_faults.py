@@ -6,21 +6,17 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
-from daemonhelp import Raw, running_daemon
+from conftest import SpawnDaemon
+from daemonhelp import EC, Raw, daemon_process, running_daemon, wait_until
 
 from everycycle import paths
-from everycycle.errors import DaemonUnavailableError, ErrorKind
+from everycycle.client import SyncClient
+from everycycle.errors import ErrorKind
 from everycycle.protocol import Accepted, Error, Generate, Load, Tokens, encode, is_terminal
-from everycycle.syncclient import SyncClient
-
-EC = [sys.executable, "-m", "everycycle"]
 
 
 @pytest.fixture
@@ -79,26 +75,8 @@ async def test_an_unwritable_audit_log_does_not_stop_requests(
 
 
 @pytest.fixture
-def daemon_proc(models_file: Path) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([*EC, "daemon", "--models", str(models_file)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_socket(proc)
-    yield proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(20)
-
-
-def wait_for_socket(proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with SyncClient():
-                return
-        except DaemonUnavailableError:
-            assert proc.poll() is None, "daemon exited"
-            assert time.monotonic() < deadline, "daemon did not start"
-            time.sleep(0.02)
+def daemon_proc(spawn_daemon: SpawnDaemon) -> subprocess.Popen[bytes]:
+    return spawn_daemon()
 
 
 def long_run(models_file: Path) -> subprocess.Popen[bytes]:
@@ -120,10 +98,7 @@ def test_a_killed_client_frees_its_slot(daemon_proc: subprocess.Popen[bytes],
     client = long_run(models_file)
     client.kill()
     client.communicate()
-    deadline = time.monotonic() + 5
-    while active_requests() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert active_requests() == 0
+    wait_until(lambda: active_requests() == 0, "the slot to be freed", timeout=5)
     with SyncClient() as c:
         first = next(iter(c.generate("tiny", "hi", max_tokens=2)))
     assert first == Accepted(first.request_id, 0)  # type: ignore[union-attr]
@@ -139,12 +114,8 @@ def test_a_killed_daemon_leaves_clients_an_exit_code_and_restarts_cleanly(
     assert client.returncode == 69 and b"everycycle:" in err, err
     sock = paths.socket_path()
     assert sock.exists() and paths.pid_file_for(sock).exists()  # what a SIGKILL leaves
-    again = subprocess.Popen([*EC, "daemon", "--models", str(models_file)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_socket(again)
+    with daemon_process("--models", str(models_file)) as again:
         assert active_requests() == 0
-    finally:
         again.send_signal(signal.SIGTERM)
         assert again.wait(20) == 0
 

@@ -13,13 +13,11 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from daemonhelp import daemon_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -52,19 +50,12 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Iterato
     models = home / "models.toml"
     models.write_text(f'[models.tiny]\npath = "{tiny_gguf}"\ncontext = 128\nparallel = 2\n')
     env = {**os.environ, "EVERYCYCLE_HOME": str(home)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "everycycle", "daemon", "--socket", str(sock), "--models",
-         str(models), "--max-inflight", "4"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-    )
-    deadline = time.monotonic() + 30
-    while not sock.exists():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.02)
-    yield sock
-    assert proc.poll() is None, "the daemon died during fuzzing"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 0
+    with daemon_process("--models", str(models), "--max-inflight", "4", sock=sock,
+                        env=env) as proc:
+        yield sock
+        assert proc.poll() is None, "the daemon died during fuzzing"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
 
 
 def exchange(sock: Path, line: bytes) -> tuple[list[ServerEvent], bool]:

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from fakehub import FakeHub
 
-from everycycle import hub, paths
+from everycycle import paths
 from everycycle.errors import InvalidRequestError
+from everycycle.models import hub
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 EC = [sys.executable, "-m", "everycycle"]

@@ -3,40 +3,26 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
+from conftest import SpawnDaemon
+from daemonhelp import wait_until
 
-from everycycle import paths
-from everycycle.client import connect
+from everycycle.client import SyncClient, connect
 from everycycle.protocol import Accepted, Error, Tokens, is_terminal
-from everycycle.syncclient import SyncClient
 
 CONNECTIONS = int(os.environ.get("EVERYCYCLE_LOAD_CONNECTIONS", "200"))
 REQUESTS_EACH = 2
 
 
 @pytest.fixture
-def daemon(models_file: Path) -> Iterator[int]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "everycycle", "daemon", "--models", str(models_file),
-         "--max-queue", "8"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while not paths.socket_path().exists():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.02)
-    yield proc.pid
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 0
+def daemon(spawn_daemon: SpawnDaemon) -> int:
+    return spawn_daemon("--max-queue", "8").pid
 
 
 def fds(pid: int) -> int:
@@ -75,16 +61,15 @@ async def storm() -> Counter[str]:
     return outcomes
 
 
+def idle() -> bool:
+    with SyncClient() as c:
+        snap = c.describe_fleet()
+    return snap.active_requests == 0 and all(m.busy == 0 and m.queued == 0
+                                             for m in snap.loaded_models)
+
+
 def settle(pid: int) -> tuple[int, int]:
-    deadline = time.monotonic() + 10
-    while True:
-        with SyncClient() as c:
-            snap = c.describe_fleet()
-        if snap.active_requests == 0 and all(m.busy == 0 and m.queued == 0
-                                             for m in snap.loaded_models):
-            break
-        assert time.monotonic() < deadline, snap
-        time.sleep(0.05)
+    wait_until(idle, "the daemon to be idle", timeout=10)
     time.sleep(0.2)  # connections closed by clients are reaped
     return fds(pid), rss_kib(pid)
 

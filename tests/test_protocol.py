@@ -234,9 +234,11 @@ def test_error_messages_match_the_seed_wording() -> None:
 @given(st.binary(max_size=300))
 def test_arbitrary_bytes_only_ever_raise_protocol_error(data: bytes) -> None:
     try:
-        p.decode_request(data)
-    except ProtocolError:
-        pass
+        request = p.decode_request(data)
+    except ProtocolError as exc:
+        assert exc.kind is ErrorKind.INVALID and exc.message
+    else:  # whatever decodes is a valid message that encodes back to the same value
+        assert p.decode_request(p.encode(request)) == request
 
 
 def _containers(children: st.SearchStrategy[object]) -> st.SearchStrategy[object]:
@@ -254,9 +256,12 @@ json_values = st.recursive(
 def test_wrong_shapes_only_ever_raise_protocol_error(tag: str, payload: object) -> None:
     line = json.dumps({tag: payload}).encode()
     try:
-        p.decode_request(line)
-    except ProtocolError:
-        pass
+        request = p.decode_request(line)
+    except ProtocolError as exc:
+        assert exc.kind is ErrorKind.INVALID and exc.message
+    else:
+        assert type(request).__name__ == tag
+        assert p.decode_request(p.encode(request)) == request
 
 
 # ----------------------------------------------------------------- framing

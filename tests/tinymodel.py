@@ -44,7 +44,8 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write_tiny_gguf(path: Path, *, seed: int = 1234) -> Path:
+def write_tiny_gguf(path: Path, *, seed: int = 1234,
+                    chat_template: str | None = CHAT_TEMPLATE) -> Path:
     """Write the tiny model to ``path`` and return it."""
     rng = np.random.default_rng(seed)
     tokens, scores, types = vocabulary()
@@ -69,7 +70,8 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234) -> Path:
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     def t(name: str, *shape: int, scale: float = 0.5) -> None:
         w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))

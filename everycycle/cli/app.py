@@ -18,18 +18,17 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from . import __version__, paths
-from .errors import (
-    ConfigError,
+from .. import __version__, paths
+from ..errors import (
+    AlreadyRunningError,
     DaemonUnavailableError,
     ErrorKind,
     EverycycleError,
-    ProtocolError,
 )
-from .protocol import Accepted, Error, FleetDescription, Format, Generate, Tokens, encode
+from ..protocol import Accepted, Error, FleetDescription, Format, Generate, Tokens, encode
 
 if TYPE_CHECKING:
-    from .client import BaseClient
+    from ..client.aio import BaseClient
 
 EXIT_CODES = {
     ErrorKind.INTERNAL: 1,
@@ -79,7 +78,8 @@ def _main(
 @contextlib.asynccontextmanager
 async def _client(socket: Path | None, models: Path | None, no_daemon: bool,
                   status: _Status) -> AsyncIterator[BaseClient]:
-    from .client import connect, embedded
+    from ..client.aio import connect
+    from ..client.embedded import embedded
 
     if not no_daemon:
         try:
@@ -118,7 +118,7 @@ class _Status:
 
 
 def _registry_default(models: Path | None) -> str:
-    from .registry import load_registry
+    from ..models.registry import load_registry
 
     return load_registry(models).default_name()
 
@@ -146,10 +146,15 @@ def run(
     socket: SocketOpt = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
 ) -> None:
-    """Generate text, streaming it to stdout.
+    """Generate text, streaming it to stdout; with no PROMPT on a terminal, chat.
 
-    Example: cat notes.md | everycycle run -m gemma-3-270m "Summarize:" | tee out.txt
+    Example: cat notes.md | everycycle run "Summarize:" | tee out.txt
     """
+    if prompt is None and sys.stdin.isatty() and not as_json:
+        _chat(model=model, system=None, max_tokens=max_tokens, temperature=temperature,
+              seed=seed, no_daemon=no_daemon, offline=offline, models=models, socket=socket,
+              verbose=verbose)
+        return
     text = prompt or ""
     if not sys.stdin.isatty():
         piped = sys.stdin.buffer.read().decode("utf-8", "replace")
@@ -167,6 +172,8 @@ def run(
             deadline_ms=None if deadline is None else max(1, int(deadline * 1000)),
         )
         _prepull(name, models, offline)
+        if not raw:
+            _note_if_no_template(name, models)
     except EverycycleError as exc:
         _exit_for(exc)
     import anyio
@@ -193,7 +200,7 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
                     with anyio.open_signal_receiver(signal.SIGINT) as signals:
                         async for _ in signals:
                             interrupted = True
-                            await client.cancel(req.request_id)
+                            await client.cancel_if_active(req.request_id)
                             return
 
                 tg.start_soon(on_sigint)
@@ -224,8 +231,7 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
                 except BrokenPipeError:
                     # The reader went away (`| head`): cancel on the daemon, exit quietly.
                     with anyio.move_on_after(2, shield=True):
-                        with contextlib.suppress(EverycycleError):
-                            await client.cancel(req.request_id)
+                        await client.cancel_if_active(req.request_id)
                     _silence_stdout()
                     result = 0
                 except EverycycleError as exc:  # e.g. the daemon died mid-stream
@@ -238,6 +244,87 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
     except EverycycleError as exc:
         status.clear()
         return _report(exc)
+
+
+@app.command("chat")
+def chat_cmd(
+    model: Annotated[str | None, typer.Option("-m", "--model", help="Model name.")] = None,
+    system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
+    max_tokens: Annotated[int | None, typer.Option("-n", "--max-tokens",
+                                                   help="Longest answer, in tokens.")] = None,
+    temperature: Annotated[float | None, typer.Option("--temperature")] = None,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    no_daemon: Annotated[bool, typer.Option("--no-daemon", help="Run in-process.")] = False,
+    offline: Annotated[bool, typer.Option("--offline", help="Never download a model.")]
+    = False,
+    models: ModelsOpt = None,
+    socket: SocketOpt = None,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+) -> None:
+    """Chat with a model: the whole conversation goes with every turn.
+
+    Example: everycycle chat --system "Answer in one sentence."
+    """
+    _chat(model=model, system=system, max_tokens=max_tokens, temperature=temperature,
+          seed=seed, no_daemon=no_daemon, offline=offline, models=models, socket=socket,
+          verbose=verbose)
+
+
+def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
+          temperature: float | None, seed: int | None, no_daemon: bool, offline: bool,
+          models: Path | None, socket: Path | None, verbose: bool) -> None:
+    status = _Status(verbose)
+    try:
+        name = model or _registry_default(models)
+        _prepull(name, models, offline)
+        options: dict[str, Any] = {
+            k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature),
+                              ("seed", seed)) if v is not None
+        }
+        Generate(request_id="probe", model=name, prompt="", **options)  # validate options
+    except EverycycleError as exc:
+        _exit_for(exc)
+    import anyio
+
+    async def session() -> int:
+        from .chat import chat
+
+        try:
+            async with _client(socket, models, no_daemon, status) as client:
+                def loading(text: str) -> None:
+                    if text:
+                        status.show(text)
+                    else:
+                        status.clear()
+
+                return await chat(client, name, system=system, options=options,
+                                  on_loading=loading)
+        except EverycycleError as exc:
+            status.clear()
+            return _report(exc)
+
+    raise typer.Exit(anyio.run(session))
+
+
+def _note_if_no_template(name: str, models: Path | None) -> None:
+    """Say once, on stderr, that a chat-format request goes to a model without a chat
+    template (its prompt is then sent as is). Quiet when the file is not local yet."""
+    from ..engine.gguf import read_metadata
+    from ..models.registry import load_registry, local_file
+
+    spec = load_registry(models).models.get(name)
+    if spec is None or spec.format is Format.RAW:
+        return
+    if spec.package is not None and spec.package_file is None:
+        return  # finding the file would import the weights package
+    try:
+        path = local_file(spec)
+        meta = read_metadata(path)
+    except EverycycleError:
+        return
+    if "tokenizer.chat_template" not in meta:
+        sys.stderr.write(f"everycycle: note: {name} has no chat template; the prompt is sent "
+                         "as is (a completion model; use --raw to silence this)\n")
 
 
 def _report(exc: EverycycleError) -> int:
@@ -261,7 +348,7 @@ def _call(socket: Path | None, fn: Any, *, unavailable_raises: bool = False) -> 
 
     With ``unavailable_raises``, DaemonUnavailableError propagates to the caller.
     """
-    from .syncclient import SyncClient
+    from ..client.sync import SyncClient
 
     try:
         with SyncClient(socket) as client:
@@ -295,16 +382,11 @@ def fleet(
         sys.stderr.write(f"everycycle: {exc.message}\n")
         if not as_json:
             from rich.console import Console
-            from rich.table import Table
 
-            from .executors import discover
+            from ..engine.executors import discover
+            from .render import local_executors_view
 
-            table = Table(title="executors on this machine (no daemon)", title_justify="left")
-            for col in ("name", "vendor", "devices"):
-                table.add_column(col)
-            for e in discover():
-                table.add_row(e.name, e.vendor, str(len(e.devices)))
-            Console(stderr=True).print(table)
+            Console(stderr=True).print(local_executors_view(discover()))
         raise typer.Exit(EXIT_UNAVAILABLE) from None
     if as_json:
         sys.stdout.buffer.write(encode(FleetDescription(snap)))
@@ -344,7 +426,7 @@ def models_cmd(
     """
     if ctx.invoked_subcommand is not None:
         return
-    from .registry import load_registry
+    from ..models.registry import load_registry
 
     try:
         reg = load_registry(models)
@@ -356,21 +438,16 @@ def models_cmd(
             "name": spec.name, "default": spec.name == reg.default, "source": spec.source,
             "revision": spec.revision, "available": _available(spec), "context": spec.context,
             "parallel": spec.parallel, "executor": spec.executor,
+            "kind": "completion" if spec.format is Format.RAW else "chat",
         })
     if as_json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title="models", title_justify="left")
-    for col in ("name", "source", "revision", "available", "context x parallel"):
-        table.add_column(col)
-    for r in rows:
-        mark = " (default)" if r["default"] else ""
-        table.add_row(f"{r['name']}{mark}", r["source"], r["revision"] or "-",
-                      "yes" if r["available"] else "no", f"{r['context']} x {r['parallel']}")
-    Console(stderr=not sys.stdout.isatty()).print(table)
+    from .render import models_view
+
+    Console(stderr=not sys.stdout.isatty()).print(models_view(rows))
 
 
 @models_app.command("add")
@@ -384,8 +461,8 @@ def models_add(
 
     Example: everycycle models add qwen hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf
     """
-    from . import hub
-    from .registry import add_user_entry
+    from ..models import hub
+    from ..models.registry import add_user_entry
 
     try:
         ref = hub.parse_hf_url(url)
@@ -411,8 +488,8 @@ def pull(
 
     Example: everycycle pull hf://ggml-org/gemma-3-270m-it-GGUF/gemma-3-270m-it-Q8_0.gguf
     """
-    from . import hub
-    from .registry import load_registry, local_file
+    from ..models import hub
+    from ..models.registry import load_registry, local_file
 
     progress = sys.stderr.isatty()
     try:
@@ -421,7 +498,7 @@ def pull(
         else:
             spec = load_registry(models).get(model)
             if spec.hf_repo is not None:
-                path = hub.download(hub.ref_of(spec), sha256=spec.sha256, progress=progress)
+                path = hub.download(spec.hub_ref, sha256=spec.sha256, progress=progress)
             else:
                 path = local_file(spec)
     except EverycycleError as exc:
@@ -435,7 +512,7 @@ def _prepull(name: str, models: Path | None, offline: bool) -> None:
     Raises EverycycleError subclasses; a name the local registry does not know is left
     for the daemon to judge.
     """
-    from .registry import load_registry, local_file
+    from ..models.registry import load_registry, local_file
 
     spec = load_registry(models).models.get(name)
     if spec is None or spec.hf_repo is None:
@@ -451,11 +528,16 @@ def _available(spec: Any) -> bool:
     if spec.path is not None:
         return bool(spec.path.is_file())
     if spec.package is not None:
+        if spec.package_file is not None:
+            from ..models.registry import package_path
+
+            found = package_path(spec)
+            return found is not None and found.is_file()
         return importlib.util.find_spec(spec.package) is not None
-    from .hub import cached_file
+    from ..models.hub import cached_file
 
     try:
-        cached_file(spec)
+        cached_file(spec.hub_ref, sha256=spec.sha256, name=spec.name)
     except EverycycleError:
         return False
     return True
@@ -512,8 +594,8 @@ def daemon(
     = False,
 ) -> None:
     """Run the daemon in the foreground (or --detach).  Example: everycycle daemon --detach"""
-    from .daemon import AlreadyRunningError, DaemonConfig, load_or_create_token, serve
-    from .supervisor import Limits
+    from ..daemon.server import DaemonConfig, load_or_create_token, serve
+    from ..daemon.supervisor import Limits
 
     if show_token:
         sys.stdout.write(load_or_create_token() + "\n")
@@ -542,14 +624,14 @@ def daemon(
         anyio.run(serve, config)
     except AlreadyRunningError as exc:
         _fail(exc.message, 1)
-    except (ConfigError, ProtocolError) as exc:
-        _fail(exc.message, 2)
+    except EverycycleError as exc:
+        _fail(exc.message, EXIT_CODES[exc.kind])
 
 
 def _detach(sock: Path, argv: list[str]) -> None:
     import subprocess
 
-    from .daemon import read_pid
+    from ..daemon.server import read_pid
 
     log_path = paths.log_dir() / "daemon.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -585,4 +667,8 @@ def _answers(sock: Path) -> bool:
 
 def main() -> None:
     """Console-script entry point."""
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:  # Ctrl-C outside any request (e.g. as one just ended)
+        sys.stderr.write("\n")
+        raise SystemExit(EXIT_INTERRUPTED) from None

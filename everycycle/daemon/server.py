@@ -13,7 +13,6 @@ import errno
 import fcntl
 import hmac
 import ipaddress
-import itertools
 import logging
 import math
 import os
@@ -27,16 +26,22 @@ import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectSendStream
 
-from . import paths
+from .. import paths
+from ..errors import (
+    AlreadyRunningError,
+    ConfigError,
+    ErrorKind,
+    LineTooLongError,
+    ProtocolError,
+    unwrap_groups,
+)
+from ..models.registry import load_registry
+from ..protocol import Auth, Error, LineFramer, ServerEvent, decode_request, encode
+from ..sockets import wake_reader
 from .audit import AuditLog
-from .errors import ConfigError, ErrorKind, LineTooLongError, ProtocolError
-from .protocol import Auth, Error, LineFramer, ServerEvent, decode_request, encode
-from .registry import load_registry
-from .sockets import wake_reader
 from .supervisor import Limits, Supervisor
 
 log = logging.getLogger(__name__)
-_ids = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +55,6 @@ class DaemonConfig:
     audit_prompts: bool = False
     tcp: tuple[str, int] | None = None
     allow_remote: bool = False
-
-
-class AlreadyRunningError(ConfigError):
-    """Another daemon holds this socket; ``pid`` is its process id when known."""
-
-    def __init__(self, message: str, pid: int | None) -> None:
-        super().__init__(message)
-        self.pid = pid
 
 
 @contextlib.contextmanager
@@ -88,6 +85,16 @@ def socket_lock(sock: Path) -> Iterator[Path]:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _startup_errors(sock: Path) -> Iterator[None]:
+    """Turn an unusable socket path (missing parent, no permission, too long) into a
+    ConfigError naming it; errors after start-up pass through."""
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(f"cannot serve on {sock}: {exc.strerror or exc}") from None
+
+
 def read_pid(sock: Path) -> int | None:
     """The pid recorded for the daemon of ``sock``, if any."""
     try:
@@ -114,7 +121,6 @@ class _Connection:
     """One client connection: its outgoing queue and identity (a supervisor Peer)."""
 
     def __init__(self, send: MemoryObjectSendStream[ServerEvent], *, allow_paths: bool) -> None:
-        self.id = next(_ids)
         self.allow_paths = allow_paths
         self._send = send
 
@@ -159,16 +165,26 @@ class Daemon:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
-        """Serve until ``stop()`` or cancellation; raises AlreadyRunningError."""
+        """Serve until ``stop()`` or cancellation.
+
+        Raises AlreadyRunningError, and ConfigError when the socket or TCP address
+        cannot be used (naming it and why).
+        """
         sock = self.config.socket
-        with socket_lock(sock):
-            with contextlib.suppress(FileNotFoundError):
-                sock.unlink()  # we hold the lock: any socket here is stale
-            listeners: list[anyio.abc.SocketListener] = [await anyio.create_unix_listener(sock)]
-            os.chmod(sock, 0o600)
+        with contextlib.ExitStack() as held:
+            with _startup_errors(sock):
+                held.enter_context(socket_lock(sock))
+                with contextlib.suppress(FileNotFoundError):
+                    sock.unlink()  # we hold the lock: any socket here is stale
+                listeners = [await anyio.create_unix_listener(sock)]
+                os.chmod(sock, 0o600)
             if self.config.tcp is not None:
                 host, port = self.config.tcp
-                tcp = await anyio.create_tcp_listener(local_host=host, local_port=port)
+                try:
+                    tcp = await anyio.create_tcp_listener(local_host=host, local_port=port)
+                except OSError as exc:
+                    raise ConfigError(f"cannot listen on {host}:{port}: "
+                                      f"{exc.strerror or exc}") from None
                 self.tcp_port = tcp.extra(anyio.abc.SocketAttribute.local_port)
                 listeners.extend(typing.cast(list[anyio.abc.SocketListener], tcp.listeners))
             async with anyio.create_task_group() as tg:
@@ -290,7 +306,10 @@ class Daemon:
 
 
 async def serve(config: DaemonConfig, *, handle_signals: bool = True) -> None:
-    """Run a daemon until SIGTERM/SIGINT or a Shutdown request."""
+    """Run a daemon until SIGTERM/SIGINT or a Shutdown request.
+
+    Raises AlreadyRunningError and ConfigError as themselves (not in a group).
+    """
     import signal
 
     daemon = Daemon(config)
@@ -302,8 +321,9 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = True) -> None:
                 daemon.stop()
                 return
 
-    async with anyio.create_task_group() as tg:
-        if handle_signals:
-            tg.start_soon(watch_signals)
-        await daemon.run()
-        tg.cancel_scope.cancel()
+    with unwrap_groups():
+        async with anyio.create_task_group() as tg:
+            if handle_signals:
+                tg.start_soon(watch_signals)
+            await daemon.run()
+            tg.cancel_scope.cancel()

@@ -1,41 +1,36 @@
 """A blocking client over the daemon's Unix socket: plain sockets, no event loop.
 
 For programs without an event loop and for the CLI's one-shot commands, which must
-start fast (no asyncio import). One request at a time per client.
+start fast (no asyncio import). The routing rules are ``ClientConnection``'s.
 """
 
 from __future__ import annotations
 
 import socket as pysocket
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Self
 
-from . import paths
-from .errors import DaemonUnavailableError, RequestFailedError
-from .protocol import (
+from .. import paths
+from ..errors import DaemonUnavailableError, RequestFailedError
+from ..protocol import (
     Cancel,
     DescribeFleet,
     Error,
     FleetDescription,
     FleetSnapshot,
     Generate,
-    LineFramer,
     Load,
+    Message,
     Request,
     ServerEvent,
     Shutdown,
     Unload,
-    decode_event,
-    encode,
-    is_terminal,
 )
+from .connection import ClientConnection, Routed, new_request_id
 
-
-def _rid() -> str:
-    import uuid
-
-    return uuid.uuid4().hex
+__all__ = ["SyncClient"]
 
 
 class SyncClient:
@@ -45,8 +40,8 @@ class SyncClient:
         self.path = socket or paths.socket_path()
         self._timeout = timeout
         self._sock: pysocket.socket | None = None
-        self._framer = LineFramer()
-        self._pending: list[bytes] = []
+        self._conn = ClientConnection()
+        self._pending: deque[Routed] = deque()
 
     def __enter__(self) -> Self:
         sock = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
@@ -65,36 +60,42 @@ class SyncClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._conn.close("the client closed the connection")
 
-    def _next_event(self) -> ServerEvent:
+    def _next(self) -> Routed:
         assert self._sock is not None
         while not self._pending:
+            if self._conn.closed is not None:
+                raise DaemonUnavailableError(self._conn.closed)
             try:
                 data = self._sock.recv(65536)
             except OSError as exc:
-                raise DaemonUnavailableError(f"lost the daemon: {exc}") from None
-            if not data:
-                raise DaemonUnavailableError("the daemon closed the connection")
-            self._pending.extend(self._framer.feed(data))
-        return decode_event(self._pending.pop(0))
+                self._conn.close(f"lost the daemon: {exc}")
+                continue
+            self._pending.extend(self._conn.receive_data(data))
+        return self._pending.popleft()
 
     def request(self, request: Request) -> Iterator[ServerEvent]:
         """Send ``request``; yield its events through the terminal one."""
         if self._sock is None:
             raise DaemonUnavailableError("not connected (use `with SyncClient() as c`)")
         rid = getattr(request, "request_id", "")
+        line = self._conn.send(request)
         try:
-            self._sock.sendall(encode(request))
+            self._sock.sendall(line)
         except OSError as exc:
+            self._conn.close(f"lost the daemon: {exc}")
             raise DaemonUnavailableError(f"lost the daemon: {exc}") from None
-        while True:
-            event = self._next_event()
-            mine = isinstance(event, FleetDescription) or event.request_id in (rid, "")
-            if not mine:
-                continue
-            yield event
-            if is_terminal(event):
-                return
+        try:
+            while True:
+                routed = self._next()
+                if routed.request_id != rid:
+                    continue  # an abandoned earlier request's late events
+                yield routed.event
+                if routed.terminal:
+                    return
+        finally:
+            self._conn.abandon(rid)
 
     def _one(self, request: Request) -> ServerEvent:
         last = list(self.request(request))[-1]
@@ -102,23 +103,31 @@ class SyncClient:
             raise RequestFailedError(last.message, kind=last.kind, request_id=last.request_id)
         return last
 
-    def generate(self, model: str, prompt: str, **options: Any) -> Iterator[ServerEvent]:
+    def generate(self, model: str, prompt: str | None = None, *,
+                 messages: tuple[Message, ...] | None = None,
+                 **options: Any) -> Iterator[ServerEvent]:
         """Events of a Generate request (see protocol.Generate for ``options``)."""
-        return self.request(Generate(_rid(), model, prompt, **options))
+        return self.request(Generate(new_request_id(), model, prompt, messages=messages,
+                                     **options))
 
     def describe_fleet(self) -> FleetSnapshot:
-        event = self._one(DescribeFleet(_rid()))
+        """The daemon's FleetSnapshot. Raises RequestFailedError."""
+        event = self._one(DescribeFleet(new_request_id()))
         assert isinstance(event, FleetDescription)
         return event.snapshot
 
     def cancel(self, target: str) -> None:
-        self._one(Cancel(_rid(), target))
+        """Cancel request ``target``. Raises RequestFailedError (Invalid if not active)."""
+        self._one(Cancel(new_request_id(), target))
 
     def load(self, model: str, executor: str | None = None) -> None:
-        self._one(Load(_rid(), model, executor))
+        """Make ``model`` resident. Raises RequestFailedError."""
+        self._one(Load(new_request_id(), model, executor))
 
     def unload(self, model: str) -> None:
-        self._one(Unload(_rid(), model))
+        """Release ``model``. Raises RequestFailedError."""
+        self._one(Unload(new_request_id(), model))
 
     def shutdown(self) -> None:
-        self._one(Shutdown(_rid()))
+        """Ask the daemon to stop gracefully. Raises RequestFailedError."""
+        self._one(Shutdown(new_request_id()))

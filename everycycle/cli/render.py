@@ -1,13 +1,18 @@
-"""Rich views of a FleetSnapshot and of the model registry (stderr or a terminal only)."""
+"""Rich views: the fleet, the executors seen without a daemon, the model registry.
+
+Every table the CLI prints is built here; callers print it on stderr or a terminal.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from .protocol import FleetSnapshot
+from ..protocol import FleetSnapshot
 
 if TYPE_CHECKING:
     from rich.console import Group
+    from rich.table import Table
 
 
 def _size(n: int | None) -> str:
@@ -39,3 +44,29 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
     if not snapshot.loaded_models:
         models.caption = "none"
     return Group(ex, models, f"active requests: {snapshot.active_requests}")
+
+
+def local_executors_view(executors: Iterable[Any]) -> Table:
+    """The executors this machine offers, discovered without a daemon."""
+    from rich.table import Table
+
+    table = Table(title="executors on this machine (no daemon)", title_justify="left")
+    for col in ("name", "vendor", "devices"):
+        table.add_column(col)
+    for e in executors:
+        table.add_row(e.name, e.vendor, str(len(e.devices)))
+    return table
+
+
+def models_view(rows: Sequence[dict[str, Any]]) -> Table:
+    """The registry, one row per model (the rows ``everycycle models --json`` prints)."""
+    from rich.table import Table
+
+    table = Table(title="models", title_justify="left")
+    for col in ("name", "kind", "source", "revision", "available", "context x parallel"):
+        table.add_column(col)
+    for r in rows:
+        mark = " (default)" if r["default"] else ""
+        table.add_row(f"{r['name']}{mark}", r["kind"], r["source"], r["revision"] or "-",
+                      "yes" if r["available"] else "no", f"{r['context']} x {r['parallel']}")
+    return table

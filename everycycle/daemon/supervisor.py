@@ -1,8 +1,9 @@
 """The supervisor: admission, per-model queues and positions, limits, deadlines,
 cancellation, loading and unloading, and the live FleetSnapshot.
 
-It runs on the event loop and owns the engine Runners; each Runner's decode thread
-hands its step outputs back through ``anyio.from_thread.run_sync``. Peers (socket
+It runs on the event loop and owns the engine Runners. Each Runner's decode thread
+puts its step outputs on one thread-safe queue (``_notify``, never blocking); a
+single pump task takes them off on the event loop in order. Peers (socket
 connections, or the embedded client) receive events through ``Peer.emit``, which
 must not block. Rules, each upheld here and tested through the daemon:
 
@@ -20,7 +21,7 @@ import os
 import queue
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,19 +30,19 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-from . import executors as ex
-from .audit import AuditLog
-from .engine import Job, Output, Runner, Sampling, estimate_bytes
-from .errors import (
-    CancelledError,
+from ..engine import executors as ex
+from ..engine.runner import Job, Output, Runner, Sampling, estimate_bytes
+from ..errors import (
     ErrorKind,
     EverycycleError,
     InternalError,
     InvalidRequestError,
     ModelNotLoadedError,
     RejectedError,
+    RequestCancelledError,
 )
-from .protocol import (
+from ..models.registry import ModelSpec, Registry, local_file
+from ..protocol import (
     Accepted,
     Cancel,
     DescribeFleet,
@@ -60,7 +61,7 @@ from .protocol import (
     Tokens,
     Unload,
 )
-from .registry import ModelSpec, Registry, local_file
+from .audit import AuditLog
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +78,25 @@ class Limits:
     max_tokens: int = 32768
 
 
+def _prompt_bytes(req: Generate) -> int:
+    if req.messages is not None:
+        return sum(len(m.content.encode("utf-8")) for m in req.messages)
+    return len((req.prompt or "").encode("utf-8"))
+
+
+def _sampling(req: Generate, model_defaults: Mapping[str, Any]) -> Sampling:
+    """The request's options, else the model's (models.toml), else llama.cpp's defaults."""
+    values = {**model_defaults}
+    for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed"):
+        given = getattr(req, name)
+        if given is not None:
+            values[name] = given
+    return Sampling(**values)
+
+
 class Peer(Protocol):
     """Whoever sent the request: receives its events without blocking."""
 
-    id: int
     allow_paths: bool
 
     def emit(self, event: ServerEvent) -> None: ...
@@ -198,7 +214,7 @@ class Supervisor:
             if isinstance(request, Generate) and active is not None and active.peer is peer:
                 err = exc
                 if active.cancel_reason is not None:  # cancelled while admitting
-                    err = CancelledError(active.cancel_reason)
+                    err = RequestCancelledError(active.cancel_reason)
                 self._finish(active, Error(rid, err.kind, err.message))
             else:
                 peer.emit(Error(rid, exc.kind, exc.message))
@@ -232,15 +248,21 @@ class Supervisor:
             raise RejectedError(
                 f"too many requests in flight on this connection ({self.limits.max_inflight})"
             )
-        if len(req.prompt.encode("utf-8")) > self.limits.max_prompt_bytes:
-            raise InvalidRequestError(f"prompt longer than {self.limits.max_prompt_bytes} bytes")
+        if _prompt_bytes(req) > self.limits.max_prompt_bytes:
+            what = "prompt" if req.messages is None else "messages"
+            raise InvalidRequestError(f"{what} longer than {self.limits.max_prompt_bytes} bytes")
         if req.max_tokens is not None and req.max_tokens > self.limits.max_tokens:
             raise InvalidRequestError(f"max_tokens must be between 1 and {self.limits.max_tokens}")
         active = _Active(req=req, peer=peer, admitted=time.monotonic())
         self._active[rid] = active
         if req.deadline_ms is not None:
+            # The scope exists before anything can finish the request, so _finish can
+            # always cancel it: the deadline task never outlives its request.
             assert self._tg is not None
-            self._tg.start_soon(self._deadline, active, req.deadline_ms)
+            active.deadline = anyio.CancelScope(
+                deadline=anyio.current_time() + req.deadline_ms / 1000
+            )
+            self._tg.start_soon(self._deadline, active, active.deadline, req.deadline_ms)
         allow_load = self.auto_load and req.auto_load is not False
         spec = self._spec_for(req.model, peer)
         # Admission is FIFO per model (anyio locks are fair): requests queue in arrival order
@@ -252,8 +274,12 @@ class Supervisor:
         rid = req.request_id
         model = await self._ensure_loaded(req.model, peer, None, allow_load=allow_load)
         active.model = model.spec.name
-        fmt = req.format or model.spec.format
-        tokens = await anyio.to_thread.run_sync(model.runner.tokenize, req.prompt, fmt)
+        if req.messages is not None:
+            tokens = await anyio.to_thread.run_sync(model.runner.tokenize_chat, req.messages)
+        else:
+            assert req.prompt is not None
+            fmt = req.format or model.spec.format
+            tokens = await anyio.to_thread.run_sync(model.runner.tokenize, req.prompt, fmt)
         if active.cancel_reason is None and self._models.get(model.spec.name) is not model:
             active.cancel_reason = f"model '{model.spec.name}' unloaded"
         if active.cancel_reason is not None:
@@ -265,17 +291,7 @@ class Supervisor:
                 f"prompt is {len(tokens)} tokens; the context holds {model.runner.n_ctx_slot}"
             )
         max_tokens = req.max_tokens or model.runner.n_ctx_slot
-        defaults = Sampling()
-        sampling = Sampling(
-            temperature=defaults.temperature if req.temperature is None else req.temperature,
-            top_k=defaults.top_k if req.top_k is None else req.top_k,
-            top_p=defaults.top_p if req.top_p is None else req.top_p,
-            min_p=defaults.min_p if req.min_p is None else req.min_p,
-            repeat_penalty=(
-                defaults.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty
-            ),
-            seed=req.seed,
-        )
+        sampling = _sampling(req, model.spec.sampling)
         active.job = Job(tokens=tokens, max_tokens=max_tokens, sampling=sampling,
                          stop=req.stop or (), tag=active)
         active.n_prompt = len(tokens)
@@ -309,11 +325,12 @@ class Supervisor:
             for i, waiting in enumerate(model.queue):
                 waiting.peer.emit(Accepted(waiting.req.request_id, i + 1))
 
-    async def _deadline(self, active: _Active, ms: int) -> None:
-        with anyio.CancelScope() as scope:
-            active.deadline = scope
-            await anyio.sleep(ms / 1000)
-            self._cancel(active, f"deadline of {ms} ms passed")
+    async def _deadline(self, active: _Active, scope: anyio.CancelScope, ms: int) -> None:
+        with scope:
+            await anyio.sleep_forever()
+        # Reached by the deadline, or by _finish cancelling the scope; then the request
+        # is gone and _cancel does nothing.
+        self._cancel(active, f"deadline of {ms} ms passed")
 
     def _cancel(self, active: _Active, reason: str) -> None:
         rid = active.req.request_id
@@ -353,13 +370,15 @@ class Supervisor:
                 "model": active.model or active.req.model,
                 "executor": model.executor if model else None,
                 "prompt_tokens": active.n_prompt,
+                "cached_tokens": active.job.n_reused if active.job else 0,
                 "output_tokens": active.job.n_generated if active.job else 0,
                 "queue_wait_ms": round((started - active.admitted) * 1000, 1),
                 "duration_ms": round((now - active.admitted) * 1000, 1),
                 "outcome": outcome,
             }
             if self.audit.include_prompts:
-                record["prompt"] = active.req.prompt
+                record["prompt"] = (active.req.prompt if active.req.messages is None else
+                                    [[m.role.value, m.content] for m in active.req.messages])
             self.audit.write(record)
 
     # ------------------------------------------------------------------ engine outputs

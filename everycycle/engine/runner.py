@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import EverycycleError, InternalError, InvalidRequestError
-from .protocol import Format
+from ..errors import EverycycleError, InternalError, InvalidRequestError
+from ..protocol import Format, Message
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,6 @@ class Runner:
 
         self._L = L
         self.path = path
-        self.context = context
         self.parallel = parallel
         self._notify = notify
         self._n_batch = n_batch
@@ -187,6 +186,7 @@ class Runner:
         # Guards the model against use from other threads (tokenize) while close() frees it.
         self._life = threading.Lock()
         self._freed = False
+        self._template_raw = False
         self._template = self._chat_template()
         self._thread = threading.Thread(target=self._run, name=f"engine:{path.name}", daemon=True)
         self._thread.start()
@@ -195,6 +195,7 @@ class Runner:
 
     @property
     def has_chat_template(self) -> bool:
+        """True when the GGUF carries a chat template llama.cpp can render."""
         return self._template is not None
 
     def tokenize(self, prompt: str, fmt: Format | None = None) -> list[int]:
@@ -205,19 +206,32 @@ class Runner:
         """
         with self._life:
             self._check_alive()
-            return self._tokenize(prompt, fmt)
+            if fmt is not Format.RAW and self._template is not None:
+                return self._tokenize(self._render_chat(((b"user", prompt),)), special=True)
+            return self._tokenize(prompt, special=False)
+
+    def tokenize_chat(self, messages: Sequence[Message]) -> list[int]:
+        """A conversation to tokens through the model's chat template, ready for the
+        assistant's turn. Raises InvalidRequestError when the model has no template
+        llama.cpp can render, InternalError once the model is unloaded."""
+        with self._life:
+            self._check_alive()
+            if self._template is None:
+                why = ("has a chat template llama.cpp cannot render" if self._template_raw
+                       else "has no chat template")
+                raise InvalidRequestError(
+                    f"{self.path.name} {why}: send a `prompt` with format raw instead of "
+                    "`messages`"
+                )
+            turns = tuple((m.role.value.encode(), m.content) for m in messages)
+            return self._tokenize(self._render_chat(turns), special=True)
 
     def _check_alive(self) -> None:
         if self._freed:
             raise InternalError("the model is unloaded")
 
-    def _tokenize(self, prompt: str, fmt: Format | None) -> list[int]:
+    def _tokenize(self, text: str, *, special: bool) -> list[int]:
         L = self._L
-        text = prompt
-        special = False
-        if fmt is not Format.RAW and self._template is not None:
-            text = self._apply_template(prompt)
-            special = True
         data = text.encode("utf-8")
         n_max = len(data) + 8
         buf = (L.llama_token * n_max)()
@@ -279,34 +293,37 @@ class Runner:
     # ------------------------------------------------------------------ helpers
 
     def _chat_template(self) -> bytes | None:
+        """The GGUF's chat template if llama.cpp can render it (probed once)."""
         L = self._L
         tmpl = L.llama_model_chat_template(self._model, None)
+        self._template_raw = bool(tmpl)
         if not tmpl:
             return None
-        probe = self._render(tmpl, "x")
+        probe = self._apply(tmpl, ((b"user", "x"),))
         return tmpl if probe is not None else None
 
-    def _render(self, tmpl: bytes, prompt: str) -> str | None:
+    def _apply(self, tmpl: bytes, turns: Sequence[tuple[bytes, str]]) -> str | None:
         L = self._L
-        content = prompt.encode("utf-8")
-        msg = (L.llama_chat_message * 1)()
-        msg[0].role = b"user"
-        msg[0].content = content
-        size = 2 * len(content) + 256
+        contents = [content.encode("utf-8") for _, content in turns]
+        msgs = (L.llama_chat_message * len(turns))()
+        for i, ((role, _), content) in enumerate(zip(turns, contents, strict=True)):
+            msgs[i].role = role
+            msgs[i].content = content
+        size = 2 * sum(len(c) for c in contents) + 256 * len(turns) + 256
         buf = ctypes.create_string_buffer(size)
-        n = L.llama_chat_apply_template(tmpl, msg, 1, True, buf, size)
+        n = L.llama_chat_apply_template(tmpl, msgs, len(turns), True, buf, size)
         if n < 0:
             return None
         if n > size:
             buf = ctypes.create_string_buffer(n)
-            n = L.llama_chat_apply_template(tmpl, msg, 1, True, buf, n)
+            n = L.llama_chat_apply_template(tmpl, msgs, len(turns), True, buf, n)
         return buf.raw[:n].decode("utf-8", "replace")
 
-    def _apply_template(self, prompt: str) -> str:
+    def _render_chat(self, turns: Sequence[tuple[bytes, str]]) -> str:
         assert self._template is not None
-        out = self._render(self._template, prompt)
+        out = self._apply(self._template, turns)
         if out is None:
-            raise InternalError("the model's chat template could not be applied")
+            raise InvalidRequestError("the model's chat template cannot render this conversation")
         return out
 
     def _piece(self, token: int) -> bytes:
@@ -405,8 +422,9 @@ class Runner:
                 return True
             if hold:
                 return False
-        if text or slot.held_ids:
-            out.append((job, Output(text, tuple(slot.held_ids))))
+        # A token may render as no text (a control token): its chunk still carries the
+        # id, so that every generated id reaches the client exactly once.
+        out.append((job, Output(text, tuple(slot.held_ids))))
         slot.held_text, slot.held_ids = "", []
         return False
 
@@ -555,7 +573,7 @@ def estimate_bytes(path: Path, n_ctx_total: int) -> int:
     Reads only the GGUF's metadata header. Raises InvalidRequestError for a file
     that is not a readable GGUF.
     """
-    from .ggufmeta import read_metadata
+    from .gguf import read_metadata
 
     meta = read_metadata(path)
     arch = meta.get("general.architecture", "")

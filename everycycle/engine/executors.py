@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidRequestError, RejectedError
+from ..errors import InvalidRequestError, RejectedError
 
 # ggml_backend_dev_type (ggml-backend.h). ACCEL devices (BLAS, AMX) work alongside the
 # CPU backend and META devices wrap others: neither is an executor of its own.

@@ -14,15 +14,16 @@ import json
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import paths
-from .errors import ConfigError, InvalidRequestError
-from .protocol import Format
+from .. import paths
+from ..errors import ChecksumMismatchError, ConfigError, InvalidRequestError
+from ..protocol import Format
+from . import hub
 
-SHIPPED_MODELS = Path(__file__).with_name("models.toml")
+SHIPPED_MODELS = Path(__file__).parent.parent / "models.toml"
 
 _KEYS = {
     "path": str,
@@ -36,6 +37,21 @@ _KEYS = {
     "parallel": int,
     "executor": str,
     "format": str,
+    "package_file": str,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "repeat_penalty": float,
+    "seed": int,
+}
+_SAMPLING_RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 100.0),
+    "top_k": (0, 1_000_000),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "repeat_penalty": (0.01, 10.0),
+    "seed": (0, 2**32 - 2),
 }
 _SOURCES = ("path", "package", "hf_repo")
 
@@ -57,6 +73,17 @@ class ModelSpec:
     parallel: int = 4
     executor: str = "auto"
     format: Format | None = None
+    package_file: str | None = None
+    """The GGUF's file name inside ``package`` (found without importing the package)."""
+    sampling: Mapping[str, float | int] = field(default_factory=dict)
+    """Sampling defaults for this model (temperature, top_k, …); requests override them."""
+
+    @property
+    def hub_ref(self) -> hub.HubRef:
+        """Where a hub model lives. Raises InvalidRequestError for other sources."""
+        if self.hf_repo is None or self.hf_file is None:
+            raise InvalidRequestError(f"model '{self.name}' is not a hub model")
+        return hub.HubRef(self.hf_repo, self.hf_file, self.revision)
 
     @property
     def source(self) -> str:
@@ -75,7 +102,6 @@ class Registry:
 
     models: Mapping[str, ModelSpec]
     default: str | None
-    files: tuple[Path, ...]
 
     def get(self, name: str) -> ModelSpec:
         """The spec for ``name``. Raises InvalidRequestError for an unknown name."""
@@ -101,8 +127,10 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         if expected is None:
             allowed = ", ".join(sorted(_KEYS))
             raise ConfigError(f"{where}: unknown key '{key}' (expected one of {allowed})")
-        if not isinstance(value, expected) or isinstance(value, bool):
-            raise ConfigError(f"{where}.{key} must be a {expected.__name__}")
+        ok = isinstance(value, int | float) if expected is float else isinstance(value, expected)
+        if not ok or isinstance(value, bool):
+            kind = "number" if expected is float else expected.__name__
+            raise ConfigError(f"{where}.{key} must be a {kind}")
     sources = [s for s in _SOURCES if s in raw]
     if len(sources) != 1:
         raise ConfigError(f"{where} needs exactly one source: path, package or hf_repo")
@@ -111,6 +139,11 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
     for key, lo, hi in (("context", 16, 1 << 20), ("parallel", 1, 256)):
         if key in raw and not lo <= raw[key] <= hi:
             raise ConfigError(f"{where}.{key} must be between {lo} and {hi}")
+    for key, (flo, fhi) in _SAMPLING_RANGES.items():
+        if key in raw and not flo <= raw[key] <= fhi:
+            raise ConfigError(f"{where}.{key} must be between {flo:g} and {fhi:g}")
+    if "package_file" in raw and "package" not in raw:
+        raise ConfigError(f"{where}: package_file needs package")
     fmt = raw.get("format")
     if fmt is not None and fmt not in ("chat", "raw"):
         raise ConfigError(f"{where}.format must be \"chat\" or \"raw\"")
@@ -134,6 +167,8 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         parallel=raw.get("parallel", 4),
         executor=raw.get("executor", "auto"),
         format=Format(fmt) if fmt else None,
+        package_file=raw.get("package_file"),
+        sampling={k: raw[k] for k in _SAMPLING_RANGES if k in raw},
     )
 
 
@@ -178,7 +213,7 @@ def load_registry(models_file: Path | None = None) -> Registry:
         used.append(f)
     if default is not None and default not in models:
         raise ConfigError(f"{used[-1]}: default '{default}' is not a model in the registry")
-    return Registry(models=models, default=default, files=tuple(used))
+    return Registry(models=models, default=default)
 
 
 def local_file(spec: ModelSpec, *, download: bool = False, progress: bool = False) -> Path:
@@ -189,8 +224,6 @@ def local_file(spec: ModelSpec, *, download: bool = False, progress: bool = Fals
     InvalidRequestError when the file is missing or not yet downloaded, ConfigError
     when the weights package is not installed, and the hub module's errors.
     """
-    from . import hub
-
     if spec.path is not None:
         if not spec.path.is_file():
             raise InvalidRequestError(f"model '{spec.name}': {spec.path} is not a file")
@@ -198,22 +231,52 @@ def local_file(spec: ModelSpec, *, download: bool = False, progress: bool = Fals
             hub.verify(spec.path, spec.sha256)
         return spec.path
     if spec.package is not None:
-        try:
-            module = importlib.import_module(spec.package)
-        except ImportError:
-            raise ConfigError(
-                f"model '{spec.name}' needs the package {spec.package}: "
-                "pip install 'everycycle[default-model]'"
-            ) from None
-        return Path(module.assemble())  # the package checks its own sha256
+        return _package_file(spec)
     try:
-        return hub.cached_file(spec)
-    except hub.ChecksumMismatchError:
+        return hub.cached_file(spec.hub_ref, sha256=spec.sha256, name=spec.name)
+    except ChecksumMismatchError:
         raise
     except InvalidRequestError:
         if not download or hub.offline():
             raise
-    return hub.download(hub.ref_of(spec), sha256=spec.sha256, progress=progress)
+    return hub.download(spec.hub_ref, sha256=spec.sha256, progress=progress)
+
+
+def package_path(spec: ModelSpec) -> Path | None:
+    """Where a ``package`` + ``package_file`` model's GGUF is, found without importing
+    the package (a weights package may import heavy things); None if not installed."""
+    import importlib.util
+
+    assert spec.package is not None and spec.package_file is not None
+    try:
+        found = importlib.util.find_spec(spec.package)
+    except (ImportError, ValueError):
+        return None
+    if found is None or not found.submodule_search_locations:
+        return None
+    return Path(next(iter(found.submodule_search_locations))) / spec.package_file
+
+
+def _package_file(spec: ModelSpec) -> Path:
+    assert spec.package is not None
+    missing = ConfigError(
+        f"model '{spec.name}' needs the package {spec.package}: "
+        "pip install 'everycycle[default-model]'"
+    )
+    if spec.package_file is not None:
+        path = package_path(spec)
+        if path is None:
+            raise missing
+        if not path.is_file():
+            raise ConfigError(f"model '{spec.name}': {spec.package} has no {spec.package_file}")
+        if spec.sha256:
+            hub.verify(path, spec.sha256)
+        return path
+    try:
+        module = importlib.import_module(spec.package)
+    except ImportError:
+        raise missing from None
+    return Path(module.assemble())  # the package checks its own sha256
 
 
 def _toml_value(value: object) -> str:

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, cast
 
-from . import paths
-from .errors import InternalError, InvalidRequestError
-from .registry import ModelSpec
+from .. import paths
+from ..errors import ChecksumMismatchError, InternalError, InvalidRequestError
 
 _HF_URL = re.compile(r"hf://(?P<repo>[^/@\s]+/[^/@\s]+)/(?P<file>[^@\s]+?)(?:@(?P<rev>[^@\s]+))?")
 
@@ -33,9 +32,10 @@ class HubRef:
     file: str
     revision: str | None = None
 
-
-class ChecksumMismatchError(InvalidRequestError):
-    """The downloaded file's sha256 differs from the pinned one."""
+    @property
+    def url(self) -> str:
+        """``hf://owner/repo/file[@revision]``."""
+        return f"hf://{self.repo}/{self.file}" + (f"@{self.revision}" if self.revision else "")
 
 
 def parse_hf_url(url: str) -> HubRef:
@@ -44,12 +44,6 @@ def parse_hf_url(url: str) -> HubRef:
     if m is None:
         raise InvalidRequestError(f"not a hub URL: {url!r} (want hf://owner/repo/file.gguf[@rev])")
     return HubRef(m["repo"], m["file"], m["rev"])
-
-
-def ref_of(spec: ModelSpec) -> HubRef:
-    if spec.hf_repo is None or spec.hf_file is None:
-        raise InvalidRequestError(f"model '{spec.name}' is not a hub model")
-    return HubRef(spec.hf_repo, spec.hf_file, spec.revision)
 
 
 def cache_dir() -> Path:
@@ -66,24 +60,24 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def cached_file(spec: ModelSpec) -> Path:
-    """The cached, verified GGUF of a hub model, with no network access.
+def cached_file(ref: HubRef, *, sha256: str | None = None, name: str | None = None) -> Path:
+    """The cached, verified file of ``ref``, with no network access.
 
-    Raises InvalidRequestError when it is not in the cache (telling the user to pull)
-    and ChecksumMismatchError when it does not match its sha256 pin.
+    Raises InvalidRequestError when it is not in the cache (telling the user to pull
+    ``name``, or the URL) and ChecksumMismatchError when it does not match ``sha256``.
     """
     from huggingface_hub import try_to_load_from_cache
 
-    ref = ref_of(spec)
     found = try_to_load_from_cache(ref.repo, ref.file, revision=ref.revision,
                                    cache_dir=str(cache_dir()))
     if not isinstance(found, str):
+        what = f"model '{name}'" if name else ref.url
         raise InvalidRequestError(
-            f"model '{spec.name}' is not downloaded yet: run `everycycle pull {spec.name}`"
+            f"{what} is not downloaded yet: run `everycycle pull {name or ref.url}`"
         )
     path = Path(found)
-    if spec.sha256:
-        verify(path, spec.sha256)
+    if sha256:
+        verify(path, sha256)
     return path
 
 
@@ -105,7 +99,7 @@ def download(ref: HubRef, *, sha256: str | None = None, progress: bool = False) 
     )
 
     bar: Any = _RichBar if progress else _SilentBar
-    where = f"hf://{ref.repo}/{ref.file}" + (f"@{ref.revision}" if ref.revision else "")
+    where = ref.url
     try:
         found = hf_hub_download(
             ref.repo, ref.file, revision=ref.revision, cache_dir=str(cache_dir()),

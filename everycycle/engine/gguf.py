@@ -9,7 +9,7 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 # GGUF value types -> struct format for the scalar ones
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",

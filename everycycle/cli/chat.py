@@ -1,0 +1,233 @@
+"""``everycycle chat``: a conversation with a model, on a terminal or over a pipe.
+
+Each turn sends the whole conversation as ``Generate.messages``; the daemon renders
+it with the model's chat template and, through prefix reuse, only prefills what is
+new. Line editing and the history file are prompt_toolkit's (imported only here).
+
+Keys and commands: Enter sends; Alt-Enter (or Esc then Enter) starts a new line, and
+so does a line ending in a backslash; a message may also be wrapped in triple quotes
+across lines. Ctrl-C during an answer cancels that answer (on the daemon) and keeps
+what was shown of it; Ctrl-C on an empty prompt, Ctrl-D and ``/bye`` leave.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+
+from .. import paths
+from ..protocol import Accepted, Error, Generate, Message, Role, Tokens
+
+if TYPE_CHECKING:
+    from ..client.aio import BaseClient
+
+PROMPT = ">>> "
+CONTINUATION = "... "
+
+HELP = """\
+Commands:
+  /help          this help
+  /clear         forget the conversation (the system prompt stays)
+  /system TEXT   set the system prompt (and forget the conversation)
+  /bye           leave (so do Ctrl-D, and Ctrl-C on an empty prompt)
+Enter sends. Alt-Enter, or a line ending in \\, starts a new line; so does \"\"\" (until \"\"\").
+Ctrl-C during an answer stops it and keeps what was shown.
+"""
+
+
+@dataclass
+class Conversation:
+    """The messages so far, and the system prompt that leads them."""
+
+    system: str | None = None
+    turns: list[Message] = field(default_factory=list)
+
+    def messages(self) -> tuple[Message, ...]:
+        lead = (Message(Role.SYSTEM, self.system),) if self.system else ()
+        return (*lead, *self.turns)
+
+    def clear(self) -> None:
+        self.turns.clear()
+
+
+class LineReader(Protocol):
+    async def read(self) -> str | None:
+        """The user's next message; None when they leave. Raises KeyboardInterrupt."""
+        ...
+
+
+class TerminalReader:
+    """prompt_toolkit on a terminal: line editing, a history file, multi-line input."""
+
+    def __init__(self, history: Path) -> None:
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory
+        from prompt_toolkit.key_binding import KeyBindings
+
+        bindings = KeyBindings()
+
+        @bindings.add("escape", "enter")
+        def _newline(event: Any) -> None:
+            event.current_buffer.insert_text("\n")
+
+        @bindings.add("enter")
+        def _enter(event: Any) -> None:
+            buf = event.current_buffer
+            text = buf.text
+            if text.endswith("\\") and buf.cursor_position == len(text):
+                buf.delete_before_cursor(1)
+                buf.insert_text("\n")
+            elif text.startswith('"""') and not (len(text) >= 6 and text.endswith('"""')):
+                buf.insert_text("\n")
+            else:
+                buf.validate_and_handle()
+
+        @bindings.add("c-c")
+        def _interrupt(event: Any) -> None:
+            buf = event.current_buffer
+            if buf.text:
+                buf.reset()
+            else:
+                event.app.exit(exception=KeyboardInterrupt)
+
+        history.parent.mkdir(parents=True, exist_ok=True)
+        self._session: Any = PromptSession(
+            history=FileHistory(str(history)), key_bindings=bindings, multiline=True,
+            prompt_continuation=lambda width, line, soft: CONTINUATION,
+        )
+
+    async def read(self) -> str | None:
+        try:
+            text: str = await self._session.prompt_async(PROMPT)
+        except EOFError:
+            return None
+        return _unquote(text)
+
+
+class PipeReader:
+    """Plain lines from a non-terminal stdin; a message per line (or a \"\"\" block)."""
+
+    async def read(self) -> str | None:
+        line = await anyio.to_thread.run_sync(sys.stdin.readline)
+        if not line:
+            return None
+        text = line.rstrip("\n")
+        if text.startswith('"""'):
+            while not (len(text) >= 6 and text.endswith('"""')):
+                more = await anyio.to_thread.run_sync(sys.stdin.readline)
+                if not more:
+                    break
+                text += "\n" + more.rstrip("\n")
+        return _unquote(text)
+
+
+def _unquote(text: str) -> str:
+    if text.startswith('"""'):
+        text = text[3:]
+        text = text.removesuffix('"""')
+    return text.strip()
+
+
+def history_file() -> Path:
+    """Where chat input history is kept (the state directory)."""
+    return paths.state_dir() / "chat_history"
+
+
+async def chat(client: BaseClient, model: str, *, system: str | None = None,
+               options: dict[str, Any] | None = None,
+               reader: LineReader | None = None,
+               on_loading: Callable[[str], None] | None = None) -> int:
+    """Converse until the user leaves; the exit code (0, or 130 when interrupted)."""
+    if reader is None:
+        reader = TerminalReader(history_file()) if sys.stdin.isatty() else PipeReader()
+    convo = Conversation(system=system)
+    notice = sys.stderr
+    if sys.stdin.isatty():
+        notice.write(f"Chatting with {model}. /help for help, /bye or Ctrl-D to leave.\n")
+        notice.flush()
+    while True:
+        try:
+            text = await reader.read()
+        except KeyboardInterrupt:
+            return 0
+        if text is None:
+            return 0
+        if not text:
+            continue
+        if text.startswith("/"):
+            command, _, arg = text.partition(" ")
+            if command in ("/bye", "/exit", "/quit"):
+                return 0
+            if command == "/help":
+                notice.write(HELP)
+            elif command == "/clear":
+                convo.clear()
+                notice.write("(conversation cleared)\n")
+            elif command == "/system":
+                convo.system = arg.strip() or None
+                convo.clear()
+                notice.write("(system prompt set; conversation cleared)\n"
+                             if convo.system else "(system prompt removed)\n")
+            else:
+                notice.write(f"unknown command {command}; /help lists them\n")
+            notice.flush()
+            continue
+        convo.turns.append(Message(Role.USER, text))
+        answer, ok = await _answer(client, model, convo.messages(), options or {}, on_loading)
+        if ok or answer:
+            convo.turns.append(Message(Role.ASSISTANT, answer))
+        else:
+            convo.turns.pop()  # nothing came back: the question is not part of the talk
+
+
+async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
+                  options: dict[str, Any], on_loading: Callable[[str], None] | None
+                  ) -> tuple[str, bool]:
+    """Stream one answer to stdout; (the text shown, whether it finished)."""
+    from ..client.connection import new_request_id
+
+    req = Generate(request_id=new_request_id(), model=model, messages=messages, **options)
+    out = sys.stdout
+    shown: list[str] = []
+    ok = False
+    interrupted = False
+    async with anyio.create_task_group() as tg:
+
+        async def on_sigint() -> None:
+            nonlocal interrupted
+            with anyio.open_signal_receiver(signal.SIGINT) as signals:
+                async for _ in signals:
+                    interrupted = True
+                    await client.cancel_if_active(req.request_id)
+
+        tg.start_soon(on_sigint)
+        try:
+            if on_loading is not None:
+                on_loading("thinking…")
+            async for event in client.request(req):
+                if isinstance(event, Accepted) and event.queue_position and on_loading:
+                    on_loading(f"queued: position {event.queue_position}")
+                elif isinstance(event, Tokens):
+                    if on_loading is not None:
+                        on_loading("")
+                    if event.chunk.text:
+                        shown.append(event.chunk.text)
+                        out.write(event.chunk.text)
+                        out.flush()
+                    ok = event.finished
+                elif isinstance(event, Error):
+                    if on_loading is not None:
+                        on_loading("")
+                    if not interrupted:
+                        sys.stderr.write(f"\neverycycle: {event.kind.value}: {event.message}\n")
+        finally:
+            tg.cancel_scope.cancel()
+    out.write("\n")
+    out.flush()
+    return "".join(shown), ok

@@ -1,0 +1,137 @@
+"""``everycycle chat`` on a real pseudo-terminal, against a real daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pexpect
+from conftest import SpawnDaemon
+from daemonhelp import EC, wait_until
+
+from everycycle import paths
+from everycycle.client import SyncClient
+
+
+def audit() -> list[dict[str, object]]:
+    f = paths.audit_file()
+    return [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
+
+
+def requests() -> list[dict[str, object]]:
+    return [r for r in audit() if "request_id" in r]
+
+
+def running() -> bool:
+    with SyncClient() as c:
+        return any(m.busy for m in c.describe_fleet().loaded_models)
+
+
+def spawn_chat(models_file: Path, *args: str) -> pexpect.spawn:
+    env = {**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
+    return pexpect.spawn(EC[0], [*EC[1:], "chat", "--models", str(models_file), *args],
+                         env=env, timeout=60, dimensions=(40, 200))
+
+
+def turn(child: pexpect.spawn, text: str) -> dict[str, object]:
+    """Type ``text``, wait for its answer to end, return the daemon's record of it."""
+    before = len(requests())
+    child.expect_exact(">>>")
+    child.sendline(text)
+    wait_until(lambda: len(requests()) > before, f"the answer to {text!r}", timeout=60)
+    return requests()[-1]
+
+
+def test_chat_remembers_cancels_clears_and_leaves(spawn_daemon: SpawnDaemon,
+                                                  models_file: Path) -> None:
+    spawn_daemon("--audit-prompts")
+    child = spawn_chat(models_file, "--system", "be brief", "-n", "12", "--temperature", "0")
+    try:
+        first = turn(child, "hello there")
+        assert first["outcome"] == "Finished"
+        assert first["prompt"] == [["system", "be brief"], ["user", "hello there"]]
+        second = turn(child, "and again")
+        prompt = second["prompt"]
+        assert isinstance(prompt, list) and len(prompt) == 4, prompt
+        assert prompt[:2] == [["system", "be brief"], ["user", "hello there"]]
+        assert prompt[2][0] == "assistant" and prompt[3] == ["user", "and again"]
+
+        child.expect_exact(">>>")
+        child.sendline("/clear")
+        child.expect_exact("(conversation cleared)")
+        fresh = turn(child, "fresh start")
+        assert fresh["prompt"] == [["system", "be brief"], ["user", "fresh start"]]
+
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    assert "hello there" in (paths.state_dir() / "chat_history").read_text()
+
+
+def test_ctrl_c_cancels_only_the_answer_and_ctrl_d_leaves(spawn_daemon: SpawnDaemon,
+                                                          models_file: Path) -> None:
+    spawn_daemon("--audit-prompts")
+    # greedy on the random tiny model never reaches EOS: the answer runs until cancelled
+    child = spawn_chat(models_file, "-n", "6000", "--temperature", "0")
+    try:
+        child.expect_exact(">>>")
+        child.sendline("tell me a long story")
+        wait_until(running, "the answer to start")
+        time.sleep(0.3)  # some of it is on the screen
+        child.sendintr()
+        wait_until(lambda: len(requests()) == 1, "the cancel to reach the daemon", timeout=20)
+        cancelled = requests()[-1]
+        assert cancelled["outcome"] == "Cancelled", cancelled
+        shown = cancelled["output_tokens"]
+        assert isinstance(shown, int) and 0 < shown < 6000
+
+        child.expect_exact(">>>")  # back at the prompt, still chatting
+        child.sendline("/system answer briefly")
+        child.expect_exact("(system prompt set")
+        child.expect_exact(">>>")
+        child.sendline("hi")
+        wait_until(running, "the next answer to start")
+        child.sendintr()
+        wait_until(lambda: len(requests()) == 2, "the second cancel", timeout=20)
+        assert requests()[-1]["prompt"] == [["system", "answer briefly"], ["user", "hi"]]
+        child.expect_exact(">>>")
+        child.sendline("x")  # the conversation goes on after a cancel: it keeps the partial
+        wait_until(running, "the third answer to start")
+        child.sendintr()
+        wait_until(lambda: len(requests()) == 3, "the third cancel", timeout=20)
+        third = requests()[-1]["prompt"]
+        assert isinstance(third, list) and third[1] == ["user", "hi"]
+        assert third[2][0] == "assistant" and third[2][1] and third[3] == ["user", "x"]
+
+        child.expect_exact(">>>")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+def test_chat_without_a_daemon_and_from_a_pipe(models_file: Path) -> None:
+    import subprocess
+
+    out = subprocess.run([*EC, "chat", "--no-daemon", "--models", str(models_file), "-n", "4",
+                          "--temperature", "0"], input="hello\n/clear\nagain\n",
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("\n") == 2 and "Traceback" not in out.stderr
+
+
+def test_run_without_a_prompt_on_a_terminal_opens_the_chat(models_file: Path) -> None:
+    child = pexpect.spawn(EC[0], [*EC[1:], "run", "--no-daemon", "--models", str(models_file)],
+                          env={**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1"}, timeout=60)
+    try:
+        child.expect_exact(">>>")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
