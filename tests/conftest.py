@@ -28,6 +28,12 @@ def _private_paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         yield home
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    """The daemon runs on asyncio, as in production."""
+    return "asyncio"
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny llama GGUF with random weights and a byte-level vocabulary."""

@@ -72,19 +72,25 @@ def test_chat_remembers_cancels_clears_and_leaves(spawn_daemon: SpawnDaemon,
     assert "hello there" in (paths.state_dir() / "chat_history").read_text()
 
 
+def interrupt_answer(child: pexpect.spawn, text: str) -> dict[str, object]:
+    """Type ``text``, press Ctrl-C once its answer streams; the daemon's record of it."""
+    before = len(requests())
+    child.expect_exact(">>>")
+    child.sendline(text)
+    wait_until(running, f"the answer to {text!r} to start")
+    time.sleep(0.3)  # some of it is on the screen
+    child.sendintr()
+    wait_until(lambda: len(requests()) > before, "the cancel to reach the daemon", timeout=20)
+    return requests()[-1]
+
+
 def test_ctrl_c_cancels_only_the_answer_and_ctrl_d_leaves(spawn_daemon: SpawnDaemon,
                                                           models_file: Path) -> None:
     spawn_daemon("--audit-prompts")
     # greedy on the random tiny model never reaches EOS: the answer runs until cancelled
     child = spawn_chat(models_file, "-n", "6000", "--temperature", "0")
     try:
-        child.expect_exact(">>>")
-        child.sendline("tell me a long story")
-        wait_until(running, "the answer to start")
-        time.sleep(0.3)  # some of it is on the screen
-        child.sendintr()
-        wait_until(lambda: len(requests()) == 1, "the cancel to reach the daemon", timeout=20)
-        cancelled = requests()[-1]
+        cancelled = interrupt_answer(child, "tell me a long story")
         assert cancelled["outcome"] == "Cancelled", cancelled
         shown = cancelled["output_tokens"]
         assert isinstance(shown, int) and 0 < shown < 6000
@@ -92,18 +98,10 @@ def test_ctrl_c_cancels_only_the_answer_and_ctrl_d_leaves(spawn_daemon: SpawnDae
         child.expect_exact(">>>")  # back at the prompt, still chatting
         child.sendline("/system answer briefly")
         child.expect_exact("(system prompt set")
-        child.expect_exact(">>>")
-        child.sendline("hi")
-        wait_until(running, "the next answer to start")
-        child.sendintr()
-        wait_until(lambda: len(requests()) == 2, "the second cancel", timeout=20)
-        assert requests()[-1]["prompt"] == [["system", "answer briefly"], ["user", "hi"]]
-        child.expect_exact(">>>")
-        child.sendline("x")  # the conversation goes on after a cancel: it keeps the partial
-        wait_until(running, "the third answer to start")
-        child.sendintr()
-        wait_until(lambda: len(requests()) == 3, "the third cancel", timeout=20)
-        third = requests()[-1]["prompt"]
+        second = interrupt_answer(child, "hi")
+        assert second["prompt"] == [["system", "answer briefly"], ["user", "hi"]]
+        # the conversation goes on after a cancel, keeping the partial answer as shown
+        third = interrupt_answer(child, "x")["prompt"]
         assert isinstance(third, list) and third[1] == ["user", "hi"]
         assert third[2][0] == "assistant" and third[2][1] and third[3] == ["user", "x"]
 

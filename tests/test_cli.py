@@ -287,3 +287,23 @@ def test_fleet_watch_refreshes_until_interrupted(daemon: subprocess.Popen[bytes]
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
     assert out == b"" and b"executors on" in err
+
+
+def test_a_model_without_a_chat_template_says_so_once(tmp_path: Path) -> None:
+    from tinymodel import write_tiny_gguf
+
+    bare = write_tiny_gguf(tmp_path / "bare.gguf", chat_template=None)
+    f = tmp_path / "m.toml"
+    f.write_text(f'default = "bare"\n[models.bare]\npath = "{bare}"\ncontext = 256\n'
+                 "parallel = 1\n")
+    out = ec("run", "--no-daemon", "--models", str(f), "-n", "3", "hello")
+    assert out.returncode == 0 and out.stdout
+    assert out.stderr.count("has no chat template") == 1, out.stderr
+    quiet = ec("run", "--no-daemon", "--models", str(f), "-n", "3", "--raw", "hello")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+def test_models_says_which_are_chat_and_which_complete(models_file: Path) -> None:
+    rows = json.loads(ec("models", "--json").stdout)
+    kinds = {r["name"]: r["kind"] for r in rows}
+    assert kinds["smollm2-135m"] == "chat" and kinds["gemma-3-270m"] == "completion"

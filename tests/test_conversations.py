@@ -30,11 +30,6 @@ from everycycle.protocol import (
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def convo(*turns: tuple[str, str]) -> tuple[Message, ...]:
     return tuple(Message(Role(role), text) for role, text in turns)
 

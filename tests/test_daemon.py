@@ -36,11 +36,6 @@ from everycycle.protocol import (
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def gen(rid: str, model: str = "tiny", prompt: str = "hello", **kw: object) -> bytes:
     return encode(Generate(rid, model, prompt, temperature=0.0, **kw))  # type: ignore[arg-type]
 

@@ -19,11 +19,6 @@ from everycycle.errors import ErrorKind
 from everycycle.protocol import Accepted, Error, Generate, Load, Tokens, encode, is_terminal
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def bad_models(tmp_path: Path, tiny_gguf: Path) -> Path:
     data = tiny_gguf.read_bytes()
     (tmp_path / "truncated.gguf").write_bytes(data[: len(data) // 2])

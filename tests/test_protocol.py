@@ -91,8 +91,16 @@ generates = st.builds(
     auto_load=opt(st.booleans()),
     deadline_ms=opt(st.integers(1, 604_800_000)),
 )
+messages = st.lists(st.builds(p.Message, st.sampled_from(p.Role), text), min_size=1,
+                    max_size=4).map(tuple)
+conversations = st.builds(
+    p.Generate, request_id=rid, model=name, messages=messages,
+    max_tokens=opt(st.integers(1, p.MAX_TOKENS_LIMIT)), temperature=opt(st.floats(0.0, 100.0)),
+    format=opt(st.just(p.Format.CHAT)),
+)
 requests = st.one_of(
     generates,
+    conversations,
     st.builds(p.DescribeFleet, rid),
     st.builds(p.Cancel, rid, rid),
     st.builds(p.Load, rid, name, st.none() | name),
@@ -292,3 +300,16 @@ def test_is_terminal() -> None:
     assert p.is_terminal(p.Tokens("a", p.TokenChunk("", ()), True))
     assert p.is_terminal(p.Done("a"))
     assert p.is_terminal(p.Error("a", ErrorKind.INTERNAL, "x"))
+
+
+def test_a_seed_generate_line_is_unchanged_by_the_messages_extension() -> None:
+    line = p.encode(p.Generate("a", "m", "hi"))
+    assert b'"prompt":"hi"' in line and b"messages" not in line
+    convo = p.encode(p.Generate("a", "m", messages=(p.Message(p.Role.USER, "hi"),)))
+    assert b'"prompt"' not in convo
+    assert b'"messages":[{"role":"user","content":"hi"}]' in convo
+
+
+def test_messages_with_a_lone_surrogate_cannot_be_built() -> None:
+    with pytest.raises(ProtocolError, match="not valid Unicode"):
+        p.Message(p.Role.USER, "\ud800")

