@@ -210,6 +210,8 @@ class FleetSnapshot:
     executors: tuple[ExecutorSummary, ...]
     loaded_models: tuple[LoadedModel, ...]
     active_requests: int
+    http: str | None = field(default=None, metadata={"skip_none": True})
+    """Where the daemon serves its HTTP API (``http://HOST:PORT``), if it does."""
 
     def __post_init__(self) -> None:
         _check_text(self)

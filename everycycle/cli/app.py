@@ -580,6 +580,11 @@ def daemon(
     models: ModelsOpt = None,
     detach: Annotated[bool, typer.Option("--detach", help="Run in the background.")] = False,
     tcp: Annotated[str | None, typer.Option("--tcp", help="Also listen on HOST:PORT.")] = None,
+    http: Annotated[str | None, typer.Option(
+        "--http", metavar="[HOST:]PORT|HOST",
+        help="Serve the OpenAI-compatible HTTP API (default port 11777, loopback).")] = None,
+    http_auth: Annotated[bool, typer.Option(
+        "--http-auth", help="Require the bearer token on HTTP even on loopback.")] = False,
     allow_remote: Annotated[bool, typer.Option("--allow-remote")] = False,
     auto_load: Annotated[bool, typer.Option("--auto-load/--no-auto-load")] = True,
     audit_prompts: Annotated[bool, typer.Option("--audit-prompts")] = False,
@@ -602,6 +607,12 @@ def daemon(
         if not host or not port.isdigit():
             _fail("--tcp wants HOST:PORT", 2)
         tcp_addr = (host.strip("[]"), int(port))
+    http_addr = None
+    if http is not None:
+        try:
+            http_addr = parse_http_address(http)
+        except ValueError as exc:
+            _fail(str(exc), 2)
     if detach:
         _detach(sock, sys.argv[1:])
         return
@@ -612,7 +623,7 @@ def daemon(
     config = DaemonConfig(socket=sock, models_file=models,
                           limits=Limits(max_queue=max_queue, max_inflight=max_inflight),
                           auto_load=auto_load, audit_prompts=audit_prompts, tcp=tcp_addr,
-                          allow_remote=allow_remote)
+                          allow_remote=allow_remote, http=http_addr, http_auth=http_auth)
     import anyio
 
     try:
@@ -621,6 +632,37 @@ def daemon(
         _fail(exc.message, 1)
     except EverycycleError as exc:
         _fail(exc.message, EXIT_CODES[exc.kind])
+
+
+DEFAULT_HTTP_PORT = 11777  # everycycle.daemon.http.DEFAULT_PORT, without importing it
+
+
+def parse_http_address(text: str) -> tuple[str, int]:
+    """``PORT``, ``HOST``, ``HOST:PORT`` or ``[V6]:PORT`` to (host, port); loopback and
+    port 11777 by default. Raises ValueError naming the problem."""
+    host, port = "127.0.0.1", DEFAULT_HTTP_PORT
+    text = text.strip()
+    if text.isdigit():
+        port = int(text)
+    elif text.startswith("["):
+        inner, _, rest = text[1:].partition("]")
+        host = inner
+        if rest:
+            if not rest.startswith(":") or not rest[1:].isdigit():
+                raise ValueError(f"--http {text}: want [HOST]:PORT")
+            port = int(rest[1:])
+    elif text.count(":") == 1:
+        h, _, p = text.partition(":")
+        if not p.isdigit():
+            raise ValueError(f"--http {text}: the port must be a number")
+        host, port = h or host, int(p)
+    elif text and ":" not in text:
+        host = text
+    else:
+        raise ValueError(f"--http {text}: want PORT, HOST or HOST:PORT")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--http {text}: the port must be 0-65535")
+    return host, port
 
 
 def _detach(sock: Path, argv: list[str]) -> None:

@@ -43,7 +43,10 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
                        str(m.queued if m.queued is not None else "-"))
     if not snapshot.loaded_models:
         models.caption = "none"
-    return Group(ex, models, f"active requests: {snapshot.active_requests}")
+    footer = f"active requests: {snapshot.active_requests}"
+    if snapshot.http:
+        footer += f"\nHTTP API: {snapshot.http}/v1"
+    return Group(ex, models, footer)
 
 
 def local_executors_view(executors: Iterable[Any]) -> Table:

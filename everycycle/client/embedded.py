@@ -20,7 +20,7 @@ from ..protocol import Request, ServerEvent
 from .aio import BaseClient
 
 if TYPE_CHECKING:
-    from ..daemon.supervisor import Supervisor
+    from ..daemon.supervisor import Outcome, Supervisor
 
 __all__ = ["EmbeddedClient", "embedded"]
 
@@ -35,6 +35,9 @@ class _EmbeddedPeer:
 
     def emit(self, event: ServerEvent) -> None:
         self._client._deliver(self._client._conn.receive_event(event))
+
+    def finished(self, outcome: Outcome) -> None:
+        """As over a socket, the terminal event says all a client learns."""
 
 
 class EmbeddedClient(BaseClient):

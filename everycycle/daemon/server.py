@@ -21,6 +21,7 @@ import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -39,7 +40,7 @@ from ..models.registry import load_registry
 from ..protocol import Auth, Error, LineFramer, ServerEvent, decode_request, encode
 from ..sockets import wake_reader
 from .audit import AuditLog
-from .supervisor import Limits, Supervisor
+from .supervisor import Limits, Outcome, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,10 @@ class DaemonConfig:
     audit_prompts: bool = False
     tcp: tuple[str, int] | None = None
     allow_remote: bool = False
+    http: tuple[str, int] | None = None
+    """Serve the OpenAI-compatible HTTP API on (host, port); port 0 picks a free one."""
+    http_auth: bool = False
+    """Require the bearer token on HTTP even on loopback (always required off loopback)."""
 
 
 @contextlib.contextmanager
@@ -95,6 +100,13 @@ def _startup_errors(sock: Path) -> Iterator[None]:
         raise ConfigError(f"cannot serve on {sock}: {exc.strerror or exc}") from None
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def read_pid(sock: Path) -> int | None:
     """The pid recorded for the daemon of ``sock``, if any."""
     try:
@@ -128,6 +140,9 @@ class _Connection:
         with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
             self._send.send_nowait(event)
 
+    def finished(self, outcome: Outcome) -> None:
+        """The socket protocol carries no usage report: the terminal event is all."""
+
     def close(self) -> None:
         self._send.close()
 
@@ -151,17 +166,62 @@ class Daemon:
         self.audit = audit
         if config.tcp is not None:
             host = config.tcp[0]
-            try:
-                loopback = ipaddress.ip_address(host).is_loopback
-            except ValueError:
-                loopback = host == "localhost"
-            if not loopback and not config.allow_remote:
+            if not _is_loopback(host) and not config.allow_remote:
                 raise ConfigError(f"--tcp {host} is not a loopback address; add --allow-remote")
             self._token = load_or_create_token()
+        self.http_port: int | None = None
+        self._http: Any = None  # the HttpApi, imported only when asked for
+        self._http_server: Any = None
+        if config.http is not None:
+            host = config.http[0]
+            remote = not _is_loopback(host)
+            if remote and not config.allow_remote:
+                raise ConfigError(f"--http {host} is not a loopback address; add --allow-remote")
+            from .http import HttpApi
+            from .metrics import Metrics
+
+            token = load_or_create_token() if remote or config.http_auth else None
+            self._http = HttpApi(self.supervisor, Metrics(self.supervisor), token=token)
 
     def stop(self) -> None:
         """Begin a graceful shutdown (from the event loop)."""
         self._stop.set()
+        if self._http_server is not None:
+            self._http_server.should_exit = True
+
+    def _bind_http(self) -> Any:
+        """The HTTP listening socket, bound now so that errors surface at start-up."""
+        import socket as pysocket
+
+        assert self.config.http is not None
+        host, port = self.config.http
+        family = pysocket.AF_INET6 if ":" in host else pysocket.AF_INET
+        sock = pysocket.socket(family, pysocket.SOCK_STREAM)
+        sock.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}"
+                              ) from None
+        sock.setblocking(False)
+        self.http_port = sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        self.supervisor.http_address = f"http://{shown}:{self.http_port}"
+        return sock
+
+    async def _serve_http(self, sock: Any) -> None:
+        from .httpserver import http_server
+
+        server = http_server(self._http.app)
+        self._http_server = server
+        if self._stop.is_set():
+            return
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            sock.close()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -187,8 +247,12 @@ class Daemon:
                                       f"{exc.strerror or exc}") from None
                 self.tcp_port = tcp.extra(anyio.abc.SocketAttribute.local_port)
                 listeners.extend(typing.cast(list[anyio.abc.SocketListener], tcp.listeners))
+            http_sock = self._bind_http() if self._http is not None else None
             async with anyio.create_task_group() as tg:
                 await tg.start(self.supervisor.run)
+                if http_sock is not None:
+                    self._http.bind(tg)
+                    tg.start_soon(self._serve_http, http_sock)
                 try:
                     async with anyio.create_task_group() as accepting:
                         for i, listener in enumerate(listeners):

@@ -94,12 +94,34 @@ def _sampling(req: Generate, model_defaults: Mapping[str, Any]) -> Sampling:
     return Sampling(**values)
 
 
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a Generate request ended: what the audit log, metrics and HTTP usage report."""
+
+    request_id: str
+    model: str
+    executor: str | None
+    kind: ErrorKind | None
+    """None when the request finished; else the kind of its terminal Error."""
+    finish_reason: str | None
+    """The engine's reason when finished: eos, stop, length or context."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    queue_wait_s: float = 0.0
+    ttft_s: float | None = None
+    duration_s: float = 0.0
+
+
 class Peer(Protocol):
     """Whoever sent the request: receives its events without blocking."""
 
     allow_paths: bool
 
     def emit(self, event: ServerEvent) -> None: ...
+
+    def finished(self, outcome: Outcome) -> None:
+        """Called just before a Generate request's terminal event is emitted."""
 
 
 @dataclass(eq=False)
@@ -114,6 +136,7 @@ class _Active:
     started: float | None = None
     cancel_reason: str | None = None
     deadline: anyio.CancelScope | None = None
+    first_token: float | None = None
     n_prompt: int = 0
     n_out: int = 0
 
@@ -143,6 +166,8 @@ class Supervisor:
         self.limits = limits or Limits()
         self.auto_load = auto_load
         self.audit = audit
+        self.observers: list[Callable[[Outcome], None]] = []
+        """Called with every Generate request's Outcome (metrics)."""
         self._on_shutdown = on_shutdown
         self._models: dict[str, _Model] = {}
         self._loading: dict[str, anyio.Lock] = {}
@@ -152,6 +177,7 @@ class Supervisor:
         self._tg: anyio.abc.TaskGroup | None = None
         self._outputs: queue.SimpleQueue[list[tuple[Job, Output]] | None] = queue.SimpleQueue()
         self.hostname = socket.gethostname()
+        self.http_address: str | None = None
         self.closing = False
 
     # ------------------------------------------------------------------ lifetime
@@ -210,21 +236,24 @@ class Supervisor:
             else:
                 raise InvalidRequestError(f"{type(request).__name__} is not expected here")
         except EverycycleError as exc:
-            active = self._active.get(rid)
-            if isinstance(request, Generate) and active is not None and active.peer is peer:
-                err = exc
-                if active.cancel_reason is not None:  # cancelled while admitting
-                    err = RequestCancelledError(active.cancel_reason)
-                self._finish(active, Error(rid, err.kind, err.message))
-            else:
-                peer.emit(Error(rid, exc.kind, exc.message))
+            self._fail(peer, request, exc)
         except Exception as exc:  # a bug must cost one request, never the daemon
             log.exception("request %s failed", rid)
-            active = self._active.get(rid)
-            if isinstance(request, Generate) and active is not None and active.peer is peer:
-                self._finish(active, Error(rid, ErrorKind.INTERNAL, f"internal error: {exc}"))
-            else:
-                peer.emit(Error(rid, ErrorKind.INTERNAL, f"internal error: {exc}"))
+            self._fail(peer, request, InternalError(f"internal error: {exc}"))
+
+    def _fail(self, peer: Peer, request: Request, exc: EverycycleError) -> None:
+        """End ``request`` with Error for ``exc``: through _finish once it is active."""
+        rid = getattr(request, "request_id", "")
+        active = self._active.get(rid)
+        if isinstance(request, Generate) and active is not None and active.peer is peer:
+            if active.cancel_reason is not None:  # cancelled while admitting
+                exc = RequestCancelledError(active.cancel_reason)
+            self._finish(active, Error(rid, exc.kind, exc.message))
+            return
+        peer.emit(Error(rid, exc.kind, exc.message))
+        if isinstance(request, Generate):  # refused before admission: metrics count it
+            self._observe(Outcome(request_id=rid, model=request.model, executor=None,
+                                  kind=exc.kind, finish_reason=None))
 
     def disconnect(self, peer: Peer) -> None:
         """The peer went away: cancel all of its requests."""
@@ -349,36 +378,64 @@ class Supervisor:
                 waiting.peer.emit(Accepted(waiting.req.request_id, i + 1))
         # "admitting": checked once admission finishes.
 
-    def _finish(self, active: _Active, event: ServerEvent) -> None:
-        """Send the one terminal event of ``active`` and forget it."""
+    def _finish(self, active: _Active, event: ServerEvent, reason: str | None = None) -> None:
+        """Send the one terminal event of ``active``, report its Outcome, and forget it.
+
+        ``reason`` is the engine's finish reason (eos, stop, length, context) when the
+        request finished; the peer hears the Outcome before the event.
+        """
         rid = active.req.request_id
         if self._active.get(rid) is not active:
             return
         del self._active[rid]
         if active.deadline is not None:
             active.deadline.cancel()
-        active.peer.emit(event)
         model = active.home
         if model is not None:
             model.running.discard(active)
+        now = time.monotonic()
+        started = active.started or now
+        outcome = Outcome(
+            request_id=rid,
+            model=active.model or active.req.model,
+            executor=model.executor if model else None,
+            kind=event.kind if isinstance(event, Error) else None,
+            finish_reason=reason,
+            prompt_tokens=active.n_prompt,
+            cached_tokens=active.job.n_reused if active.job else 0,
+            generated_tokens=active.job.n_generated if active.job else 0,
+            queue_wait_s=started - active.admitted,
+            ttft_s=None if active.first_token is None else active.first_token - active.admitted,
+            duration_s=now - active.admitted,
+        )
+        active.peer.finished(outcome)
+        active.peer.emit(event)
+        self._report(outcome, active.req)
+
+    def _observe(self, outcome: Outcome) -> None:
+        for observe in self.observers:
+            try:
+                observe(outcome)
+            except Exception:  # an observer's bug must not cost the request
+                log.exception("outcome observer failed")
+
+    def _report(self, outcome: Outcome, req: Generate) -> None:
+        self._observe(outcome)
         if self.audit is not None:
-            now = time.monotonic()
-            started = active.started or now
-            outcome = event.kind.value if isinstance(event, Error) else "Finished"
             record: dict[str, Any] = {
-                "request_id": rid,
-                "model": active.model or active.req.model,
-                "executor": model.executor if model else None,
-                "prompt_tokens": active.n_prompt,
-                "cached_tokens": active.job.n_reused if active.job else 0,
-                "output_tokens": active.job.n_generated if active.job else 0,
-                "queue_wait_ms": round((started - active.admitted) * 1000, 1),
-                "duration_ms": round((now - active.admitted) * 1000, 1),
-                "outcome": outcome,
+                "request_id": outcome.request_id,
+                "model": outcome.model,
+                "executor": outcome.executor,
+                "prompt_tokens": outcome.prompt_tokens,
+                "cached_tokens": outcome.cached_tokens,
+                "output_tokens": outcome.generated_tokens,
+                "queue_wait_ms": round(outcome.queue_wait_s * 1000, 1),
+                "duration_ms": round(outcome.duration_s * 1000, 1),
+                "outcome": outcome.kind.value if outcome.kind else "Finished",
             }
             if self.audit.include_prompts:
-                record["prompt"] = (active.req.prompt if active.req.messages is None else
-                                    [[m.role.value, m.content] for m in active.req.messages])
+                record["prompt"] = (req.prompt if req.messages is None else
+                                    [[m.role.value, m.content] for m in req.messages])
             self.audit.write(record)
 
     # ------------------------------------------------------------------ engine outputs
@@ -405,6 +462,8 @@ class Supervisor:
             rid = active.req.request_id
             if self._active.get(rid) is not active:
                 continue
+            if active.first_token is None and out.ids:
+                active.first_token = time.monotonic()
             if not out.finished:
                 active.peer.emit(Tokens(rid, TokenChunk(out.text, out.ids), False))
                 continue
@@ -417,7 +476,8 @@ class Supervisor:
                 msg = out.error.message if out.error else "generation failed"
                 self._finish(active, Error(rid, ErrorKind.INTERNAL, msg))
             else:
-                self._finish(active, Tokens(rid, TokenChunk(out.text, out.ids), True))
+                self._finish(active, Tokens(rid, TokenChunk(out.text, out.ids), True),
+                             out.reason)
         for model in freed:
             if self._models.get(model.spec.name) is model:
                 self._advance(model)
@@ -519,4 +579,5 @@ class Supervisor:
                 for m in self._models.values()
             ),
             active_requests=len(self._active),
+            http=self.http_address,
         )

@@ -1,0 +1,111 @@
+"""Prometheus metrics for the daemon, written with ``prometheus-client``.
+
+Counters and histograms are fed by the supervisor's request Outcomes (every request,
+whichever listener it came through). Gauges are read from the supervisor's live
+FleetSnapshot at scrape time, so ``/metrics`` and ``everycycle fleet`` always agree.
+Each daemon has its own CollectorRegistry (several daemons may share a process in tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .supervisor import Outcome, Supervisor
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def outcome_label(outcome: Outcome) -> str:
+    """finished, cancelled, rejected, invalid, model_not_loaded or internal."""
+    if outcome.kind is None:
+        return "finished"
+    return {"ModelNotLoaded": "model_not_loaded"}.get(outcome.kind.value,
+                                                      outcome.kind.value.lower())
+
+
+class _Fleet(Collector):
+    """Gauges from the live fleet: read at scrape time, never cached."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._supervisor.snapshot()
+        queued = GaugeMetricFamily("everycycle_queue_depth",
+                                   "Requests waiting for a slot, per model.", labels=["model"])
+        busy = GaugeMetricFamily("everycycle_busy_slots", "Slots decoding, per model.",
+                                 labels=["model"])
+        slots = GaugeMetricFamily("everycycle_slots", "Slots per loaded model.",
+                                  labels=["model"])
+        loaded = GaugeMetricFamily("everycycle_loaded_models", "Models resident per executor.",
+                                   labels=["executor"])
+        per_executor = {e.name: 0 for e in snap.executors}
+        for m in snap.loaded_models:
+            queued.add_metric([m.name], m.queued or 0)
+            busy.add_metric([m.name], m.busy or 0)
+            slots.add_metric([m.name], m.slots or 0)
+            per_executor[m.assigned_executor] = per_executor.get(m.assigned_executor, 0) + 1
+        for name, count in per_executor.items():
+            loaded.add_metric([name], count)
+        active = GaugeMetricFamily("everycycle_active_requests",
+                                   "Requests running or queued.", value=snap.active_requests)
+        yield from (queued, busy, slots, loaded, active)
+
+
+class Metrics:
+    """The daemon's metrics; ``observe`` is a supervisor outcome observer."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # *_created: noise
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("everycycle_requests", "Generate requests by outcome.",
+                                ["model", "outcome"], registry=self.registry)
+        self.prompt_tokens = Counter("everycycle_prompt_tokens", "Prompt tokens processed.",
+                                     ["model"], registry=self.registry)
+        self.cached_tokens = Counter("everycycle_cached_prompt_tokens",
+                                     "Prompt tokens reused from a slot's cache.", ["model"],
+                                     registry=self.registry)
+        self.generated_tokens = Counter("everycycle_generated_tokens", "Tokens generated.",
+                                        ["model"], registry=self.registry)
+        self.ttft = Histogram("everycycle_time_to_first_token_seconds",
+                              "From admission to the first generated token.", ["model"],
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("everycycle_time_per_output_token_seconds",
+                              "Mean time between a request's generated tokens.", ["model"],
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
+        self._supervisor = supervisor
+        self.registry.register(_Fleet(supervisor))
+        supervisor.observers.append(self.observe)
+
+    def observe(self, outcome: Outcome) -> None:
+        model = outcome.model
+        if model not in self._supervisor.registry.models and outcome.executor is None:
+            model = "_unknown"  # a name a client made up: not a label of its own
+        self.requests.labels(model, outcome_label(outcome)).inc()
+        self.prompt_tokens.labels(model).inc(outcome.prompt_tokens)
+        self.cached_tokens.labels(model).inc(outcome.cached_tokens)
+        self.generated_tokens.labels(model).inc(outcome.generated_tokens)
+        if outcome.ttft_s is not None:
+            self.ttft.labels(model).observe(outcome.ttft_s)
+            if outcome.generated_tokens > 1:
+                per_token = (outcome.duration_s - outcome.ttft_s) / (outcome.generated_tokens - 1)
+                self.tpot.labels(model).observe(per_token)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of everything above."""
+        return generate_latest(self.registry)

@@ -1,0 +1,380 @@
+"""The OpenAI-compatible HTTP API: the official `openai` client (sync and async) and raw
+HTTP, against a real daemon on a real port with real llama.cpp."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import SpawnDaemon
+from daemonhelp import EC, running_daemon, wait_until
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from everycycle import paths
+from everycycle.client import SyncClient
+from everycycle.cli.app import parse_http_address
+from everycycle.daemon.server import load_or_create_token
+
+
+def fleet_http() -> str:
+    with SyncClient() as c:
+        url = c.describe_fleet().http
+    assert url is not None
+    return url
+
+
+def hostport(url: str) -> tuple[str, int]:
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    return host, int(port)
+
+
+def audit() -> list[dict[str, object]]:
+    return [json.loads(x) for x in paths.audit_file().read_text().splitlines()
+            if '"request_id"' in x]
+
+
+@pytest.fixture
+def url(spawn_daemon: SpawnDaemon) -> str:
+    spawn_daemon("--http", "127.0.0.1:0")
+    return fleet_http()
+
+
+@pytest.fixture
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def raw(url: str, method: str, path: str, body: bytes | None = None,
+        headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection(*hostport(url), timeout=60)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def blocker(models_file: Path) -> subprocess.Popen[bytes]:
+    """A long request holding the only slot of model `tiny` (streaming when returned)."""
+    proc = subprocess.Popen([*EC, "run", "--models", str(models_file), "-n", "8000",
+                             "--temperature", "1", "x"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    proc.stdout.read(1)
+    return proc
+
+
+@pytest.fixture
+def busy(models_file: Path) -> Iterator[subprocess.Popen[bytes]]:
+    proc = blocker(models_file)
+    yield proc
+    proc.kill()
+    proc.communicate()
+
+
+# ----------------------------------------------------------------- the openai client
+
+
+def test_chat_completion_with_usage(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "be brief"},
+                                {"role": "user", "content": "hello"}],
+        max_tokens=5, temperature=0)
+    assert r.object == "chat.completion" and r.model == "tiny"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("length", "stop")
+    record = audit()[-1]
+    assert r.id == record["request_id"]
+    assert r.usage is not None
+    assert r.usage.completion_tokens == record["output_tokens"] == 5
+    assert r.usage.prompt_tokens == record["prompt_tokens"]
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streaming_chat_completion(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 6
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6,
+        temperature=0)
+    assert text == whole.choices[0].message.content  # greedy: the same either way
+
+
+def test_completions_stop_strings_and_the_default_model(client: openai.OpenAI) -> None:
+    full = client.completions.create(model="tiny", prompt="abc", max_tokens=12, temperature=0)
+    text = full.choices[0].text
+    assert full.object == "text_completion" and len(text) > 2
+    cut = client.completions.create(model="tiny", prompt="abc", max_tokens=12, temperature=0,
+                                    stop=[text[2:4]])
+    assert cut.choices[0].text == text[:text.index(text[2:4])]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="abc", max_tokens=12, temperature=0, stream=True))
+    assert streamed == text
+    default = client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert default.model == "tiny"
+
+
+def test_models_list_and_retrieve(client: openai.OpenAI) -> None:
+    ids = [m.id for m in client.models.list()]
+    assert ids == ["tiny", "tiny4", "missing"]
+    client.chat.completions.create(model="tiny4", messages=[{"role": "user", "content": "x"}],
+                                   max_tokens=1)
+    model = client.models.retrieve("tiny4")
+    assert model.id == "tiny4" and model.model_extra == {
+        "revision": None, "loaded": True, "executor": "cpu", "default": False}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_unknown_model_is_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="model 'nope' not found"):
+        client.chat.completions.create(model="nope",
+                                       messages=[{"role": "user", "content": "x"}])
+
+
+def test_bad_requests_are_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="only n=1"):
+        client.chat.completions.create(model="tiny", n=2,
+                                       messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="role must be"):
+        client.chat.completions.create(model="tiny",
+                                       messages=[{"role": "robot", "content": "x"}])  # type: ignore[misc,list-item]
+    with pytest.raises(openai.BadRequestError, match="non-empty"):
+        client.chat.completions.create(model="tiny", messages=[])
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be between"):
+        client.chat.completions.create(model="tiny", max_tokens=0,
+                                       messages=[{"role": "user", "content": "x"}])
+
+
+def test_a_full_queue_is_a_rate_limit(spawn_daemon: SpawnDaemon, models_file: Path) -> None:
+    spawn_daemon("--http", "127.0.0.1:0", "--max-queue", "0")
+    client = openai.OpenAI(base_url=f"{fleet_http()}/v1", api_key="x", max_retries=0)
+    proc = blocker(models_file)
+    try:
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model="tiny", max_tokens=2,
+                                           messages=[{"role": "user", "content": "x"}])
+        assert info.value.response.headers["retry-after"] == "1"
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_the_token_is_required_when_configured(spawn_daemon: SpawnDaemon) -> None:
+    spawn_daemon("--http", "127.0.0.1:0", "--http-auth")
+    url = fleet_http()
+    wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    right = openai.OpenAI(base_url=f"{url}/v1", api_key=load_or_create_token(), max_retries=0)
+    assert [m.id for m in right.models.list()][0] == "tiny"
+    assert raw(url, "GET", "/health")[0] == 200  # health stays open for probes
+
+
+def test_a_non_loopback_address_needs_allow_remote(models_file: Path) -> None:
+    out = subprocess.run([*EC, "daemon", "--models", str(models_file), "--http", "0.0.0.0:0"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2 and "--allow-remote" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.anyio
+async def test_the_async_client_in_process(models_file: Path) -> None:
+    async with running_daemon(models_file, http=("127.0.0.1", 0)) as daemon:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{daemon.http_port}/v1",
+                                    api_key="x", max_retries=0)
+        whole = await client.chat.completions.create(
+            model="tiny4", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            temperature=0)
+        stream = await client.chat.completions.create(
+            model="tiny4", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            temperature=0, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+        assert text == whole.choices[0].message.content
+        await client.close()
+
+
+# ----------------------------------------------------------------- raw HTTP
+
+
+def test_sse_framing_byte_for_byte(url: str) -> None:
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 3, "temperature": 0, "stream": True}).encode()
+    status, headers, data = raw(url, "POST", "/v1/chat/completions", body)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    rid = headers["x-request-id"]
+    assert data.endswith(b"data: [DONE]\n\n")
+    events = data.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+    assert all(e.startswith(b"data: {") and b"\n" not in e for e in events[:-2])
+    assert all(c["id"] == rid and c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                        "finish_reason": "length"}
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_a_queued_stream_gets_its_position_as_comments(url: str, busy: object) -> None:
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 2, "stream": True}).encode()
+    conn = http.client.HTTPConnection(*hostport(url), timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=body)
+    resp = conn.getresponse()
+    first = resp.readline() + resp.readline()
+    assert first == b": queue_position 1\n\n"
+    rid = resp.getheader("x-request-id")
+    with SyncClient() as c:
+        c.cancel(rid)  # cancel by the id from the header, as `everycycle cancel` does
+    rest = resp.read()
+    conn.close()
+    error = json.loads(rest.strip().removeprefix(b"data: "))
+    assert error["error"]["code"] == "Cancelled" and b"[DONE]" not in rest
+
+
+def test_a_client_disconnect_frees_the_slot(url: str) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 8000, "temperature": 1,
+                       "stream": True}).encode()
+    host, port = hostport(url)
+    sock = socket.create_connection((host, port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    sock.close()
+    started = time.monotonic()
+
+    def idle() -> bool:
+        with SyncClient() as c:
+            return c.describe_fleet().active_requests == 0
+
+    wait_until(idle, "the slot to be freed", timeout=5)
+    assert time.monotonic() - started < 2
+    wait_until(lambda: bool(audit()), "the audit record")
+    assert audit()[-1]["outcome"] == "Cancelled"
+
+
+def test_a_deadline_header_and_a_chosen_request_id(url: str) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 8000,
+                       "temperature": 1}).encode()
+    status, headers, data = raw(url, "POST", "/v1/completions", body,
+                                {"x-deadline-ms": "300", "x-request-id": "mine-1"})
+    assert status == 499 and headers["x-request-id"] == "mine-1"
+    assert json.loads(data)["error"]["message"] == "deadline of 300 ms passed"
+
+
+def test_malformed_and_oversized_bodies(url: str) -> None:
+    assert raw(url, "POST", "/v1/chat/completions", b"{not json")[0] == 400
+    assert raw(url, "POST", "/v1/chat/completions", b"[1, 2]")[0] == 400
+    status, _, data = raw(url, "POST", "/v1/completions", b"x" * (5 << 20))
+    assert status == 413 and json.loads(data)["error"]["code"] == "too_large"
+    assert raw(url, "GET", "/v1/nowhere")[0] == 404
+    assert raw(url, "GET", "/v1/chat/completions")[0] == 405
+
+
+def test_metrics_agree_with_the_fleet(url: str, busy: object) -> None:
+    status, headers, data = raw(url, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    text = data.decode()
+    with SyncClient() as c:
+        snap = c.describe_fleet()
+    (tiny,) = [m for m in snap.loaded_models if m.name == "tiny"]
+    assert f'everycycle_busy_slots{{model="tiny"}} {float(tiny.busy or 0)}' in text
+    assert f'everycycle_slots{{model="tiny"}} {float(tiny.slots or 0)}' in text
+    assert f"everycycle_active_requests {float(snap.active_requests)}" in text
+    assert 'everycycle_loaded_models{executor="cpu"} 1.0' in text
+
+
+def test_metrics_count_requests_and_tokens(url: str, client: openai.OpenAI) -> None:
+    client.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="abc")
+    with SyncClient() as c:
+        events = list(c.generate("nope-too", "x"))  # the socket counts too: one daemon
+    assert events
+    text = raw(url, "GET", "/metrics")[2].decode()
+    assert 'everycycle_requests_total{model="tiny",outcome="finished"} 1.0' in text
+    assert 'everycycle_requests_total{model="_unknown",outcome="invalid"} 1.0' in text
+    assert 'everycycle_generated_tokens_total{model="tiny"} 4.0' in text
+    assert 'everycycle_time_to_first_token_seconds_count{model="tiny"} 1.0' in text
+
+
+def test_fleet_shows_the_http_address(url: str) -> None:
+    out = subprocess.run([*EC, "fleet"], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert f"HTTP API: {url}/v1" in out.stderr + out.stdout
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["model", "messages", "prompt", "role", "content", "max_tokens",
+                         "stream", "stop", "n", "temperature", "seed", "top_p", "type",
+                         "text", "stream_options", "include_usage"]) | st.text(max_size=8),
+        inner, max_size=6),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+       body=json_values.map(lambda v: json.dumps(v).encode()) | st.binary(max_size=200))
+def test_random_bodies_never_cost_a_500(fuzz_url: str, path: str, body: bytes) -> None:
+    status, _, data = raw(fuzz_url, "POST", path, body,
+                          {"x-deadline-ms": "2000", "content-type": "application/json"})
+    assert status in (200, 400, 404, 413, 499), (status, data)
+    if status != 200:
+        assert "message" in json.loads(data)["error"]
+
+
+@pytest.fixture(scope="module")
+def fuzz_url(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Iterator[str]:
+    import os
+    import tempfile
+
+    from daemonhelp import daemon_process
+
+    home = Path(tmp_path_factory.mktemp("hz"))
+    sock = Path(tempfile.mkdtemp(prefix="hz", dir="/tmp")) / "d.sock"
+    models = home / "models.toml"
+    models.write_text(f'default = "tiny"\n[models.tiny]\npath = "{tiny_gguf}"\ncontext = 256\n'
+                      "parallel = 2\n")
+    env = {**os.environ, "EVERYCYCLE_HOME": str(home)}
+    with daemon_process("--models", str(models), "--http", "127.0.0.1:0", sock=sock,
+                        env=env) as proc:
+        with SyncClient(sock) as c:
+            url = c.describe_fleet().http
+        assert url
+        yield url
+        assert proc.poll() is None, "the daemon died during fuzzing"
+        with SyncClient(sock) as c:
+            assert c.describe_fleet().active_requests == 0
+
+
+def test_http_addresses_parse() -> None:
+    assert parse_http_address("8081") == ("127.0.0.1", 8081)
+    assert parse_http_address("localhost") == ("localhost", 11777)
+    assert parse_http_address("0.0.0.0:9") == ("0.0.0.0", 9)
+    assert parse_http_address("[::1]:7") == ("::1", 7)
+    for bad in ("a:b", "1:2:3", "99999"):
+        with pytest.raises(ValueError):
+            parse_http_address(bad)
