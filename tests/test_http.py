@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from everycycle import paths
-from everycycle.client import SyncClient
 from everycycle.cli.app import parse_http_address
+from everycycle.client import SyncClient
 from everycycle.daemon.server import load_or_create_token
 
 
@@ -187,7 +187,7 @@ def test_the_token_is_required_when_configured(spawn_daemon: SpawnDaemon) -> Non
     with pytest.raises(openai.AuthenticationError):
         wrong.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     right = openai.OpenAI(base_url=f"{url}/v1", api_key=load_or_create_token(), max_retries=0)
-    assert [m.id for m in right.models.list()][0] == "tiny"
+    assert next(m.id for m in right.models.list()) == "tiny"
     assert raw(url, "GET", "/health")[0] == 200  # health stays open for probes
 
 
