@@ -7,6 +7,7 @@ import http.client
 import json
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -378,3 +379,33 @@ def test_http_addresses_parse() -> None:
     for bad in ("a:b", "1:2:3", "99999"):
         with pytest.raises(ValueError):
             parse_http_address(bad)
+
+
+def _readme_block(lang: str) -> str:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Use it from any OpenAI client"):]
+    start = section.index(f"```{lang}\n") + len(f"```{lang}\n")
+    return section[start:section.index("```", start)]
+
+
+def test_the_readme_python_snippet_runs(url: str) -> None:
+    code = (_readme_block("python").replace("http://127.0.0.1:11777", url)
+            .replace('"smollm2-135m"', '"tiny"').replace("stream=True,",
+                                                         "stream=True, max_tokens=5,"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr
+
+
+def test_the_readme_curl_command_runs(url: str) -> None:
+    import shlex
+    import shutil
+
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    line = next(x for x in _readme_block("").splitlines() if x.startswith("$ curl"))
+    cmd = (line[2:].replace("http://127.0.0.1:11777", url)
+           .replace('"smollm2-135m"', '"tiny", "max_tokens": 3'))
+    out = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert out.returncode == 0 and json.loads(out.stdout)["object"] == "chat.completion"

@@ -683,7 +683,11 @@ def _detach(sock: Path, argv: list[str]) -> None:
         if proc.poll() is not None:
             _fail(f"the daemon exited with {proc.returncode}; see {log_path}", 1)
         if read_pid(sock) == proc.pid and _answers(sock):
-            sys.stderr.write(f"everycycle: daemon pid {proc.pid} serving {sock}\n")
+            http = ""
+            if "--http" in args:
+                http = _call(sock, lambda c: c.describe_fleet()).http
+                http = f" and {http}/v1" if http else ""
+            sys.stderr.write(f"everycycle: daemon pid {proc.pid} serving {sock}{http}\n")
             return
         time.sleep(0.05)
     _fail(f"the daemon did not start within 60 s; see {log_path}", 1)
