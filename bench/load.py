@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,14 +132,24 @@ async def server_load(port: int, k: int, n: int) -> Run:
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, model: Path, k: int, threads: int) -> Iterator[int]:
+def llama_server(binary: Path, model: Path, k: int, threads: int, *, ctx: int = 4096,
+                 extra: Sequence[str] = ()) -> Iterator[int]:
     """A llama-server with -np K on ``model``; yields its port once healthy."""
+    with llama_server_process(binary, model, k, threads, ctx=ctx, extra=extra) as (port, _):
+        yield port
+
+
+@contextlib.contextmanager
+def llama_server_process(binary: Path, model: Path, k: int, threads: int, *, ctx: int = 4096,
+                         extra: Sequence[str] = ()) -> Iterator[tuple[int, int]]:
+    """A llama-server with -np K slots of ``ctx`` tokens; yields (port, pid) once healthy."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [str(binary), "-m", str(model), "-np", str(k), "-c", str(4096 * k), "-t", str(threads),
-         "-tb", str(threads), "--port", str(port), "--host", "127.0.0.1", "-ngl", "0"],
+        [str(binary), "-m", str(model), "-np", str(k), "-c", str(ctx * k), "-t", str(threads),
+         "-tb", str(threads), "--port", str(port), "--host", "127.0.0.1", "-ngl", "0",
+         *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
@@ -155,7 +165,7 @@ def llama_server(binary: Path, model: Path, k: int, threads: int) -> Iterator[in
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise SystemExit("llama-server did not start")
             time.sleep(0.2)
-        yield port
+        yield port, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)

@@ -195,11 +195,15 @@ class LoadedModel:
     slots: int | None = field(default=None, metadata={"skip_none": True})
     busy: int | None = field(default=None, metadata={"skip_none": True})
     queued: int | None = field(default=None, metadata={"skip_none": True})
+    weights_bytes: int | None = field(default=None, metadata={"skip_none": True})
+    kv_bytes: int | None = field(default=None, metadata={"skip_none": True})
 
     def __post_init__(self) -> None:
         _check_text(self)
         for name in ("slots", "busy", "queued"):
             _check_range(name, getattr(self, name), 0, _U32_MAX)
+        for name in ("weights_bytes", "kv_bytes"):
+            _check_range(name, getattr(self, name), 0, 2**63 - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,10 +216,13 @@ class FleetSnapshot:
     active_requests: int
     http: str | None = field(default=None, metadata={"skip_none": True})
     """Where the daemon serves its HTTP API (``http://HOST:PORT``), if it does."""
+    daemon_rss: int | None = field(default=None, metadata={"skip_none": True})
+    """The daemon process's resident memory, in bytes."""
 
     def __post_init__(self) -> None:
         _check_text(self)
         _check_range("active_requests", self.active_requests, 0, _U32_MAX)
+        _check_range("daemon_rss", self.daemon_rss, 0, 2**63 - 1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,20 +45,30 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
 
 
 def write_tiny_gguf(path: Path, *, seed: int = 1234,
-                    chat_template: str | None = CHAT_TEMPLATE) -> Path:
-    """Write the tiny model to ``path`` and return it."""
+                    chat_template: str | None = CHAT_TEMPLATE,
+                    sliding_window: int | None = None, n_head: int = N_HEAD) -> Path:
+    """Write the tiny model to ``path`` and return it.
+
+    With ``sliding_window`` it is a gemma3-architecture model whose layers attend to
+    that many positions only (llama.cpp keeps a window-sized KV cache for them).
+    """
     rng = np.random.default_rng(seed)
     tokens, scores, types = vocabulary()
     n_vocab = len(tokens)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-random-llama")
+    arch = "llama" if sliding_window is None else "gemma3"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-random-{arch}")
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
+        w.add_key_length(N_EMBD // n_head)
+        w.add_value_length(N_EMBD // n_head)
     w.add_context_length(N_CTX)
     w.add_embedding_length(N_EMBD)
     w.add_block_count(N_LAYER)
     w.add_feed_forward_length(N_FF)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_HEAD)
-    w.add_rope_dimension_count(N_EMBD // N_HEAD)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
+    w.add_rope_dimension_count(N_EMBD // n_head)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("llama")
@@ -84,6 +94,8 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
     # control every stream's length.
     embd = rng.standard_normal((n_vocab, N_EMBD)).astype(np.float32)
     embd[:, 0] = 4.0
+    if sliding_window is not None:
+        embd /= np.sqrt(N_EMBD)  # gemma scales embeddings up by sqrt(n_embd): attention matters
     w.add_tensor("token_embd.weight", embd)
     ones("output_norm.weight")
     out = rng.standard_normal((n_vocab, N_EMBD)).astype(np.float32)
@@ -99,6 +111,11 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
         t(f"blk.{i}.attn_k.weight", N_EMBD, N_EMBD)
         t(f"blk.{i}.attn_v.weight", N_EMBD, N_EMBD)
         w.add_tensor(f"blk.{i}.attn_output.weight", _no_write_to_dim0(rng, N_EMBD, N_EMBD))
+        if sliding_window is not None:  # gemma3's extra norms
+            ones(f"blk.{i}.post_attention_norm.weight")
+            ones(f"blk.{i}.post_ffw_norm.weight")
+            w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(N_EMBD // n_head, np.float32))
+            w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(N_EMBD // n_head, np.float32))
         ones(f"blk.{i}.ffn_norm.weight")
         t(f"blk.{i}.ffn_gate.weight", N_FF, N_EMBD)
         t(f"blk.{i}.ffn_up.weight", N_FF, N_EMBD)

@@ -435,6 +435,7 @@ def models_cmd(
             "revision": spec.revision, "available": _available(spec), "context": spec.context,
             "parallel": spec.parallel, "executor": spec.executor,
             "kind": "completion" if spec.format is Format.RAW else "chat",
+            "kv_cache_type": spec.kv_cache_type, **_needs(spec),
         })
     if as_json:
         sys.stdout.write(json.dumps(rows) + "\n")
@@ -516,6 +517,21 @@ def _prepull(name: str, models: Path | None, offline: bool) -> None:
     if offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
     local_file(spec, download=not offline, progress=sys.stderr.isatty())
+
+
+def _needs(spec: Any) -> dict[str, int | None]:
+    """What ``spec`` will need in memory (weights, KV cache), if its file is here."""
+    from ..engine.memory import plan
+    from ..models.registry import local_file
+
+    if spec.package is not None and spec.package_file is None:
+        return {"weights_bytes": None, "kv_bytes": None}  # would import the package
+    try:
+        needs = plan(local_file(spec), context=spec.context, parallel=spec.parallel,
+                     kv_cache_type=spec.kv_cache_type)
+    except EverycycleError:
+        return {"weights_bytes": None, "kv_bytes": None}
+    return {"weights_bytes": needs.weights, "kv_bytes": needs.kv}
 
 
 def _available(spec: Any) -> bool:

@@ -21,6 +21,10 @@ def _size(n: int | None) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
 
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / (1 << 20):,.0f} MiB"
+
+
 def fleet_view(snapshot: FleetSnapshot) -> Group:
     """Tables of executors, loaded models and request counts."""
     from rich.console import Group
@@ -35,15 +39,20 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
     if not any(e.name != "cpu" for e in snapshot.executors):
         ex.caption = "no GPU backend in this llama.cpp build"
     models = Table(title="loaded models", title_justify="left")
-    for col in ("name", "revision", "executor", "slots busy/total", "queued"):
+    for col in ("name", "revision", "executor", "slots busy/total", "queued",
+                "weights + KV"):
         models.add_column(col)
     for m in snapshot.loaded_models:
         slots = f"{m.busy}/{m.slots}" if m.slots is not None else "-"
+        memory = (f"{_mib(m.weights_bytes)} + {_mib(m.kv_bytes)}"
+                  if m.weights_bytes is not None and m.kv_bytes is not None else "-")
         models.add_row(m.name, m.revision or "-", m.assigned_executor, slots,
-                       str(m.queued if m.queued is not None else "-"))
+                       str(m.queued if m.queued is not None else "-"), memory)
     if not snapshot.loaded_models:
         models.caption = "none"
     footer = f"active requests: {snapshot.active_requests}"
+    if snapshot.daemon_rss is not None:
+        footer += f"   daemon memory (RSS): {_mib(snapshot.daemon_rss)}"
     if snapshot.http:
         footer += f"\nHTTP API: {snapshot.http}/v1"
     return Group(ex, models, footer)
@@ -66,10 +75,14 @@ def models_view(rows: Sequence[dict[str, Any]]) -> Table:
     from rich.table import Table
 
     table = Table(title="models", title_justify="left")
-    for col in ("name", "kind", "source", "revision", "available", "context x parallel"):
+    for col in ("name", "kind", "source", "revision", "available", "context x parallel",
+                "needs"):
         table.add_column(col)
     for r in rows:
         mark = " (default)" if r["default"] else ""
+        needs = (f"{_mib(r['weights_bytes'])} + {_mib(r['kv_bytes'])} KV"
+                 if r.get("kv_bytes") is not None else "-")
         table.add_row(f"{r['name']}{mark}", r["kind"], r["source"], r["revision"] or "-",
-                      "yes" if r["available"] else "no", f"{r['context']} x {r['parallel']}")
+                      "yes" if r["available"] else "no", f"{r['context']} x {r['parallel']}",
+                      needs)
     return table

@@ -31,7 +31,8 @@ import anyio.abc
 import anyio.to_thread
 
 from ..engine import executors as ex
-from ..engine.runner import Job, Output, Runner, Sampling, estimate_bytes
+from ..engine.memory import plan
+from ..engine.runner import Job, Output, Runner, Sampling
 from ..errors import (
     ErrorKind,
     EverycycleError,
@@ -76,6 +77,15 @@ class Limits:
     """Active requests per connection."""
     max_prompt_bytes: int = 512 * 1024
     max_tokens: int = 32768
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident set size (Linux: /proc; elsewhere unknown)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _prompt_bytes(req: Generate) -> int:
@@ -528,13 +538,14 @@ class Supervisor:
 
     def _load_blocking(self, spec: ModelSpec, executor: str | None) -> _Model:
         path = local_file(spec, download=True)  # auto-pull a hub model (logged)
-        n_ctx_total = spec.context * spec.parallel
-        need = estimate_bytes(path, n_ctx_total)
+        need = plan(path, context=spec.context, parallel=spec.parallel,
+                    kv_cache_type=spec.kv_cache_type).total
         chosen = ex.place(executor or spec.executor, self._executors, need)
         devices = ex.device_handles(chosen.name) if chosen.is_gpu else []
         try:
             runner = Runner(path, context=spec.context, parallel=spec.parallel,
-                            notify=self._notify, gpu_devices=devices)
+                            notify=self._notify, gpu_devices=devices,
+                            kv_cache_type=spec.kv_cache_type)
         except EverycycleError:
             raise
         except Exception as exc:
@@ -575,9 +586,12 @@ class Supervisor:
                     slots=m.runner.parallel,
                     busy=len(m.running),
                     queued=len(m.queue),
+                    weights_bytes=m.runner.weights_bytes,
+                    kv_bytes=m.runner.kv_bytes,
                 )
                 for m in self._models.values()
             ),
             active_requests=len(self._active),
             http=self.http_address,
+            daemon_rss=_rss_bytes(),
         )

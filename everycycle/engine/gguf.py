@@ -51,8 +51,10 @@ def _value(f: BinaryIO, vtype: int, keep: bool) -> Any:
     raise ValueError(f"unknown value type {vtype}")
 
 
-def read_metadata(path: Path, wanted: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The scalar and string metadata of a GGUF (arrays skipped unless in ``wanted``).
+def read_metadata(path: Path, wanted: tuple[str, ...] = (),
+                  wanted_suffixes: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The scalar and string metadata of a GGUF (arrays skipped unless their key is in
+    ``wanted`` or ends with one of ``wanted_suffixes``).
 
     Raises InvalidRequestError for a file that is not a readable GGUF.
     """
@@ -71,7 +73,8 @@ def read_metadata(path: Path, wanted: tuple[str, ...] = ()) -> dict[str, Any]:
             for _ in range(n_kv):
                 key = _string(f)
                 vtype = _read(f, "I")
-                value = _value(f, vtype, key in wanted)
+                keep = key in wanted or (bool(wanted_suffixes) and key.endswith(wanted_suffixes))
+                value = _value(f, vtype, keep)
                 if value is not None:
                     out[key] = value
             return out

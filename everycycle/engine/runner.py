@@ -16,12 +16,14 @@ The engine knows nothing of sockets or event loops: ``notify`` is a plain callab
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
 import logging
 import os
+import re
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ import numpy as np
 
 from ..errors import EverycycleError, InternalError, InvalidRequestError
 from ..protocol import Format, Message
+from .memory import kv_type_id
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +141,7 @@ class Runner:
         gpu_devices: Sequence[int] = (),
         n_threads: int | None = None,
         n_batch: int = 512,
+        kv_cache_type: str = "f16",
     ) -> None:
         import llama_cpp as L
 
@@ -169,9 +173,21 @@ class Runner:
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.no_perf = True
-        if hasattr(cparams, "kv_unified"):
-            cparams.kv_unified = False
-        ctx = L.llama_init_from_model(model, cparams)
+        cparams.kv_unified = False
+        # Sliding-window layers keep only their window (as llama-server does); prefix
+        # reuse checks what the window still holds (_start).
+        cparams.swa_full = False
+        kv_type = kv_type_id(kv_cache_type)
+        cparams.type_k = kv_type
+        cparams.type_v = kv_type
+        if kv_cache_type != "f16":  # a quantized V cache needs flash attention
+            cparams.flash_attn_type = 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED
+        with _accounting() as reported:
+            ctx = L.llama_init_from_model(model, cparams)
+        self.kv_bytes = reported.kv_bytes
+        """The KV cache's size as llama.cpp reports it when creating the context."""
+        self.weights_bytes = int(L.llama_model_size(model))
+        self._n_swa = int(L.llama_model_n_swa(model))
         if not ctx:
             L.llama_model_free(model)
             raise InternalError(f"llama.cpp could not create a context for {path}")
@@ -374,7 +390,14 @@ class Runner:
         slot = max(free, key=lambda s: _common_prefix(s.cached, job.tokens))
         reuse = _common_prefix(slot.cached, job.tokens)
         reuse = min(reuse, len(job.tokens) - 1)  # at least one token to get logits from
-        L.llama_memory_seq_rm(self._mem, slot.seq, reuse, -1)
+        if reuse > 0 and self._n_swa > 0:
+            # A sliding-window layer has dropped the cells before its window: the
+            # prefix can be reused only if the window before position `reuse` is all
+            # still there (llama-server's rule), else the slot starts over.
+            pos_min = L.llama_memory_seq_pos_min(self._mem, slot.seq)
+            if pos_min > 0 and pos_min >= reuse - self._n_swa:
+                reuse = 0
+        L.llama_memory_seq_rm(self._mem, slot.seq, reuse if reuse else -1, -1)
         del slot.cached[reuse:]
         slot.job = job
         slot.sampler = self._make_sampler(job.sampling)
@@ -546,8 +569,35 @@ _backend_lock = threading.Lock()
 _backend_state: dict[str, Any] = {}
 
 
+@dataclass
+class _Reported:
+    kv_bytes: int = 0
+
+
+_KV_SIZE = re.compile(rb"^llama_kv_cache: size = +([0-9.]+) MiB")
+_capture_lock = threading.Lock()
+_capturing: list[_Reported] = []
+
+
+@contextlib.contextmanager
+def _accounting() -> Iterator[_Reported]:
+    """Collect llama.cpp's own report of the KV cache it allocates (its log lines) while
+    a context is created; one context at a time."""
+    reported = _Reported()
+    with _capture_lock:
+        _capturing.append(reported)
+        try:
+            yield reported
+        finally:
+            _capturing.clear()
+
+
 def _quiet_log(level: int, text: bytes, user_data: Any) -> None:
     """llama.cpp's log, routed to ``logging`` (it must never reach stdout)."""
+    if level == 2 and text and _capturing:  # GGML_LOG_LEVEL_INFO
+        m = _KV_SIZE.match(text)
+        if m:
+            _capturing[0].kv_bytes += int(float(m.group(1)) * (1 << 20))
     if level == 4 and text:  # GGML_LOG_LEVEL_ERROR
         log.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
     elif level == 3 and text:  # GGML_LOG_LEVEL_WARN: model quirks, not the user's concern
@@ -565,27 +615,3 @@ def _backend_init() -> None:
         _backend_state["log"] = callback  # keep the ctypes callback alive
         L.llama_log_set(callback, ctypes.c_void_p(0))
         L.llama_backend_init()
-
-
-def estimate_bytes(path: Path, n_ctx_total: int) -> int:
-    """Memory a model needs: its file size plus an f16 KV cache for ``n_ctx_total`` cells.
-
-    Reads only the GGUF's metadata header. Raises InvalidRequestError for a file
-    that is not a readable GGUF.
-    """
-    from .gguf import read_metadata
-
-    meta = read_metadata(path)
-    arch = meta.get("general.architecture", "")
-
-    def num(key: str, default: int) -> int:
-        value = meta.get(f"{arch}.{key}", default)
-        return value if isinstance(value, int) and value > 0 else default
-
-    n_layer = num("block_count", 1)
-    n_embd = num("embedding_length", 1)
-    n_head = num("attention.head_count", 1)
-    n_head_kv = num("attention.head_count_kv", n_head)
-    head_dim = num("attention.key_length", n_embd // n_head)
-    kv = 2 * 2 * n_layer * n_ctx_total * head_dim * n_head_kv
-    return path.stat().st_size + kv

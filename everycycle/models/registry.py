@@ -38,6 +38,7 @@ _KEYS = {
     "executor": str,
     "format": str,
     "package_file": str,
+    "kv_cache_type": str,
     "temperature": float,
     "top_k": int,
     "top_p": float,
@@ -54,6 +55,8 @@ _SAMPLING_RANGES: dict[str, tuple[float, float]] = {
     "seed": (0, 2**32 - 2),
 }
 _SOURCES = ("path", "package", "hf_repo")
+KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+"""The kv_cache_type values the engine sizes and llama.cpp supports on every backend."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,8 @@ class ModelSpec:
     format: Format | None = None
     package_file: str | None = None
     """The GGUF's file name inside ``package`` (found without importing the package)."""
+    kv_cache_type: str = "f16"
+    """The KV cache's element type: f16, q8_0 or q4_0 (llama-server's -ctk/-ctv)."""
     sampling: Mapping[str, float | int] = field(default_factory=dict)
     """Sampling defaults for this model (temperature, top_k, …); requests override them."""
 
@@ -142,6 +147,10 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
     for key, (flo, fhi) in _SAMPLING_RANGES.items():
         if key in raw and not flo <= raw[key] <= fhi:
             raise ConfigError(f"{where}.{key} must be between {flo:g} and {fhi:g}")
+    kv = raw.get("kv_cache_type", "f16")
+    if kv not in KV_CACHE_TYPES:
+        raise ConfigError(f"{where}.kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)} "
+                          f"(got '{kv}')")
     if "package_file" in raw and "package" not in raw:
         raise ConfigError(f"{where}: package_file needs package")
     fmt = raw.get("format")
@@ -168,6 +177,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         executor=raw.get("executor", "auto"),
         format=Format(fmt) if fmt else None,
         package_file=raw.get("package_file"),
+        kv_cache_type=kv,
         sampling={k: raw[k] for k in _SAMPLING_RANGES if k in raw},
     )
 
