@@ -181,8 +181,10 @@ def main() -> None:
         print(f"ratio everycycle/llama-server: per round {' '.join(f'{r:.3f}' for r in ratios)}"
               f", median {statistics.median(ratios):.3f}, best {best.rate / best_b.rate:.3f}")
     h50, s50 = statistics.median(http) * 1000, statistics.median(sock) * 1000
+    paired = statistics.median(h - s for h, s in zip(http, sock, strict=True)) * 1000
     print(f"single-stream TTFT p50 over {args.ttft_samples}: HTTP {h50:.1f} ms, socket "
-          f"{s50:.1f} ms, difference {h50 - s50:+.1f} ms")
+          f"{s50:.1f} ms, difference {h50 - s50:+.1f} ms (median of paired differences "
+          f"{paired:+.1f} ms)")
 
 
 if __name__ == "__main__":
