@@ -33,6 +33,7 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 from .errors import ErrorKind, LineTooLongError, ProtocolError
 
 __all__ = [
+    "MAX_EMBED_INPUTS",
     "MAX_LINE_BYTES",
     "MAX_TOKENS_LIMIT",
     "Accepted",
@@ -40,6 +41,8 @@ __all__ = [
     "Cancel",
     "DescribeFleet",
     "Done",
+    "Embed",
+    "Embeddings",
     "Error",
     "ErrorKind",
     "ExecutorSummary",
@@ -77,6 +80,8 @@ _MAX_STOPS = 16
 _MAX_STOP_CHARS = 256
 _MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 _MAX_MESSAGES = 4096
+_MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_EMBED_INPUTS = 2048
 
 
 def validate_request_id(value: str) -> str:
@@ -258,7 +263,19 @@ class Done:
         validate_request_id(self.request_id)
 
 
-ServerEvent = Accepted | Tokens | FleetDescription | Error | Done
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """Terminal success of Embed: one vector per input, in input order (an extension)."""
+
+    request_id: str
+    vectors: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        _check_text(self)
+        validate_request_id(self.request_id)
+
+
+ServerEvent = Accepted | Tokens | FleetDescription | Error | Done | Embeddings
 
 
 def is_terminal(event: ServerEvent) -> bool:
@@ -313,6 +330,10 @@ class Generate:
     auto_load: bool | None = None
     deadline_ms: int | None = None
     messages: tuple[Message, ...] | None = field(default=None, metadata={"skip_none": True})
+    json_schema: str | None = field(default=None, metadata={"skip_none": True})
+    """A JSON Schema (as JSON text) the output must validate against (an extension)."""
+    grammar: str | None = field(default=None, metadata={"skip_none": True})
+    """A GBNF grammar the output must follow, root rule ``root`` (an extension)."""
 
     def __post_init__(self) -> None:
         _check_text(self)
@@ -328,6 +349,19 @@ class Generate:
             if self.format is Format.RAW:
                 raise ProtocolError("`messages` need the chat template: format `raw` is for "
                                     "`prompt`")
+        if self.json_schema is not None and self.grammar is not None:
+            raise ProtocolError("give at most one of `json_schema` and `grammar`")
+        for name in ("json_schema", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= len(value) <= _MAX_GRAMMAR_CHARS:
+                raise ProtocolError(f"`{name}` must be 1-{_MAX_GRAMMAR_CHARS} characters")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as exc:
+                raise ProtocolError(f"`json_schema` is not JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise ProtocolError("`json_schema` must be a JSON object")
         _check_range("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
         _check_range("temperature", self.temperature, 0.0, 100.0)
         _check_range("top_p", self.top_p, 0.0, 1.0)
@@ -418,13 +452,38 @@ class Auth:
         _check_text(self)
 
 
-Request = Generate | DescribeFleet | Cancel | Load | Unload | Shutdown | Auth
+@dataclass(frozen=True, slots=True)
+class Embed:
+    """Embed each string of ``input`` with ``model`` (an extension); answered by one
+    Embeddings event, after Accepted like a Generate."""
+
+    request_id: str
+    model: str
+    input: tuple[str, ...]
+    auto_load: bool | None = None
+    deadline_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_text(self)
+        validate_request_id(self.request_id)
+        _check_name("model", self.model)
+        if not self.input:
+            raise ProtocolError("`input` must hold at least one string")
+        if len(self.input) > MAX_EMBED_INPUTS:
+            raise ProtocolError(f"at most {MAX_EMBED_INPUTS} inputs per request")
+        if any(not s for s in self.input):
+            raise ProtocolError("`input` strings must not be empty")
+        _check_range("deadline_ms", self.deadline_ms, 1, _MAX_DEADLINE_MS)
+
+
+Request = Generate | DescribeFleet | Cancel | Load | Unload | Shutdown | Auth | Embed
 
 _EVENTS: dict[str, type[Any]] = {
-    c.__name__: c for c in (Accepted, Tokens, FleetDescription, Error, Done)
+    c.__name__: c for c in (Accepted, Tokens, FleetDescription, Error, Done, Embeddings)
 }
 _REQUESTS: dict[str, type[Any]] = {
-    c.__name__: c for c in (Generate, DescribeFleet, Cancel, Load, Unload, Shutdown, Auth)
+    c.__name__: c for c in (Generate, DescribeFleet, Cancel, Load, Unload, Shutdown, Auth,
+                            Embed)
 }
 
 # --------------------------------------------------------------------------- encoding

@@ -108,6 +108,18 @@ class Raw:
                 assert await self._receive(), "the daemon closed the connection"
         return self.buffer.pop(0)
 
+    async def next_for(self, rid: str) -> ServerEvent:
+        """The next event of ``rid`` (others stay buffered in order)."""
+        others: list[ServerEvent] = []
+        with anyio.fail_after(TIMEOUT):
+            while True:
+                ev = await self.next()
+                if getattr(ev, "request_id", None) == rid:
+                    break
+                others.append(ev)
+        self.buffer[:0] = others
+        return ev
+
     async def until_terminal(self, rid: str) -> list[ServerEvent]:
         """Events for ``rid`` up to its terminal one (others stay buffered in order)."""
         got: list[ServerEvent] = []

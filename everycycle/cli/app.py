@@ -21,6 +21,7 @@ import typer
 from .. import __version__, paths
 from ..errors import (
     AlreadyRunningError,
+    ConfigError,
     DaemonUnavailableError,
     ErrorKind,
     EverycycleError,
@@ -87,7 +88,7 @@ def _main(
 async def _client(socket: Path | None, models: Path | None, no_daemon: bool,
                   status: _Status) -> AsyncIterator[BaseClient]:
     from ..client.aio import connect
-    from ..client.embedded import embedded
+    from ..client.inprocess import embedded
 
     if not no_daemon:
         try:
@@ -145,6 +146,10 @@ def run(
     = None,
     deadline: Annotated[float | None, typer.Option("--deadline", help="Seconds.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="No chat template.")] = False,
+    json_schema: Annotated[Path | None, typer.Option(
+        "--json-schema", help="Output must validate against this JSON Schema file.")] = None,
+    grammar: Annotated[Path | None, typer.Option(
+        "--grammar", help="Output must follow this GBNF grammar file (rule `root`).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the ServerEvent lines.")]
     = False,
     no_daemon: NoDaemonOpt = False,
@@ -177,6 +182,8 @@ def run(
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
             stop=tuple(stop) if stop else None, format=Format.RAW if raw else None,
             deadline_ms=None if deadline is None else max(1, int(deadline * 1000)),
+            json_schema=_read_text(json_schema, "--json-schema"),
+            grammar=_read_text(grammar, "--grammar"),
         )
         _prepull(name, models, offline)
         if not raw:
@@ -242,6 +249,64 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
     except EverycycleError as exc:
         status.clear()
         return _report(exc)
+
+
+def _read_text(path: Path | None, option: str) -> str | None:
+    """A file's text for ``option``. Raises ConfigError naming the file."""
+    if path is None:
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{option} {path}: {getattr(exc, 'strerror', None) or exc}"
+                          ) from None
+
+
+@app.command()
+def embed(
+    texts: Annotated[list[str] | None, typer.Argument(
+        help="Texts to embed; with none, each line of stdin is one.")] = None,
+    model: ModelOpt = None,
+    no_daemon: NoDaemonOpt = False,
+    offline: OfflineOpt = False,
+    models: ModelsOpt = None,
+    socket: SocketOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Print one JSON line {"index", "embedding"} per text (L2-normalized).
+
+    Example: printf 'a cat\na dog\n' | everycycle embed > vectors.jsonl
+    """
+    items = list(texts or [])
+    if not items and not sys.stdin.isatty():
+        items = [ln for ln in sys.stdin.read().splitlines() if ln.strip()]
+    if not items:
+        _fail("usage: give TEXT… or pipe lines on stdin", 2)
+    status = _Status(verbose)
+    try:
+        name = model or _registry_default(models)
+        _prepull(name, models, offline)
+        from ..protocol import Embed
+
+        Embed(request_id="probe", model=name, input=tuple(items))  # validate first
+    except EverycycleError as exc:
+        _exit_for(exc)
+    import anyio
+
+    async def go() -> int:
+        try:
+            async with _client(socket, models, no_daemon, status) as client:
+                vectors = await client.embed(name, items)
+        except EverycycleError as exc:
+            status.clear()
+            return _report(exc)
+        out = sys.stdout
+        for i, v in enumerate(vectors):
+            out.write(json.dumps({"index": i, "embedding": list(v)}) + "\n")
+        out.flush()
+        return 0
+
+    raise typer.Exit(anyio.run(go))
 
 
 @app.command("chat")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .aio import BaseClient, Client, connect
     from .connection import ClientConnection, new_request_id
-    from .embedded import EmbeddedClient, embedded
+    from .inprocess import EmbeddedClient, embedded
     from .sync import SyncClient
 
 __all__ = [
@@ -30,7 +30,7 @@ __all__ = [
 _WHERE = {
     "BaseClient": "aio", "Client": "aio", "connect": "aio",
     "ClientConnection": "connection", "new_request_id": "connection",
-    "EmbeddedClient": "embedded", "embedded": "embedded",
+    "EmbeddedClient": "inprocess", "embedded": "inprocess",
     "SyncClient": "sync",
 }
 

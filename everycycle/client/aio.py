@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,8 @@ from ..protocol import (
     Cancel,
     DescribeFleet,
     Done,
+    Embed,
+    Embeddings,
     Error,
     FleetDescription,
     FleetSnapshot,
@@ -105,6 +107,13 @@ class BaseClient:
         req = Generate(request_id=request_id or new_request_id(), model=model, prompt=prompt,
                        messages=messages, **options)
         return self.request(req)
+
+    async def embed(self, model: str, texts: Sequence[str], **options: Any
+              ) -> list[tuple[float, ...]]:
+        """One normalized vector per text, in order. Raises RequestFailedError."""
+        event = await self._one(Embed(new_request_id(), model, tuple(texts), **options))
+        assert isinstance(event, Embeddings)
+        return list(event.vectors)
 
     async def describe_fleet(self) -> FleetSnapshot:
         """The daemon's FleetSnapshot. Raises RequestFailedError."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import socket as pysocket
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -17,6 +17,8 @@ from ..errors import DaemonUnavailableError, RequestFailedError
 from ..protocol import (
     Cancel,
     DescribeFleet,
+    Embed,
+    Embeddings,
     Error,
     FleetDescription,
     FleetSnapshot,
@@ -109,6 +111,13 @@ class SyncClient:
         """Events of a Generate request (see protocol.Generate for ``options``)."""
         return self.request(Generate(new_request_id(), model, prompt, messages=messages,
                                      **options))
+
+    def embed(self, model: str, texts: Sequence[str], **options: Any
+              ) -> list[tuple[float, ...]]:
+        """One normalized vector per text, in order. Raises RequestFailedError."""
+        event = self._one(Embed(new_request_id(), model, tuple(texts), **options))
+        assert isinstance(event, Embeddings)
+        return list(event.vectors)
 
     def describe_fleet(self) -> FleetSnapshot:
         """The daemon's FleetSnapshot. Raises RequestFailedError."""

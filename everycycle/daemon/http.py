@@ -5,6 +5,7 @@ onto one protocol request with an id, handled by the same Supervisor as the sock
 
     POST /v1/chat/completions   messages → Generate{messages}   (SSE when "stream")
     POST /v1/completions        prompt   → Generate{prompt, format raw}
+    POST /v1/embeddings         input    → Embed (float or base64 vectors)
     GET  /v1/models[/{id}]      the registry, with where each model is loaded
     GET  /health                200 while serving
     GET  /metrics               Prometheus text format
@@ -21,9 +22,11 @@ and no ``[DONE]``.
 
 from __future__ import annotations
 
+import base64
 import hmac
 import json
 import math
+import struct
 import time
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from dataclasses import dataclass, field
@@ -37,9 +40,12 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..engine.grammar import JSON_OBJECT_SCHEMA
 from ..errors import EverycycleError, ProtocolError
 from ..protocol import (
     Accepted,
+    Embed,
+    Embeddings,
     Error,
     ErrorKind,
     Format,
@@ -147,6 +153,7 @@ class _Shape:
     request_id: str
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
+    encoding: str = "float"
 
     def chunk(self, text: str | None, finish: str | None, *, role: bool = False,
               usage: dict[str, Any] | None | bool = False) -> dict[str, Any]:
@@ -167,6 +174,18 @@ class _Shape:
         if usage is not False:
             body["usage"] = usage
         return body
+
+    def embeddings(self, event: Embeddings, outcome: Outcome | None) -> dict[str, Any]:
+        """OpenAI's embeddings list; ``base64`` packs little-endian float32s."""
+        data = []
+        for i, vector in enumerate(event.vectors):
+            value: Any = list(vector)
+            if self.encoding == "base64":
+                value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        tokens = outcome.prompt_tokens if outcome else 0
+        return {"object": "list", "data": data, "model": self.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     def whole(self, text: str, outcome: Outcome | None) -> dict[str, Any]:
         finish = _finish_reason(outcome)
@@ -192,7 +211,7 @@ class _Generation:
     """The ASGI response for one generation: waits for admission, then streams (SSE) or
     collects; a disconnect cancels the request on the supervisor."""
 
-    def __init__(self, api: HttpApi, req: Generate, shape: _Shape, *, stream: bool,
+    def __init__(self, api: HttpApi, req: Generate | Embed, shape: _Shape, *, stream: bool,
                  include_usage: bool) -> None:
         self.api = api
         self.req = req
@@ -249,18 +268,23 @@ class _Generation:
     async def _collect(self, peer: _HttpPeer, send: Send) -> None:
         text: list[str] = []
         async for event in peer.receive:
-            if isinstance(event, Tokens):
-                text.append(event.chunk.text)
-                if event.finished:
-                    body = json.dumps(self.shape.whole("".join(text), peer.outcome),
-                                      ensure_ascii=False).encode()
-                    await send({"type": "http.response.start", "status": 200,
-                                "headers": self._headers("application/json", len(body))})
-                    await send({"type": "http.response.body", "body": body})
-                    return
-            elif isinstance(event, Error):
+            if isinstance(event, Error):
                 await self._error(send, event)
                 return
+            if isinstance(event, Embeddings):
+                answer = self.shape.embeddings(event, peer.outcome)
+            elif isinstance(event, Tokens):
+                text.append(event.chunk.text)
+                if not event.finished:
+                    continue
+                answer = self.shape.whole("".join(text), peer.outcome)
+            else:
+                continue
+            body = json.dumps(answer, ensure_ascii=False).encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": self._headers("application/json", len(body))})
+            await send({"type": "http.response.body", "body": body})
+            return
 
     async def _stream(self, peer: _HttpPeer, send: Send) -> None:
         started = False
@@ -318,6 +342,7 @@ class HttpApi:
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -458,6 +483,7 @@ class HttpApi:
         model = self._model(data)
         messages = _messages(data.get("messages"))
         options = self._options(request, data)
+        options.update(_response_format(data.get("response_format")))
         rid = self._request_id(request, "chatcmpl")
         shape = _Shape(chat=True, request_id=rid, model=model)
         return self._generation(
@@ -473,10 +499,32 @@ class HttpApi:
             raise _HttpError(400, "`prompt` must be a string (one prompt per request)",
                              "invalid_prompt")
         options = self._options(request, data)
+        options.update(_response_format(data.get("response_format")))
         rid = self._request_id(request, "cmpl")
         shape = _Shape(chat=False, request_id=rid, model=model)
         return self._generation(
             lambda: Generate(rid, model, prompt, format=Format.RAW, **options), shape, data)
+
+    async def embeddings(self, request: HttpRequest) -> Any:
+        data = await self._json(request)
+        model = self._model(data)
+        raw = data.get("input")
+        texts = [raw] if isinstance(raw, str) else raw
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise _HttpError(400, "`input` must be a string or a list of strings "
+                             "(token arrays are not supported)", "invalid_input")
+        encoding = data.get("encoding_format", "float")
+        if encoding not in ("float", "base64"):
+            raise _HttpError(400, "`encoding_format` must be float or base64",
+                             "invalid_encoding_format")
+        rid = self._request_id(request, "embd")
+        deadline = self._options(request, {})
+        shape = _Shape(chat=False, request_id=rid, model=model, encoding=encoding)
+        try:
+            req = Embed(rid, model, tuple(texts), deadline_ms=deadline.get("deadline_ms"))
+        except ProtocolError as exc:
+            raise _HttpError(400, exc.message, "invalid_value") from None
+        return _Generation(self, req, shape, stream=False, include_usage=False)
 
     def _model_object(self, name: str) -> dict[str, Any]:
         spec = self.supervisor.registry.models[name]
@@ -505,6 +553,26 @@ class HttpApi:
     async def prometheus(self, request: HttpRequest) -> Response:
         self._auth(request)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _response_format(raw: object) -> dict[str, str]:
+    """OpenAI's ``response_format`` to Generate's ``json_schema``. Raises _HttpError."""
+    if raw is None:
+        return {}
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": JSON_OBJECT_SCHEMA}
+    if kind == "json_schema" and isinstance(raw, dict):
+        spec = raw.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _HttpError(400, "response_format.json_schema.schema must be an object",
+                             "invalid_response_format")
+        return {"json_schema": json.dumps(schema)}
+    raise _HttpError(400, "response_format.type must be text, json_object or json_schema",
+                     "invalid_response_format")
 
 
 def _messages(raw: object) -> tuple[Message, ...]:

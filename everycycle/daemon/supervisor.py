@@ -31,8 +31,9 @@ import anyio.abc
 import anyio.to_thread
 
 from ..engine import executors as ex
+from ..engine.grammar import schema_to_gbnf
 from ..engine.memory import plan
-from ..engine.runner import Job, Output, Runner, Sampling
+from ..engine.runner import EMBED_MAX_TOKENS, Job, Output, Runner, Sampling
 from ..errors import (
     ErrorKind,
     EverycycleError,
@@ -48,10 +49,13 @@ from ..protocol import (
     Cancel,
     DescribeFleet,
     Done,
+    Embed,
+    Embeddings,
     Error,
     ExecutorSummary,
     FleetDescription,
     FleetSnapshot,
+    Format,
     Generate,
     Load,
     LoadedModel,
@@ -88,15 +92,18 @@ def _rss_bytes() -> int | None:
         return None
 
 
-def _prompt_bytes(req: Generate) -> int:
+def _prompt_bytes(req: Generate | Embed) -> int:
+    if isinstance(req, Embed):
+        return sum(len(text.encode("utf-8")) for text in req.input)
     if req.messages is not None:
         return sum(len(m.content.encode("utf-8")) for m in req.messages)
     return len((req.prompt or "").encode("utf-8"))
 
 
-def _sampling(req: Generate, model_defaults: Mapping[str, Any]) -> Sampling:
+def _sampling(req: Generate, model_defaults: Mapping[str, Any],
+              grammar: str | None = None) -> Sampling:
     """The request's options, else the model's (models.toml), else llama.cpp's defaults."""
-    values = {**model_defaults}
+    values: dict[str, Any] = {**model_defaults, "grammar": grammar}
     for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed"):
         given = getattr(req, name)
         if given is not None:
@@ -136,7 +143,7 @@ class Peer(Protocol):
 
 @dataclass(eq=False)
 class _Active:
-    req: Generate
+    req: Generate | Embed
     peer: Peer
     admitted: float
     model: str = ""
@@ -220,7 +227,7 @@ class Supervisor:
         """Serve one request from ``peer``; every outcome is an event, never an exception."""
         rid = getattr(request, "request_id", "")
         try:
-            if isinstance(request, Generate):
+            if isinstance(request, Generate | Embed):
                 await self._generate(peer, request)
             elif isinstance(request, DescribeFleet):
                 peer.emit(FleetDescription(self.snapshot()))
@@ -255,13 +262,13 @@ class Supervisor:
         """End ``request`` with Error for ``exc``: through _finish once it is active."""
         rid = getattr(request, "request_id", "")
         active = self._active.get(rid)
-        if isinstance(request, Generate) and active is not None and active.peer is peer:
+        if isinstance(request, Generate | Embed) and active is not None and active.peer is peer:
             if active.cancel_reason is not None:  # cancelled while admitting
                 exc = RequestCancelledError(active.cancel_reason)
             self._finish(active, Error(rid, exc.kind, exc.message))
             return
         peer.emit(Error(rid, exc.kind, exc.message))
-        if isinstance(request, Generate):  # refused before admission: metrics count it
+        if isinstance(request, Generate | Embed):  # refused before admission: metrics count it
             self._observe(Outcome(request_id=rid, model=request.model, executor=None,
                                   kind=exc.kind, finish_reason=None))
 
@@ -276,7 +283,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ generate
 
-    async def _generate(self, peer: Peer, req: Generate) -> None:
+    async def _generate(self, peer: Peer, req: Generate | Embed) -> None:
         rid = req.request_id
         if rid in self._active:
             peer.emit(Error(rid, ErrorKind.INVALID, f"request id '{rid}' is already active"))
@@ -288,9 +295,11 @@ class Supervisor:
                 f"too many requests in flight on this connection ({self.limits.max_inflight})"
             )
         if _prompt_bytes(req) > self.limits.max_prompt_bytes:
-            what = "prompt" if req.messages is None else "messages"
+            what = ("input" if isinstance(req, Embed) else
+                    "prompt" if req.messages is None else "messages")
             raise InvalidRequestError(f"{what} longer than {self.limits.max_prompt_bytes} bytes")
-        if req.max_tokens is not None and req.max_tokens > self.limits.max_tokens:
+        if (isinstance(req, Generate) and req.max_tokens is not None
+                and req.max_tokens > self.limits.max_tokens):
             raise InvalidRequestError(f"max_tokens must be between 1 and {self.limits.max_tokens}")
         active = _Active(req=req, peer=peer, admitted=time.monotonic())
         self._active[rid] = active
@@ -309,31 +318,21 @@ class Supervisor:
         async with self._admission.setdefault(spec.name, anyio.Lock()):
             await self._admit(peer, req, active, allow_load)
 
-    async def _admit(self, peer: Peer, req: Generate, active: _Active, allow_load: bool) -> None:
+    async def _admit(self, peer: Peer, req: Generate | Embed, active: _Active,
+                     allow_load: bool) -> None:
         rid = req.request_id
         model = await self._ensure_loaded(req.model, peer, None, allow_load=allow_load)
         active.model = model.spec.name
-        if req.messages is not None:
-            tokens = await anyio.to_thread.run_sync(model.runner.tokenize_chat, req.messages)
-        else:
-            assert req.prompt is not None
-            fmt = req.format or model.spec.format
-            tokens = await anyio.to_thread.run_sync(model.runner.tokenize, req.prompt, fmt)
+        job = await anyio.to_thread.run_sync(self._job, model, req, active)
         if active.cancel_reason is None and self._models.get(model.spec.name) is not model:
             active.cancel_reason = f"model '{model.spec.name}' unloaded"
         if active.cancel_reason is not None:
             self._finish(active, Error(rid, ErrorKind.CANCELLED, active.cancel_reason))
             return
         active.home = model
-        if len(tokens) >= model.runner.n_ctx_slot:
-            raise InvalidRequestError(
-                f"prompt is {len(tokens)} tokens; the context holds {model.runner.n_ctx_slot}"
-            )
-        max_tokens = req.max_tokens or model.runner.n_ctx_slot
-        sampling = _sampling(req, model.spec.sampling)
-        active.job = Job(tokens=tokens, max_tokens=max_tokens, sampling=sampling,
-                         stop=req.stop or (), tag=active)
-        active.n_prompt = len(tokens)
+        active.job = job
+        active.n_prompt = (sum(len(t) for t in job.embed_inputs) if job.embed_inputs is not None
+                           else len(job.tokens))
         if model.queue or len(model.running) >= model.runner.parallel:
             if len(model.queue) >= self.limits.max_queue:
                 raise RejectedError(f"queue full ({len(model.queue)} waiting)")
@@ -342,6 +341,39 @@ class Supervisor:
             peer.emit(Accepted(rid, len(model.queue)))
         else:
             self._start(model, active)
+
+    @staticmethod
+    def _job(model: _Model, req: Generate | Embed, active: _Active) -> Job:
+        """The engine Job for ``req`` (on a worker thread: tokenizing, compiling a grammar).
+
+        Raises InvalidRequestError for what cannot run: too long a prompt or input, a
+        schema or grammar that does not compile.
+        """
+        runner = model.runner
+        if isinstance(req, Embed):
+            inputs = [runner.tokenize(text, Format.RAW) for text in req.input]
+            for i, tokens in enumerate(inputs):
+                if len(tokens) > EMBED_MAX_TOKENS:
+                    raise InvalidRequestError(
+                        f"input[{i}] is {len(tokens)} tokens; at most {EMBED_MAX_TOKENS}")
+            return Job(tokens=(), max_tokens=1, embed_inputs=inputs, tag=active)
+        if req.messages is not None:
+            tokens = runner.tokenize_chat(req.messages)
+        else:
+            assert req.prompt is not None
+            tokens = runner.tokenize(req.prompt, req.format or model.spec.format)
+        if len(tokens) >= runner.n_ctx_slot:
+            raise InvalidRequestError(
+                f"prompt is {len(tokens)} tokens; the context holds {runner.n_ctx_slot}"
+            )
+        grammar = req.grammar
+        if req.json_schema is not None:
+            grammar = schema_to_gbnf(req.json_schema)
+        if grammar is not None:
+            runner.check_grammar(grammar)
+        sampling = _sampling(req, model.spec.sampling, grammar)
+        return Job(tokens=tokens, max_tokens=req.max_tokens or runner.n_ctx_slot,
+                   sampling=sampling, stop=req.stop or (), tag=active)
 
     def _start(self, model: _Model, active: _Active) -> None:
         assert active.job is not None
@@ -429,7 +461,7 @@ class Supervisor:
             except Exception:  # an observer's bug must not cost the request
                 log.exception("outcome observer failed")
 
-    def _report(self, outcome: Outcome, req: Generate) -> None:
+    def _report(self, outcome: Outcome, req: Generate | Embed) -> None:
         self._observe(outcome)
         if self.audit is not None:
             record: dict[str, Any] = {
@@ -444,7 +476,8 @@ class Supervisor:
                 "outcome": outcome.kind.value if outcome.kind else "Finished",
             }
             if self.audit.include_prompts:
-                record["prompt"] = (req.prompt if req.messages is None else
+                record["prompt"] = (list(req.input) if isinstance(req, Embed) else
+                                    req.prompt if req.messages is None else
                                     [[m.role.value, m.content] for m in req.messages])
             self.audit.write(record)
 
@@ -484,7 +517,11 @@ class Supervisor:
                 self._finish(active, Error(rid, ErrorKind.CANCELLED, reason))
             elif out.reason == "error":
                 msg = out.error.message if out.error else "generation failed"
-                self._finish(active, Error(rid, ErrorKind.INTERNAL, msg))
+                self._finish(active, Error(rid, out.error.kind if out.error
+                                           else ErrorKind.INTERNAL, msg))
+            elif out.embeddings is not None:
+                vectors = tuple(tuple(v) for v in out.embeddings)
+                self._finish(active, Embeddings(rid, vectors), out.reason)
             else:
                 self._finish(active, Tokens(rid, TokenChunk(out.text, out.ids), True),
                              out.reason)

@@ -21,6 +21,7 @@ import ctypes
 import logging
 import os
 import re
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +38,8 @@ from .memory import kv_type_id
 log = logging.getLogger(__name__)
 
 _DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
+EMBED_MAX_TOKENS = 2048
+"""The longest input an embedding request may hold, in tokens."""
 _PENALTY_LAST_N = 64
 
 
@@ -50,6 +53,8 @@ class Sampling:
     min_p: float = 0.05
     repeat_penalty: float = 1.0
     seed: int | None = None
+    grammar: str | None = None
+    """A GBNF grammar (root rule ``root``) every output must follow."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +65,11 @@ class Output:
     ids: tuple[int, ...]
     finished: bool = False
     reason: str | None = None
-    """``eos``, ``length``, ``stop``, ``context``, ``cancelled`` or ``error`` when finished."""
+    """``eos``, ``length``, ``stop``, ``context``, ``embedded``, ``cancelled`` or ``error``
+    when finished."""
     error: EverycycleError | None = None
+    embeddings: list[list[float]] | None = None
+    """An embedding job's vectors (reason ``embedded``)."""
 
 
 @dataclass(eq=False)
@@ -74,6 +82,8 @@ class Job:
     stop: Sequence[str] = ()
     tag: Any = None
     """Opaque to the engine: whatever the caller uses to route outputs."""
+    embed_inputs: Sequence[Sequence[int]] | None = None
+    """Set for an embedding job: the token sequences to embed (no generation)."""
     # Filled in by the runner, read by callers once the job finished:
     n_prompt: int = 0
     n_reused: int = 0
@@ -165,6 +175,8 @@ class Runner:
         self._vocab = L.llama_model_get_vocab(model)
         self._n_vocab = L.llama_vocab_n_tokens(self._vocab)
         threads = n_threads or max(1, os.cpu_count() or 1)
+        self._threads = threads
+        self._embedder: Any = None
         cparams = L.llama_context_default_params()
         cparams.n_ctx = context * parallel
         cparams.n_batch = n_batch
@@ -182,7 +194,7 @@ class Runner:
         cparams.type_v = kv_type
         if kv_cache_type != "f16":  # a quantized V cache needs flash attention
             cparams.flash_attn_type = 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED
-        with _accounting() as reported:
+        with _log_capture() as reported:
             ctx = L.llama_init_from_model(model, cparams)
         self.kv_bytes = reported.kv_bytes
         """The KV cache's size as llama.cpp reports it when creating the context."""
@@ -269,9 +281,13 @@ class Runner:
     def submit(self, job: Job) -> None:
         """Queue ``job``; it starts in the next free slot. Raises InvalidRequestError
         when the prompt does not fit the context."""
-        if not job.tokens:
+        if job.embed_inputs is not None:
+            if any(not 0 < len(t) <= EMBED_MAX_TOKENS for t in job.embed_inputs):
+                raise InvalidRequestError(
+                    f"each input must be 1-{EMBED_MAX_TOKENS} tokens")
+        elif not job.tokens:
             raise InvalidRequestError("the prompt is empty after tokenization")
-        if len(job.tokens) >= self.n_ctx_slot:
+        elif len(job.tokens) >= self.n_ctx_slot:
             raise InvalidRequestError(
                 f"prompt is {len(job.tokens)} tokens; the context holds {self.n_ctx_slot}"
             )
@@ -302,6 +318,8 @@ class Runner:
                 return
             self._freed = True
             L = self._L
+            if self._embedder is not None:
+                self._embedder.close()
             L.llama_batch_free(self._batch)
             L.llama_free(self._ctx)
             L.llama_model_free(self._model)
@@ -359,9 +377,11 @@ class Runner:
         over the whole vocabulary (262k entries for Gemma) for every token.
         """
         L = self._L
-        if s.temperature <= 0.0 and s.repeat_penalty == 1.0:
+        if s.temperature <= 0.0 and s.repeat_penalty == 1.0 and s.grammar is None:
             return None
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        if s.grammar is not None:  # first: it masks what the grammar does not allow
+            L.llama_sampler_chain_add(chain, self._grammar_sampler(s.grammar))
         if s.repeat_penalty != 1.0:
             L.llama_sampler_chain_add(
                 chain,
@@ -380,6 +400,31 @@ class Runner:
         seed = _DEFAULT_SEED if s.seed is None else s.seed
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
         return chain
+
+    def _grammar_sampler(self, gbnf: str) -> Any:
+        """llama.cpp's grammar sampler for ``gbnf`` (root rule ``root``).
+
+        Raises InvalidRequestError with llama.cpp's own parse error, which says where.
+        """
+        with _log_capture() as captured, _stderr_text() as printed:
+            sampler = self._L.llama_sampler_init_grammar(self._vocab, gbnf.encode("utf-8"),
+                                                         b"root")
+        if not sampler:
+            # llama.cpp prints where the parse failed straight to stderr, then logs a
+            # generic error; the first says where.
+            where = [ln.strip() for ln in printed.text.splitlines() if "error" in ln]
+            detail = "; ".join(where or captured.errors) or "llama.cpp could not parse it"
+            raise InvalidRequestError(f"grammar: {detail}")
+        return sampler
+
+    def check_grammar(self, gbnf: str) -> None:
+        """Compile ``gbnf`` once to refuse a broken grammar before anything is queued.
+
+        Safe from any thread. Raises InvalidRequestError saying where it is broken.
+        """
+        with self._life:
+            self._check_alive()
+            self._L.llama_sampler_free(self._grammar_sampler(gbnf))
 
     # ------------------------------------------------------------------ engine thread
 
@@ -492,14 +537,19 @@ class Runner:
                     if s.job is not None and s.job._cancel_reason is not None:
                         self._finish(s, out, "cancelled")
                 kept: deque[Job] = deque()
+                embeds: list[Job] = []
                 for job in self._pending:
                     if job._cancel_reason is not None:
                         out.append((job, Output("", (), True, "cancelled")))
+                    elif job.embed_inputs is not None:
+                        embeds.append(job)  # needs no slot: its own context
                     else:
                         kept.append(job)
                 self._pending = kept
                 while self._pending and any(s.job is None for s in self._slots):
                     self._start(self._pending.popleft())
+            if embeds:
+                self._embed(embeds, out)
             # Build one batch: a token per decoding slot first, then prefill chunks.
             n = 0
             rows: list[tuple[_Slot, int]] = []  # slots whose logits come from batch row i
@@ -556,6 +606,29 @@ class Runner:
                     self._finish(s, out, "context")
             self._safe_notify(out)
 
+    def _embed(self, jobs: list[Job], out: list[tuple[Job, Output]]) -> None:
+        """Embed every input of ``jobs`` in shared batches (on the engine thread)."""
+        from .embedder import Embedder
+
+        try:
+            if self._embedder is None:
+                self._embedder = Embedder(self._L, self._model, n_threads=self._threads,
+                                          n_batch=EMBED_MAX_TOKENS)
+            inputs = [tokens for job in jobs for tokens in job.embed_inputs or ()]
+            vectors = self._embedder.embed(
+                inputs, cancelled=lambda: any(j._cancel_reason for j in jobs))
+        except EverycycleError as exc:
+            out.extend((job, Output("", (), True, "error", exc)) for job in jobs)
+            return
+        if vectors is None:
+            out.extend((job, Output("", (), True, "cancelled")) for job in jobs)
+            return
+        i = 0
+        for job in jobs:
+            n = len(job.embed_inputs or ())
+            out.append((job, Output("", (), True, "embedded", embeddings=vectors[i:i + n])))
+            i += n
+
     @staticmethod
     def _put(batch: Any, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
         batch.token[i] = token
@@ -570,34 +643,63 @@ _backend_state: dict[str, Any] = {}
 
 
 @dataclass
-class _Reported:
+class _Captured:
     kv_bytes: int = 0
+    errors: list[str] = field(default_factory=list)
 
 
 _KV_SIZE = re.compile(rb"^llama_kv_cache: size = +([0-9.]+) MiB")
 _capture_lock = threading.Lock()
-_capturing: list[_Reported] = []
+_capturing: list[_Captured] = []
 
 
 @contextlib.contextmanager
-def _accounting() -> Iterator[_Reported]:
-    """Collect llama.cpp's own report of the KV cache it allocates (its log lines) while
-    a context is created; one context at a time."""
-    reported = _Reported()
+def _log_capture() -> Iterator[_Captured]:
+    """Collect what llama.cpp reports while a call runs: the KV cache it allocates and
+    its error lines (a grammar's parse error). One capture at a time, process-wide."""
+    captured = _Captured()
     with _capture_lock:
-        _capturing.append(reported)
+        _capturing.append(captured)
         try:
-            yield reported
+            yield captured
         finally:
             _capturing.clear()
 
 
+@dataclass
+class _Printed:
+    text: str = ""
+
+
+@contextlib.contextmanager
+def _stderr_text() -> Iterator[_Printed]:
+    """What C code writes to fd 2 meanwhile, kept off the user's terminal. Only around
+    short calls, under the capture lock."""
+    import tempfile
+
+    printed = _Printed()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield printed
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            printed.text = sink.read().decode("utf-8", "replace")
+
+
 def _quiet_log(level: int, text: bytes, user_data: Any) -> None:
     """llama.cpp's log, routed to ``logging`` (it must never reach stdout)."""
-    if level == 2 and text and _capturing:  # GGML_LOG_LEVEL_INFO
-        m = _KV_SIZE.match(text)
-        if m:
-            _capturing[0].kv_bytes += int(float(m.group(1)) * (1 << 20))
+    if text and _capturing:
+        if level == 2:  # GGML_LOG_LEVEL_INFO
+            m = _KV_SIZE.match(text)
+            if m:
+                _capturing[0].kv_bytes += int(float(m.group(1)) * (1 << 20))
+        elif level == 4:  # GGML_LOG_LEVEL_ERROR
+            _capturing[0].errors.append(text.decode("utf-8", "replace").strip())
     if level == 4 and text:  # GGML_LOG_LEVEL_ERROR
         log.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
     elif level == 3 and text:  # GGML_LOG_LEVEL_WARN: model quirks, not the user's concern
