@@ -138,12 +138,15 @@ def test_cli_embed_prints_json_lines(models_file: Path) -> None:
     assert abs(np.linalg.norm(rows[0]["embedding"]) - 1) < 1e-6
 
 
-def test_http_embeddings_float_and_base64(spawn_daemon: SpawnDaemon) -> None:
+def test_http_embeddings_float_and_base64(
+    request: pytest.FixtureRequest, spawn_daemon: SpawnDaemon,
+) -> None:
     spawn_daemon("--http", "127.0.0.1:0")
     with SyncClient() as c:
         url = c.describe_fleet().http
         direct = np.array(c.embed("tiny", TEXTS))
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    request.addfinalizer(client.close)
     floats = client.embeddings.create(model="tiny", input=TEXTS, encoding_format="float")
     assert [d.index for d in floats.data] == [0, 1, 2, 3]
     assert np.abs(np.array([d.embedding for d in floats.data]) - direct).max() <= 1e-6

@@ -49,8 +49,10 @@ def url(spawn_daemon: SpawnDaemon) -> str:
 
 
 @pytest.fixture
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+def client(url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                       timeout=60) as c:
+        yield c
 
 
 def raw(url: str, method: str, path: str, body: bytes | None = None,
@@ -165,9 +167,12 @@ def test_bad_requests_are_400(client: openai.OpenAI) -> None:
                                        messages=[{"role": "user", "content": "x"}])
 
 
-def test_a_full_queue_is_a_rate_limit(spawn_daemon: SpawnDaemon, models_file: Path) -> None:
+def test_a_full_queue_is_a_rate_limit(
+    request: pytest.FixtureRequest, spawn_daemon: SpawnDaemon, models_file: Path,
+) -> None:
     spawn_daemon("--http", "127.0.0.1:0", "--max-queue", "0")
     client = openai.OpenAI(base_url=f"{fleet_http()}/v1", api_key="x", max_retries=0)
+    request.addfinalizer(client.close)
     proc = blocker(models_file)
     try:
         with pytest.raises(openai.RateLimitError) as info:
@@ -179,15 +184,19 @@ def test_a_full_queue_is_a_rate_limit(spawn_daemon: SpawnDaemon, models_file: Pa
         proc.communicate()
 
 
-def test_the_token_is_required_when_configured(spawn_daemon: SpawnDaemon) -> None:
+def test_the_token_is_required_when_configured(
+    request: pytest.FixtureRequest, spawn_daemon: SpawnDaemon,
+) -> None:
     spawn_daemon("--http", "127.0.0.1:0", "--http-auth")
     url = fleet_http()
     wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    request.addfinalizer(wrong.close)
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
     with pytest.raises(openai.AuthenticationError):
         wrong.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     right = openai.OpenAI(base_url=f"{url}/v1", api_key=load_or_create_token(), max_retries=0)
+    request.addfinalizer(right.close)
     assert next(m.id for m in right.models.list()) == "tiny"
     assert raw(url, "GET", "/health")[0] == 200  # health stays open for probes
 

@@ -168,11 +168,14 @@ def test_run_with_a_schema_file_and_a_grammar_file(models_file: Path, tmp_path: 
     assert out.stderr.count("\n") == 1, out.stderr  # llama.cpp's own print is not shown
 
 
-def test_response_format_over_http(spawn_daemon: SpawnDaemon) -> None:
+def test_response_format_over_http(
+    request: pytest.FixtureRequest, spawn_daemon: SpawnDaemon,
+) -> None:
     spawn_daemon("--http", "127.0.0.1:0")
     with SyncClient() as c:
         url = c.describe_fleet().http
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    request.addfinalizer(client.close)
     r = client.chat.completions.create(
         model="tiny4", messages=[{"role": "user", "content": "a thing"}], max_tokens=400,
         response_format={"type": "json_schema",
