@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from everycycle import paths
-from everycycle.cli.app import parse_http_address
+from everycycle.cli.daemon import parse_http_address
 from everycycle.client import SyncClient
 from everycycle.daemon.server import load_or_create_token
 

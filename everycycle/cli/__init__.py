@@ -1,7 +1,10 @@
-"""The command line: Typer app (app.py), Rich views (render.py), interactive chat (chat.py)."""
+"""The command line: the shared app and helpers (common.py), run/chat/embed and the
+daemon-facing commands (app.py), the daemon itself (daemon.py), the registry and hub
+(models.py), Rich views (render.py), the chat loop (chat.py), Ctrl-C (interrupt.py)."""
 
 from __future__ import annotations
 
-from .app import app, main
+from .app import main
+from .common import app
 
 __all__ = ["app", "main"]

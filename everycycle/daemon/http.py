@@ -446,12 +446,9 @@ class HttpApi:
             options["stop"] = tuple(stop) or None
         elif stop is not None:
             raise _HttpError(400, "`stop` must be a string or a list of strings", "invalid_type")
-        deadline = request.headers.get("x-deadline-ms")
+        deadline = _deadline(request)
         if deadline is not None:
-            if not deadline.isdigit():
-                raise _HttpError(400, "x-deadline-ms must be a number of milliseconds",
-                                 "invalid_deadline")
-            options["deadline_ms"] = int(deadline)
+            options["deadline_ms"] = deadline
         for key, kind in (("max_tokens", int), ("top_k", int), ("seed", int)):
             value = options.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
@@ -518,10 +515,9 @@ class HttpApi:
             raise _HttpError(400, "`encoding_format` must be float or base64",
                              "invalid_encoding_format")
         rid = self._request_id(request, "embd")
-        deadline = self._options(request, {})
         shape = _Shape(chat=False, request_id=rid, model=model, encoding=encoding)
         try:
-            req = Embed(rid, model, tuple(texts), deadline_ms=deadline.get("deadline_ms"))
+            req = Embed(rid, model, tuple(texts), deadline_ms=_deadline(request))
         except ProtocolError as exc:
             raise _HttpError(400, exc.message, "invalid_value") from None
         return _Generation(self, req, shape, stream=False, include_usage=False)
@@ -553,6 +549,17 @@ class HttpApi:
     async def prometheus(self, request: HttpRequest) -> Response:
         self._auth(request)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _deadline(request: HttpRequest) -> int | None:
+    """The ``x-deadline-ms`` header. Raises _HttpError (400) for a malformed one."""
+    value = request.headers.get("x-deadline-ms")
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise _HttpError(400, "x-deadline-ms must be a number of milliseconds",
+                         "invalid_deadline")
+    return int(value)
 
 
 def _response_format(raw: object) -> dict[str, str]:

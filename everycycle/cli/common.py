@@ -1,0 +1,122 @@
+"""What every command of the CLI shares: the Typer app, common options, exit codes,
+one-line error reporting, the status line, and the blocking daemon call.
+
+Nothing heavy is imported here: commands import what they need when they run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from ..errors import DaemonUnavailableError, ErrorKind, EverycycleError
+
+EXIT_CODES = {
+    ErrorKind.INTERNAL: 1,
+    ErrorKind.INVALID: 2,
+    ErrorKind.MODEL_NOT_LOADED: 3,
+    ErrorKind.REJECTED: 4,
+    ErrorKind.CANCELLED: 5,
+}
+EXIT_INTERRUPTED = 130
+EXIT_UNAVAILABLE = 69
+
+app = typer.Typer(
+    help="A local LLM daemon and CLI over llama.cpp.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+SocketOpt = Annotated[Path | None, typer.Option("--socket", help="Daemon socket path.",
+                                                envvar="EVERYCYCLE_SOCKET")]
+ModelsOpt = Annotated[Path | None, typer.Option("--models", help="Use this models.toml only.")]
+ModelOpt = Annotated[str | None, typer.Option("-m", "--model", help="Model name.")]
+MaxTokensOpt = Annotated[int | None, typer.Option("-n", "--max-tokens",
+                                                  help="Longest answer, in tokens.")]
+TemperatureOpt = Annotated[float | None, typer.Option("--temperature")]
+SeedOpt = Annotated[int | None, typer.Option("--seed")]
+NoDaemonOpt = Annotated[bool, typer.Option("--no-daemon", help="Run in-process.")]
+OfflineOpt = Annotated[bool, typer.Option("--offline", help="Never download a model.")]
+VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose")]
+
+
+def fail(message: str, code: int) -> NoReturn:
+    sys.stderr.write(f"everycycle: {message}\n")
+    raise typer.Exit(code)
+
+
+def exit_for(exc: EverycycleError) -> NoReturn:
+    raise typer.Exit(report(exc))
+
+
+class Status:
+    """A one-line status on stderr, only on a terminal (or with -v), cleared when text comes."""
+
+    def __init__(self, verbose: bool) -> None:
+        self.tty = sys.stderr.isatty()
+        self.enabled = self.tty or verbose
+        self.shown = False
+
+    def show(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            sys.stderr.write(f"\r\x1b[2K{text}")
+            self.shown = True
+        else:
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+            self.shown = False
+
+
+def report(exc: EverycycleError) -> int:
+    """One line on stderr; the exit code for ``exc``."""
+    if isinstance(exc, DaemonUnavailableError):
+        sys.stderr.write(f"everycycle: {exc.message}\n")
+        return EXIT_UNAVAILABLE
+    sys.stderr.write(f"everycycle: {exc.kind.value}: {exc.message}\n")
+    return EXIT_CODES[exc.kind]
+
+
+def call(socket: Path | None, fn: Any, *, unavailable_raises: bool = False) -> Any:
+    """Run ``fn(client)`` on a blocking client; errors exit with their code.
+
+    With ``unavailable_raises``, DaemonUnavailableError propagates to the caller.
+    """
+    from ..client.sync import SyncClient
+
+    try:
+        with SyncClient(socket) as client:
+            return fn(client)
+    except DaemonUnavailableError as exc:
+        if unavailable_raises:
+            raise
+        exit_for(exc)
+    except EverycycleError as exc:
+        exit_for(exc)
+
+
+def prepull(name: str, models: Path | None, offline: bool) -> None:
+    """Download a hub model the registry names before asking for it (progress on stderr).
+
+    Raises EverycycleError subclasses; a name the local registry does not know is left
+    for the daemon to judge.
+    """
+    from ..models.registry import load_registry, local_file
+
+    spec = load_registry(models).models.get(name)
+    if spec is None or spec.hf_repo is None:
+        return
+    if offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    local_file(spec, download=not offline, progress=sys.stderr.isatty())

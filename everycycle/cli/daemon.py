@@ -1,0 +1,146 @@
+"""``everycycle daemon``: run the daemon in the foreground or detached, with its listeners."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import paths
+from ..errors import AlreadyRunningError, EverycycleError
+from .common import EXIT_CODES, ModelsOpt, SocketOpt, app, call, fail
+
+
+@app.command()
+def daemon(
+    socket: SocketOpt = None,
+    models: ModelsOpt = None,
+    detach: Annotated[bool, typer.Option("--detach", help="Run in the background.")] = False,
+    tcp: Annotated[str | None, typer.Option("--tcp", help="Also listen on HOST:PORT.")] = None,
+    http: Annotated[str | None, typer.Option(
+        "--http", metavar="[HOST:]PORT|HOST",
+        help="Serve the OpenAI-compatible HTTP API (default port 11777, loopback).")] = None,
+    http_auth: Annotated[bool, typer.Option(
+        "--http-auth", help="Require the bearer token on HTTP even on loopback.")] = False,
+    allow_remote: Annotated[bool, typer.Option("--allow-remote")] = False,
+    auto_load: Annotated[bool, typer.Option("--auto-load/--no-auto-load")] = True,
+    audit_prompts: Annotated[bool, typer.Option("--audit-prompts")] = False,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=0)] = 64,
+    max_inflight: Annotated[int, typer.Option("--max-inflight", min=1)] = 32,
+    show_token: Annotated[bool, typer.Option("--show-token", help="Print the TCP token.")]
+    = False,
+) -> None:
+    """Run the daemon in the foreground (or --detach).  Example: everycycle daemon --detach"""
+    from ..daemon.server import DaemonConfig, load_or_create_token, serve
+    from ..daemon.supervisor import Limits
+
+    if show_token:
+        sys.stdout.write(load_or_create_token() + "\n")
+        return
+    sock = socket or paths.socket_path()
+    tcp_addr = None
+    if tcp is not None:
+        host, _, port = tcp.rpartition(":")
+        if not host or not port.isdigit():
+            fail("--tcp wants HOST:PORT", 2)
+        tcp_addr = (host.strip("[]"), int(port))
+    http_addr = None
+    if http is not None:
+        try:
+            http_addr = parse_http_address(http)
+        except ValueError as exc:
+            fail(str(exc), 2)
+    if detach:
+        _detach(sock, sys.argv[1:])
+        return
+    import logging
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = DaemonConfig(socket=sock, models_file=models,
+                          limits=Limits(max_queue=max_queue, max_inflight=max_inflight),
+                          auto_load=auto_load, audit_prompts=audit_prompts, tcp=tcp_addr,
+                          allow_remote=allow_remote, http=http_addr, http_auth=http_auth)
+    import anyio
+
+    try:
+        anyio.run(serve, config)
+    except AlreadyRunningError as exc:
+        fail(exc.message, 1)
+    except EverycycleError as exc:
+        fail(exc.message, EXIT_CODES[exc.kind])
+
+
+DEFAULT_HTTP_PORT = 11777  # everycycle.daemon.http.DEFAULT_PORT, without importing it
+
+
+def parse_http_address(text: str) -> tuple[str, int]:
+    """``PORT``, ``HOST``, ``HOST:PORT`` or ``[V6]:PORT`` to (host, port); loopback and
+    port 11777 by default. Raises ValueError naming the problem."""
+    host, port = "127.0.0.1", DEFAULT_HTTP_PORT
+    text = text.strip()
+    if text.isdigit():
+        port = int(text)
+    elif text.startswith("["):
+        inner, _, rest = text[1:].partition("]")
+        host = inner
+        if rest:
+            if not rest.startswith(":") or not rest[1:].isdigit():
+                raise ValueError(f"--http {text}: want [HOST]:PORT")
+            port = int(rest[1:])
+    elif text.count(":") == 1:
+        h, _, p = text.partition(":")
+        if not p.isdigit():
+            raise ValueError(f"--http {text}: the port must be a number")
+        host, port = h or host, int(p)
+    elif text and ":" not in text:
+        host = text
+    else:
+        raise ValueError(f"--http {text}: want PORT, HOST or HOST:PORT")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--http {text}: the port must be 0-65535")
+    return host, port
+
+
+def _detach(sock: Path, argv: list[str]) -> None:
+    import subprocess
+
+    from ..daemon.server import read_pid
+
+    log_path = paths.log_dir() / "daemon.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    args = [a for a in argv if a != "--detach"]
+    with log_path.open("ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "everycycle", *args, "--socket", str(sock)],
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
+        )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            fail(f"the daemon exited with {proc.returncode}; see {log_path}", 1)
+        if read_pid(sock) == proc.pid and _answers(sock):
+            http = ""
+            if "--http" in args:
+                http = call(sock, lambda c: c.describe_fleet()).http
+                http = f" and {http}/v1" if http else ""
+            sys.stderr.write(f"everycycle: daemon pid {proc.pid} serving {sock}{http}\n")
+            return
+        time.sleep(0.05)
+    fail(f"the daemon did not start within 60 s; see {log_path}", 1)
+
+
+def _answers(sock: Path) -> bool:
+    import socket as pysocket
+
+    s = pysocket.socket(pysocket.AF_UNIX)
+    try:
+        s.connect(str(sock))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()

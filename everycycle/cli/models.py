@@ -1,0 +1,145 @@
+"""``everycycle models`` (list, add) and ``everycycle pull``: the registry and the hub."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from ..errors import EverycycleError
+from ..protocol import Format
+from .common import ModelsOpt, app, exit_for
+
+models_app = typer.Typer(no_args_is_help=False)
+app.add_typer(models_app, name="models")
+
+
+@models_app.callback(invoke_without_command=True)
+def models_cmd(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    models: ModelsOpt = None,
+) -> None:
+    """List the model registry.
+
+    Example: everycycle models --json
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from ..models.registry import load_registry
+
+    try:
+        reg = load_registry(models)
+    except EverycycleError as exc:
+        exit_for(exc)
+    rows: list[dict[str, Any]] = []
+    for spec in reg.models.values():
+        rows.append({
+            "name": spec.name, "default": spec.name == reg.default, "source": spec.source,
+            "revision": spec.revision, "available": _available(spec), "context": spec.context,
+            "parallel": spec.parallel, "executor": spec.executor,
+            "kind": "completion" if spec.format is Format.RAW else "chat",
+            "kv_cache_type": spec.kv_cache_type, **_needs(spec),
+        })
+    if as_json:
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return
+    from rich.console import Console
+
+    from .render import models_view
+
+    Console(stderr=not sys.stdout.isatty()).print(models_view(rows))
+
+
+@models_app.command("add")
+def models_add(
+    name: str,
+    url: Annotated[str, typer.Argument(help="hf://owner/repo/file.gguf[@revision]")],
+    context: Annotated[int, typer.Option("--context")] = 4096,
+    parallel: Annotated[int, typer.Option("--parallel")] = 4,
+) -> None:
+    """Download a hub GGUF and record it, pinned, in your models.toml.
+
+    Example: everycycle models add qwen hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf
+    """
+    from ..models import hub
+    from ..models.registry import add_user_entry
+
+    try:
+        ref = hub.parse_hf_url(url)
+        path = hub.download(ref, progress=sys.stderr.isatty())
+        commit = hub.commit_of(path) or ref.revision
+        digest = hub.sha256_of(path)
+        where = add_user_entry(name, {
+            "hf_repo": ref.repo, "hf_file": ref.file, "revision": commit, "sha256": digest,
+            "context": context, "parallel": parallel,
+        })
+    except EverycycleError as exc:
+        exit_for(exc)
+    sys.stderr.write(f"everycycle: added '{name}' (revision {commit}, sha256 {digest}) "
+                     f"to {where}\n")
+
+
+@app.command()
+def pull(
+    model: Annotated[str, typer.Argument(help="A registry name or hf://owner/repo/file[@rev]")],
+    models: ModelsOpt = None,
+) -> None:
+    """Download a model into the Hugging Face cache; prints its local path.
+
+    Example: everycycle pull hf://ggml-org/gemma-3-270m-it-GGUF/gemma-3-270m-it-Q8_0.gguf
+    """
+    from ..models import hub
+    from ..models.registry import load_registry, local_file
+
+    progress = sys.stderr.isatty()
+    try:
+        if model.startswith("hf:"):
+            path = hub.download(hub.parse_hf_url(model), progress=progress)
+        else:
+            spec = load_registry(models).get(model)
+            if spec.hf_repo is not None:
+                path = hub.download(spec.hub_ref, sha256=spec.sha256, progress=progress)
+            else:
+                path = local_file(spec)
+    except EverycycleError as exc:
+        exit_for(exc)
+    sys.stdout.write(f"{path}\n")
+
+
+def _needs(spec: Any) -> dict[str, int | None]:
+    """What ``spec`` will need in memory (weights, KV cache), if its file is here."""
+    from ..engine.memory import plan
+    from ..models.registry import local_file
+
+    if spec.package is not None and spec.package_file is None:
+        return {"weights_bytes": None, "kv_bytes": None}  # would import the package
+    try:
+        needs = plan(local_file(spec), context=spec.context, parallel=spec.parallel,
+                     kv_cache_type=spec.kv_cache_type)
+    except EverycycleError:
+        return {"weights_bytes": None, "kv_bytes": None}
+    return {"weights_bytes": needs.weights, "kv_bytes": needs.kv}
+
+
+def _available(spec: Any) -> bool:
+    import importlib.util
+
+    if spec.path is not None:
+        return bool(spec.path.is_file())
+    if spec.package is not None:
+        if spec.package_file is not None:
+            from ..models.registry import package_path
+
+            found = package_path(spec)
+            return found is not None and found.is_file()
+        return importlib.util.find_spec(spec.package) is not None
+    from ..models.hub import cached_file
+
+    try:
+        cached_file(spec.hub_ref, sha256=spec.sha256, name=spec.name)
+    except EverycycleError:
+        return False
+    return True
