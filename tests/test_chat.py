@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -31,8 +32,10 @@ def running() -> bool:
 
 def spawn_chat(models_file: Path, *args: str) -> pexpect.spawn:
     env = {**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
-    return pexpect.spawn(EC[0], [*EC[1:], "chat", "--models", str(models_file), *args],
-                         env=env, timeout=60, dimensions=(40, 200))
+    child = pexpect.spawn(EC[0], [*EC[1:], "chat", "--models", str(models_file), *args],
+                          env=env, timeout=60, dimensions=(40, 200))
+    child.logfile_read = sys.stdout.buffer  # the whole transcript, shown if a test fails
+    return child
 
 
 def turn(child: pexpect.spawn, text: str) -> dict[str, object]:

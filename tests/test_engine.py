@@ -204,3 +204,28 @@ def test_cancelling_one_slot_leaves_the_others_untouched(
     runner.cancel(victim, "test")
     assert collector.wait("victim")[-1].reason == "cancelled"
     assert [collector.text(f"mix{i}") for i in range(len(prompts))] == alone
+
+
+class _AlwaysMaskRunner(Runner):
+    """Greedy under a grammar the slow way: the whole vocabulary masked every token."""
+
+    def _grammar_allows(self, grammar: object, tok: int) -> bool:
+        return False
+
+
+def test_lazy_greedy_under_a_grammar_equals_masking_every_token(tiny_gguf: Path) -> None:
+    from everycycle.engine.grammar import schema_to_gbnf
+
+    grammar = schema_to_gbnf('{"type": "object", "properties": {"a": {"type": "string"}, '
+                             '"b": {"type": "array", "items": {"type": "integer"}}}}')
+    outputs = []
+    for cls in (Runner, _AlwaysMaskRunner):
+        collector = Collector()
+        runner = cls(tiny_gguf, context=512, parallel=1, notify=collector)
+        try:
+            runner.submit(Job(tokens=runner.tokenize("hello world", Format.RAW), max_tokens=80,
+                              sampling=Sampling(temperature=0.0, grammar=grammar), tag="g"))
+            outputs.append([i for out in collector.wait("g") for i in out.ids])
+        finally:
+            runner.close()
+    assert outputs[0] == outputs[1] and len(outputs[0]) > 5

@@ -97,6 +97,8 @@ class _Slot:
     cached: list[int] = field(default_factory=list)
     job: Job | None = None
     sampler: Any = None
+    grammar: Any = None
+    """Greedy decoding under a grammar: the grammar sampler, consulted lazily."""
     todo: list[int] = field(default_factory=list)
     n_past: int = 0
     last: int = -1
@@ -214,6 +216,10 @@ class Runner:
         # Guards the model against use from other threads (tokenize) while close() frees it.
         self._life = threading.Lock()
         self._freed = False
+        # Reused by greedy decoding under a grammar (_grammar_greedy).
+        self._all_candidates = np.zeros(self._n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"),
+                                                              ("p", "<f4")])
+        self._one_candidate = _OneCandidate(L)
         self._template_raw = False
         self._template = self._chat_template()
         self._thread = threading.Thread(target=self._run, name=f"engine:{path.name}", daemon=True)
@@ -417,6 +423,35 @@ class Runner:
             raise InvalidRequestError(f"grammar: {detail}")
         return sampler
 
+    def _grammar_greedy(self, grammar: Any, logits: np.ndarray, tok: int) -> int:
+        """The argmax among the tokens ``grammar`` allows (``tok``, the plain argmax, when
+        it allows that one), accepted into the grammar's state. Engine thread only."""
+        L = self._L
+        if not self._grammar_allows(grammar, tok):
+            every = self._all_candidates
+            every["id"] = np.arange(self._n_vocab, dtype=np.int32)
+            every["logit"] = logits
+            every["p"] = 0.0
+            arr = L.llama_token_data_array(
+                data=every.ctypes.data_as(ctypes.POINTER(L.llama_token_data)),
+                size=self._n_vocab, selected=-1, sorted=False)
+            L.llama_sampler_apply(grammar, ctypes.byref(arr))
+            best = int(every["logit"].argmax())
+            if not np.isfinite(every["logit"][best]):
+                # Accepting a token the grammar refuses aborts the process: end the job.
+                raise InvalidRequestError("the grammar allows no next token")
+            tok = int(every["id"][best])
+        L.llama_sampler_accept(grammar, tok)
+        return tok
+
+    def _grammar_allows(self, grammar: Any, tok: int) -> bool:
+        """Whether ``grammar``, in its current state, allows ``tok`` next."""
+        one = self._one_candidate
+        one.data[0].id, one.data[0].logit, one.data[0].p = tok, 0.0, 0.0
+        one.array.size, one.array.selected, one.array.sorted = 1, -1, False
+        self._L.llama_sampler_apply(grammar, ctypes.byref(one.array))
+        return bool(np.isfinite(one.data[0].logit))
+
     def check_grammar(self, gbnf: str) -> None:
         """Compile ``gbnf`` once to refuse a broken grammar before anything is queued.
 
@@ -445,7 +480,14 @@ class Runner:
         L.llama_memory_seq_rm(self._mem, slot.seq, reuse if reuse else -1, -1)
         del slot.cached[reuse:]
         slot.job = job
-        slot.sampler = self._make_sampler(job.sampling)
+        greedy = job.sampling.temperature <= 0.0 and job.sampling.repeat_penalty == 1.0
+        if greedy and job.sampling.grammar is not None:
+            # Greedy under a grammar, as llama-server does it: take the argmax, and mask
+            # the whole vocabulary only when the grammar refuses that token.
+            slot.grammar = self._grammar_sampler(job.sampling.grammar)
+            slot.sampler = None
+        else:
+            slot.sampler = self._make_sampler(job.sampling)
         slot.todo = list(job.tokens[reuse:])
         slot.n_past = reuse
         slot.decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -465,9 +507,10 @@ class Runner:
                 if cut is not None:
                     text, reason = text[:cut], "stop"
         out.append((job, Output(text, tuple(ids), True, reason, error)))
-        if slot.sampler is not None:
-            self._L.llama_sampler_free(slot.sampler)
-        slot.sampler = None
+        for sampler in (slot.sampler, slot.grammar):
+            if sampler is not None:
+                self._L.llama_sampler_free(sampler)
+        slot.sampler = slot.grammar = None
         slot.job = None
         slot.todo = []
         if reason == "error":  # the KV cells may be half-written
@@ -589,8 +632,15 @@ class Runner:
                 running = s.job
                 assert running is not None
                 if s.sampler is None:
-                    logits = L.llama_get_logits_ith(self._ctx, row)
-                    tok = int(np.ctypeslib.as_array(logits, shape=(self._n_vocab,)).argmax())
+                    logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, row),
+                                                   shape=(self._n_vocab,))
+                    tok = int(logits.argmax())
+                    if s.grammar is not None:
+                        try:
+                            tok = self._grammar_greedy(s.grammar, logits, tok)
+                        except InvalidRequestError as exc:
+                            self._finish(s, out, "error", exc)
+                            continue
                 else:
                     tok = L.llama_sampler_sample(s.sampler, self._ctx, row)
                 if L.llama_vocab_is_eog(self._vocab, tok):
@@ -640,6 +690,15 @@ class Runner:
 
 _backend_lock = threading.Lock()
 _backend_state: dict[str, Any] = {}
+
+
+class _OneCandidate:
+    """A one-token llama_token_data_array, to ask a grammar about one token."""
+
+    def __init__(self, L: Any) -> None:
+        self.data = (L.llama_token_data * 1)()
+        self.array = L.llama_token_data_array(data=self.data, size=1, selected=-1,
+                                              sorted=False)
 
 
 @dataclass
