@@ -1,5 +1,5 @@
 """Clients of the daemon: the sans-IO connection core (connection.py), the async client
-(aio.py), the blocking client (sync.py) and the in-process embedded client (embedded.py).
+(aio.py), the blocking client (sync.py) and the in-process client (inprocess.py).
 
 Names load lazily so that ``from everycycle.client import SyncClient`` never imports
 anyio or asyncio.
