@@ -126,6 +126,24 @@ def test_chat_without_a_daemon_and_from_a_pipe(models_file: Path) -> None:
     assert out.stdout.count("\n") == 2 and "Traceback" not in out.stderr
 
 
+def test_ctrl_c_clears_a_typed_line_and_leaves_from_an_empty_prompt(
+    models_file: Path,
+) -> None:
+    child = spawn_chat(models_file, "--no-daemon")
+    try:
+        child.expect_exact(">>>")
+        child.send("half a thought")
+        child.sendintr()  # the line is cleared (redrawn in place), the chat stays
+        child.sendline("/help")
+        child.expect_exact("/clear")
+        child.expect_exact(">>>")
+        child.sendintr()  # on an empty prompt: leave
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
 def test_run_without_a_prompt_on_a_terminal_opens_the_chat(models_file: Path) -> None:
     child = pexpect.spawn(EC[0], [*EC[1:], "run", "--no-daemon", "--models", str(models_file)],
                           env={**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1"}, timeout=60)
