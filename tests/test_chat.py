@@ -154,3 +154,13 @@ def test_run_without_a_prompt_on_a_terminal_opens_the_chat(models_file: Path) ->
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
+
+
+def test_a_chat_whose_last_answer_failed_exits_with_its_code(models_file: Path) -> None:
+    import subprocess
+
+    out = subprocess.run([*EC, "chat", "--no-daemon", "--models", str(models_file), "-m",
+                          "nope"], input="hello\n", capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 2 and "unknown model 'nope'" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 
 from .. import paths
+from ..errors import ErrorKind
 from ..protocol import Accepted, Error, Generate, Message, Role, Tokens
+from .common import EXIT_CODES
 from .interrupt import Interrupt
 
 if TYPE_CHECKING:
@@ -151,19 +153,20 @@ async def chat(client: BaseClient, model: str, *, system: str | None = None,
     if sys.stdin.isatty():
         notice.write(f"Chatting with {model}. /help for help, /bye or Ctrl-D to leave.\n")
         notice.flush()
+    code = 0  # the exit code: that of the last answer's error, if it failed
     while True:
         try:
             text = await reader.read()
         except KeyboardInterrupt:
-            return 0
+            return code
         if text is None:
-            return 0
+            return code
         if not text:
             continue
         if text.startswith("/"):
             command, _, arg = text.partition(" ")
             if command in ("/bye", "/exit", "/quit"):
-                return 0
+                return code
             if command == "/help":
                 notice.write(HELP)
             elif command == "/clear":
@@ -179,7 +182,9 @@ async def chat(client: BaseClient, model: str, *, system: str | None = None,
             notice.flush()
             continue
         convo.turns.append(Message(Role.USER, text))
-        answer, ok = await _answer(client, model, convo.messages(), options or {}, on_loading)
+        answer, ok, failed = await _answer(client, model, convo.messages(), options or {},
+                                           on_loading)
+        code = EXIT_CODES[failed] if failed is not None else 0
         if ok or answer:
             convo.turns.append(Message(Role.ASSISTANT, answer))
         else:
@@ -188,14 +193,16 @@ async def chat(client: BaseClient, model: str, *, system: str | None = None,
 
 async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
                   options: dict[str, Any], on_loading: Callable[[str], None] | None
-                  ) -> tuple[str, bool]:
-    """Stream one answer to stdout; (the text shown, whether it finished)."""
+                  ) -> tuple[str, bool, ErrorKind | None]:
+    """Stream one answer to stdout: (the text shown, whether it finished, the kind of
+    the error that ended it unless the user pressed Ctrl-C)."""
     from ..client.connection import new_request_id
 
     req = Generate(request_id=new_request_id(), model=model, messages=messages, **options)
     out = sys.stdout
     shown: list[str] = []
     ok = False
+    failed: ErrorKind | None = None
     interrupt = Interrupt()
     async with anyio.create_task_group() as tg:
         tg.start_soon(interrupt.watch, client, req.request_id)
@@ -217,9 +224,10 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
                     if on_loading is not None:
                         on_loading("")
                     if not interrupt.pressed:
+                        failed = event.kind
                         sys.stderr.write(f"\neverycycle: {event.kind.value}: {event.message}\n")
         finally:
             tg.cancel_scope.cancel()
     out.write("\n")
     out.flush()
-    return "".join(shown), ok
+    return "".join(shown), ok, failed
