@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 
 import anyio
@@ -159,4 +158,3 @@ async def test_every_generated_id_reaches_the_client_once(models_file: Path) -> 
     record = json.loads(paths.audit_file().read_text().splitlines()[-1])
     assert sum(len(c.ids) for c in chunks) == record["output_tokens"] == 40
     assert all(c.ids for c in chunks[:-1])  # no empty chunk before the last one
-    assert os.environ.get("EVERYCYCLE_HOME")
