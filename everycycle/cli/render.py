@@ -25,6 +25,13 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / (1 << 20):,.0f} MiB"
 
 
+def _weights_kv(weights: int | None, kv: int | None) -> str:
+    """``92+360 MiB``: weights plus KV cache, compact enough for an 80-column table."""
+    if weights is None or kv is None:
+        return "-"
+    return f"{weights / (1 << 20):,.0f}+{kv / (1 << 20):,.0f} MiB"
+
+
 def fleet_view(snapshot: FleetSnapshot) -> Group:
     """Tables of executors, loaded models and request counts."""
     from rich.console import Group
@@ -40,14 +47,13 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
         ex.caption = "no GPU backend in this llama.cpp build"
     models = Table(title="loaded models", title_justify="left")
     for col in ("name", "revision", "executor", "slots busy/total", "queued",
-                "weights + KV"):
+                "weights+KV"):
         models.add_column(col)
     for m in snapshot.loaded_models:
         slots = f"{m.busy}/{m.slots}" if m.slots is not None else "-"
-        memory = (f"{_mib(m.weights_bytes)} + {_mib(m.kv_bytes)}"
-                  if m.weights_bytes is not None and m.kv_bytes is not None else "-")
         models.add_row(m.name, m.revision or "-", m.assigned_executor, slots,
-                       str(m.queued if m.queued is not None else "-"), memory)
+                       str(m.queued if m.queued is not None else "-"),
+                       _weights_kv(m.weights_bytes, m.kv_bytes))
     if not snapshot.loaded_models:
         models.caption = "none"
     footer = f"active requests: {snapshot.active_requests}"
@@ -75,14 +81,13 @@ def models_view(rows: Sequence[dict[str, Any]]) -> Table:
     from rich.table import Table
 
     table = Table(title="models", title_justify="left")
-    for col in ("name", "kind", "source", "revision", "available", "context x parallel",
-                "needs"):
+    table.add_column("name", no_wrap=True)
+    for col in ("kind", "source", "revision", "on disk", "ctx x slots", "weights+KV"):
         table.add_column(col)
     for r in rows:
-        mark = " (default)" if r["default"] else ""
-        needs = (f"{_mib(r['weights_bytes'])} + {_mib(r['kv_bytes'])} KV"
-                 if r.get("kv_bytes") is not None else "-")
+        mark = " *" if r["default"] else ""
         table.add_row(f"{r['name']}{mark}", r["kind"], r["source"], r["revision"] or "-",
                       "yes" if r["available"] else "no", f"{r['context']} x {r['parallel']}",
-                      needs)
+                      _weights_kv(r.get("weights_bytes"), r.get("kv_bytes")))
+    table.caption = "* the default model"
     return table
