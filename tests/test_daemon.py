@@ -425,3 +425,11 @@ async def test_slots_are_freed_on_every_path(models_file: Path) -> None:
         async with Raw.open() as c:
             await c.send(gen("after", max_tokens=2))
             assert (await c.until_terminal("after"))[0] == Accepted("after", 0)
+
+
+async def test_shutdown_through_the_async_client_returns_though_the_daemon_closes(
+    models_file: Path,
+) -> None:
+    for _ in range(3):  # Done and the end of the connection arrive together
+        async with running_daemon(models_file), connect() as client:
+            await client.shutdown()

@@ -37,6 +37,7 @@ from ..protocol import (
     ServerEvent,
     Shutdown,
     Unload,
+    is_terminal,
 )
 from ..sockets import wake_reader
 from .connection import ClientConnection, Routed, new_request_id
@@ -85,8 +86,9 @@ class BaseClient:
             async with recv:
                 async for event in recv:
                     yield event
-            if rid in self._conn.active or self._conn.closed is not None:
-                raise DaemonUnavailableError(self._conn.closed or "the connection closed")
+                    if is_terminal(event):
+                        return  # done, even if the connection closes right after
+            raise DaemonUnavailableError(self._conn.closed or "the connection closed")
         finally:
             self._streams.pop(rid, None)
             self._conn.abandon(rid)
