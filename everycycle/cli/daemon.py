@@ -74,7 +74,9 @@ def daemon(
         fail(exc.message, EXIT_CODES[exc.kind])
 
 
-DEFAULT_HTTP_PORT = 11777  # everycycle.daemon.http.DEFAULT_PORT, without importing it
+DEFAULT_HTTP_PORT = 11777
+"""The HTTP API's default port: none of Ollama (11434), llama-server (8080), LM Studio
+(1234) or llama-cpp-python's server (8000)."""
 
 
 def parse_http_address(text: str) -> tuple[str, int]:

@@ -63,9 +63,6 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-DEFAULT_PORT = 11777
-"""The HTTP API's default port: none of Ollama (11434), llama-server (8080), LM Studio
-(1234) or llama-cpp-python's server (8000)."""
 MAX_BODY_BYTES = 4 << 20
 
 _STATUS = {
