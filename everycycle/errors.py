@@ -98,9 +98,17 @@ class ModelNotLoadedError(EverycycleError):
 
 
 class RejectedError(EverycycleError):
-    """Admission refused: queue full, per-connection limit, no room on an executor."""
+    """Admission refused: queue full, per-connection limit, no room on an executor, or a
+    principal over one of its quotas (then ``limit`` names it and ``retry_after`` says
+    in how many seconds it will have room, where that is known)."""
 
     kind = ErrorKind.REJECTED
+
+    def __init__(self, message: str, *, limit: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.retry_after = retry_after
 
 
 class RequestCancelledError(EverycycleError):

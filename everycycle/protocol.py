@@ -54,6 +54,7 @@ __all__ = [
     "Load",
     "LoadedModel",
     "Message",
+    "PrincipalLoad",
     "Request",
     "Role",
     "ServerEvent",
@@ -78,6 +79,7 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _MAX_NAME = 256
 _MAX_STOPS = 16
 _MAX_STOP_CHARS = 256
+_MAX_KEEP_ALIVE_MS = 10**12
 _MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 _MAX_MESSAGES = 4096
 _MAX_GRAMMAR_CHARS = 64 * 1024
@@ -202,13 +204,34 @@ class LoadedModel:
     queued: int | None = field(default=None, metadata={"skip_none": True})
     weights_bytes: int | None = field(default=None, metadata={"skip_none": True})
     kv_bytes: int | None = field(default=None, metadata={"skip_none": True})
+    device_layers: int | None = field(default=None, metadata={"skip_none": True})
+    """Repeating layers on the executor's devices (the rest on the CPU); GPU only."""
+    total_layers: int | None = field(default=None, metadata={"skip_none": True})
+    unload_in_ms: int | None = field(default=None, metadata={"skip_none": True})
+    """When the model will be unloaded for being idle; absent: never, or busy now."""
+    keep_alive_ms: int | None = field(default=None, metadata={"skip_none": True})
+    """How long it stays loaded once idle (-1: always)."""
 
     def __post_init__(self) -> None:
         _check_text(self)
-        for name in ("slots", "busy", "queued"):
+        for name in ("slots", "busy", "queued", "device_layers", "total_layers"):
             _check_range(name, getattr(self, name), 0, _U32_MAX)
+        _check_range("unload_in_ms", self.unload_in_ms, 0, 2**63 - 1)
+        _check_range("keep_alive_ms", self.keep_alive_ms, -1, 2**63 - 1)
         for name in ("weights_bytes", "kv_bytes"):
             _check_range(name, getattr(self, name), 0, 2**63 - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class PrincipalLoad:
+    """One principal's active (running + queued) requests."""
+
+    name: str
+    active_requests: int
+
+    def __post_init__(self) -> None:
+        _check_text(self)
+        _check_range("active_requests", self.active_requests, 0, _U32_MAX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +246,9 @@ class FleetSnapshot:
     """Where the daemon serves its HTTP API (``http://HOST:PORT``), if it does."""
     daemon_rss: int | None = field(default=None, metadata={"skip_none": True})
     """The daemon process's resident memory, in bytes."""
+    principals: tuple[PrincipalLoad, ...] | None = field(default=None,
+                                                          metadata={"skip_none": True})
+    """Active requests per principal; present when more than one principal is active."""
 
     def __post_init__(self) -> None:
         _check_text(self)
@@ -334,6 +360,8 @@ class Generate:
     """A JSON Schema (as JSON text) the output must validate against (an extension)."""
     grammar: str | None = field(default=None, metadata={"skip_none": True})
     """A GBNF grammar the output must follow, root rule ``root`` (an extension)."""
+    keep_alive_ms: int | None = field(default=None, metadata={"skip_none": True})
+    """How long the model stays loaded once idle, from now on (-1: always; an extension)."""
 
     def __post_init__(self) -> None:
         _check_text(self)
@@ -370,6 +398,7 @@ class Generate:
         _check_range("repeat_penalty", self.repeat_penalty, 0.01, 10.0)
         _check_range("seed", self.seed, 0, _U32_MAX - 1)
         _check_range("deadline_ms", self.deadline_ms, 1, _MAX_DEADLINE_MS)
+        _check_range("keep_alive_ms", self.keep_alive_ms, -1, _MAX_KEEP_ALIVE_MS)
         if self.stop is not None:
             if len(self.stop) > _MAX_STOPS:
                 raise ProtocolError(f"at most {_MAX_STOPS} stop strings")
@@ -409,11 +438,14 @@ class Load:
     request_id: str
     model: str
     executor: str | None = None
+    keep_alive_ms: int | None = field(default=None, metadata={"skip_none": True})
+    """As Generate's (an extension)."""
 
     def __post_init__(self) -> None:
         _check_text(self)
         validate_request_id(self.request_id)
         _check_name("model", self.model)
+        _check_range("keep_alive_ms", self.keep_alive_ms, -1, _MAX_KEEP_ALIVE_MS)
         if self.executor is not None:
             _check_name("executor", self.executor)
 
@@ -462,11 +494,13 @@ class Embed:
     input: tuple[str, ...]
     auto_load: bool | None = None
     deadline_ms: int | None = None
+    keep_alive_ms: int | None = field(default=None, metadata={"skip_none": True})
 
     def __post_init__(self) -> None:
         _check_text(self)
         validate_request_id(self.request_id)
         _check_name("model", self.model)
+        _check_range("keep_alive_ms", self.keep_alive_ms, -1, _MAX_KEEP_ALIVE_MS)
         if not self.input:
             raise ProtocolError("`input` must hold at least one string")
         if len(self.input) > MAX_EMBED_INPUTS:

@@ -13,7 +13,8 @@ from daemonhelp import Raw, running_daemon
 
 from everycycle import paths
 from everycycle.client import connect
-from everycycle.daemon.server import Daemon, DaemonConfig, load_or_create_token
+from everycycle.daemon.keys import load_or_create_token
+from everycycle.daemon.server import Daemon, DaemonConfig
 from everycycle.daemon.supervisor import Limits
 from everycycle.errors import (
     AlreadyRunningError,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from everycycle.engine import executors as ex
+from everycycle.engine.memory import DEVICE_RESERVE, MemoryPlan
 from everycycle.errors import (
     ChecksumMismatchError,
     ConfigError,
@@ -39,24 +40,92 @@ def gpu(name: str, free: int, vendor: str = "NVIDIA") -> ex.Executor:
 CPU = ex.Executor("cpu", "AMD", (ex.Device("CPU", "AMD EPYC", 64 * GIB, 32 * GIB, False),))
 
 
+def model(total: int, layers: int = 32) -> MemoryPlan:
+    """A plan of ``total`` bytes: a tenth in embeddings and head, the rest in ``layers``
+    equal layers, each with a quarter of its size again in KV cache."""
+    other = total // 10
+    per_layer = (total - other) // layers
+    weights = per_layer * 4 // 5
+    kv = per_layer - weights
+    return MemoryPlan(weights=other + weights * layers, kv=kv * layers,
+                      layer_weights=(weights,) * layers, other_weights=other,
+                      layer_kv=(kv,) * layers)
+
+
+R = DEVICE_RESERVE
+
+
 def test_auto_picks_the_first_gpu_with_room() -> None:
     fleet = [gpu("cuda", 1 * GIB), gpu("vulkan", 8 * GIB, "AMD"), CPU]
-    assert ex.place("auto", fleet, 2 * GIB).name == "vulkan"
+    placed = ex.place("auto", fleet, model(2 * GIB))
+    assert placed.name == "vulkan" and placed.offload and placed.offload.full
 
 
-def test_auto_falls_back_to_cpu_when_no_gpu_has_room() -> None:
-    assert ex.place("auto", [gpu("cuda", 1 * GIB), CPU], 2 * GIB).name == "cpu"
-    assert ex.place("auto", [CPU], 2 * GIB).name == "cpu"
+def test_auto_offloads_what_fits_when_no_gpu_holds_all_of_it() -> None:
+    plan = model(2 * GIB)
+    placed = ex.place("auto", [gpu("cuda", 1 * GIB + R), CPU], plan)
+    assert placed.name == "cuda" and placed.offload is not None
+    off = placed.offload
+    per_layer = plan.layer_weights[0] + plan.layer_kv[0]
+    assert off.gpu_layers == GIB // per_layer and not off.output
+    assert off.device_bytes[0] <= GIB < off.device_bytes[0] + per_layer
+    assert off.device_bytes[0] + off.cpu_bytes == plan.total
+    # The GPU holding more layers wins, wherever it is in the list.
+    placed = ex.place("auto", [gpu("cuda", GIB // 2 + R), gpu("rocm", GIB + R, "AMD"), CPU],
+                      plan)
+    assert placed.name == "rocm"
+
+
+def test_auto_falls_back_to_cpu_when_no_gpu_holds_a_layer() -> None:
+    placed = ex.place("auto", [gpu("cuda", R + 1000), CPU], model(2 * GIB))
+    assert placed.name == "cpu" and placed.offload is None
+    assert ex.place("auto", [CPU], model(2 * GIB)).name == "cpu"
+
+
+def test_several_devices_share_the_layers_by_free_memory() -> None:
+    devs = (ex.Device("CUDA0", "NVIDIA A", 24 * GIB, 3 * GIB + R, True),
+            ex.Device("CUDA1", "NVIDIA B", 24 * GIB, 1 * GIB + R, True))
+    two = ex.Executor("cuda", "NVIDIA", devs)
+    plan = model(3 * GIB)
+    placed = ex.place("cuda", [two, CPU], plan)
+    assert placed.offload is not None and placed.offload.full
+    assert placed.offload.split == pytest.approx((0.75, 0.25))
+    assert sum(placed.offload.device_bytes) == plan.total
+    # Pinned to one device: that device's room only.
+    one = ex.place("cuda:1", [two, CPU], plan)
+    assert one.name == "cuda:1" and one.device_indices == (1,)
+    assert one.offload is not None and not one.offload.full and one.offload.split == ()
+    with pytest.raises(InvalidRequestError, match="cuda has devices 0 to 1"):
+        ex.place("cuda:2", [two, CPU], plan)
+
+
+def test_a_model_too_big_for_the_host_is_refused_with_the_numbers() -> None:
+    small_host = ex.Executor("cpu", "AMD", (ex.Device("CPU", "AMD", 4 * GIB, GIB, False),))
+    with pytest.raises(RejectedError, match="needs 6144 MiB of host memory.*has 4096 MiB"):
+        ex.place("auto", [small_host], model(6 * GIB))
+    # A GPU taking most of it leaves little enough for the host.
+    assert ex.place("auto", [gpu("cuda", 5 * GIB), small_host], model(6 * GIB)).name == "cuda"
 
 
 def test_a_named_executor_missing_from_the_build_is_invalid() -> None:
     with pytest.raises(InvalidRequestError, match="'cuda' is not in this build"):
-        ex.place("cuda", [CPU], GIB)
+        ex.place("cuda", [CPU], model(GIB))
 
 
-def test_a_named_gpu_without_room_is_rejected() -> None:
-    with pytest.raises(RejectedError, match="needs"):
-        ex.place("cuda", [gpu("cuda", GIB), CPU], 2 * GIB)
+def test_a_named_gpu_without_room_for_a_layer_is_rejected() -> None:
+    with pytest.raises(RejectedError, match="has 0 MiB free; the model needs 2048 MiB"):
+        ex.place("cuda", [gpu("cuda", 0), CPU], model(2 * GIB))
+
+
+def test_the_plan_reads_each_layer_from_the_file(tiny_gguf: Path) -> None:
+    from everycycle.engine.memory import plan
+
+    p = plan(tiny_gguf, context=512, parallel=4)
+    assert p.n_layer == 2 and len(set(p.layer_weights)) == 1 and p.layer_weights[0] > 0
+    assert p.other_weights > 0
+    assert sum(p.layer_weights) + p.other_weights <= p.weights  # the header is the rest
+    assert p.weights - sum(p.layer_weights) - p.other_weights < 64 << 10
+    assert p.kv == sum(p.layer_kv)
 
 
 def test_vendor_from_backend_and_descriptions() -> None:

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from everycycle import paths
 from everycycle.cli.daemon import parse_http_address
 from everycycle.client import SyncClient
-from everycycle.daemon.server import load_or_create_token
+from everycycle.daemon.keys import load_or_create_token
 
 
 def fleet_http() -> str:

@@ -402,18 +402,30 @@ def fleet(
 @app.command()
 def load(
     model: str,
-    executor: Annotated[str | None, typer.Option("--executor", help="cuda, metal, cpu, …")]
+    executor: Annotated[str | None, typer.Option(
+        "--executor", help="auto, cpu, cuda, cuda:1, metal, vulkan, …")] = None,
+    keep_alive: Annotated[str | None, typer.Option(
+        "--keep-alive", help="How long it stays loaded once idle: 5m, 1h, 0, -1 (always).")]
     = None,
     offline: OfflineOpt = False,
     models: ModelsOpt = None,
     socket: SocketOpt = None,
 ) -> None:
     """Load MODEL on the daemon.  Example: everycycle load gemma-3-270m --executor cpu"""
+    keep_ms = None
+    if keep_alive is not None:
+        from ..models.registry import parse_keep_alive
+
+        try:
+            seconds = parse_keep_alive(keep_alive)
+        except ValueError as exc:
+            fail(f"--{exc}", 2)
+        keep_ms = -1 if seconds < 0 else int(seconds * 1000)
     try:
         prepull(model, models, offline)
     except EverycycleError as exc:
         exit_for(exc)
-    call(socket, lambda c: c.load(model, executor))
+    call(socket, lambda c: c.load(model, executor, keep_alive_ms=keep_ms))
 
 
 @app.command()
@@ -445,4 +457,5 @@ def main() -> None:
 
 # The other commands register themselves on ``app`` when imported.
 from . import daemon as _daemon_commands  # noqa: F401
+from . import keys as _keys_commands  # noqa: F401
 from . import models as _models_commands  # noqa: F401

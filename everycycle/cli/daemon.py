@@ -30,16 +30,26 @@ def daemon(
     audit_prompts: Annotated[bool, typer.Option("--audit-prompts")] = False,
     max_queue: Annotated[int, typer.Option("--max-queue", min=0)] = 64,
     max_inflight: Annotated[int, typer.Option("--max-inflight", min=1)] = 32,
+    keep_alive: Annotated[str, typer.Option(
+        "--keep-alive", help="How long an idle model stays loaded: 5m, 1h, 300, 0, or -1 "
+        "for always (models.toml and requests may say otherwise).")] = "5m",
     show_token: Annotated[bool, typer.Option("--show-token", help="Print the TCP token.")]
     = False,
 ) -> None:
     """Run the daemon in the foreground (or --detach).  Example: everycycle daemon --detach"""
-    from ..daemon.server import DaemonConfig, load_or_create_token, serve
+    from ..daemon.keys import load_or_create_token
+    from ..daemon.server import DaemonConfig, serve
     from ..daemon.supervisor import Limits
 
     if show_token:
         sys.stdout.write(load_or_create_token() + "\n")
         return
+    from ..models.registry import parse_keep_alive
+
+    try:
+        keep_seconds = parse_keep_alive(keep_alive)
+    except ValueError as exc:
+        fail(f"--{exc}", 2)
     sock = socket or paths.socket_path()
     tcp_addr = None
     if tcp is not None:
@@ -63,7 +73,8 @@ def daemon(
     config = DaemonConfig(socket=sock, models_file=models,
                           limits=Limits(max_queue=max_queue, max_inflight=max_inflight),
                           auto_load=auto_load, audit_prompts=audit_prompts, tcp=tcp_addr,
-                          allow_remote=allow_remote, http=http_addr, http_auth=http_auth)
+                          allow_remote=allow_remote, http=http_addr, http_auth=http_auth,
+                          keep_alive=keep_seconds)
     import anyio
 
     try:

@@ -32,6 +32,26 @@ def _weights_kv(weights: int | None, kv: int | None) -> str:
     return f"{weights / (1 << 20):,.0f}+{kv / (1 << 20):,.0f} MiB"
 
 
+def _duration(ms: int) -> str:
+    seconds = ms // 1000
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _idle_unload(unload_in_ms: int | None, keep_alive_ms: int | None) -> str:
+    """``in 4m12s`` when idle; ``never``; ``5m after idle`` while busy."""
+    if unload_in_ms is not None:
+        return f"in {_duration(unload_in_ms)}"
+    if keep_alive_ms is None:
+        return "-"
+    if keep_alive_ms < 0:
+        return "never"
+    return f"{_duration(keep_alive_ms)} after idle"
+
+
 def fleet_view(snapshot: FleetSnapshot) -> Group:
     """Tables of executors, loaded models and request counts."""
     from rich.console import Group
@@ -46,17 +66,23 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
     if not any(e.name != "cpu" for e in snapshot.executors):
         ex.caption = "no GPU backend in this llama.cpp build"
     models = Table(title="loaded models", title_justify="left")
-    for col in ("name", "revision", "executor", "slots busy/total", "queued",
-                "weights+KV"):
+    for col in ("name", "revision", "executor", "layers", "slots busy/total", "queued",
+                "weights+KV", "idle unload"):
         models.add_column(col)
     for m in snapshot.loaded_models:
         slots = f"{m.busy}/{m.slots}" if m.slots is not None else "-"
-        models.add_row(m.name, m.revision or "-", m.assigned_executor, slots,
+        layers = (f"{m.device_layers}/{m.total_layers}" if m.device_layers is not None
+                  and m.total_layers is not None else "cpu")
+        models.add_row(m.name, m.revision or "-", m.assigned_executor, layers, slots,
                        str(m.queued if m.queued is not None else "-"),
-                       _weights_kv(m.weights_bytes, m.kv_bytes))
+                       _weights_kv(m.weights_bytes, m.kv_bytes),
+                       _idle_unload(m.unload_in_ms, m.keep_alive_ms))
     if not snapshot.loaded_models:
         models.caption = "none"
     footer = f"active requests: {snapshot.active_requests}"
+    if snapshot.principals:
+        footer += " (" + ", ".join(f"{p.name} {p.active_requests}"
+                                   for p in snapshot.principals) + ")"
     if snapshot.daemon_rss is not None:
         footer += f"   daemon memory (RSS): {_mib(snapshot.daemon_rss)}"
     if snapshot.http:
@@ -90,4 +116,42 @@ def models_view(rows: Sequence[dict[str, Any]]) -> Table:
                       "yes" if r["available"] else "no", f"{r['context']} x {r['parallel']}",
                       _weights_kv(r.get("weights_bytes"), r.get("kv_bytes")))
     table.caption = "* the default model"
+    return table
+
+
+def keys_view(rows: Sequence[dict[str, Any]]) -> Table:
+    """API keys: name, when made, limits (the rows ``everycycle keys list --json`` prints)."""
+    import datetime as dt
+
+    from rich.table import Table
+
+    table = Table(title="API keys", title_justify="left")
+    for col in ("name", "created", "limits"):
+        table.add_column(col)
+    for r in rows:
+        made = dt.datetime.fromtimestamp(r["created"]).astimezone().strftime("%Y-%m-%d %H:%M")
+        table.add_row(r["name"], made, r["describe"])
+    if not rows:
+        table.caption = "none: add one with `everycycle keys add NAME`"
+    return table
+
+
+def usage_view(rows: Sequence[Any], by: str) -> Table:
+    """``everycycle usage``: one row per key, model or day, and a total."""
+    from rich.table import Table
+
+    table = Table(title=f"usage by {by} (tokens: prompt in, generated out)",
+                  title_justify="left")
+    table.add_column(by, no_wrap=True)
+    for col in ("requests", "finished", "cancelled", "rejected", "failed", "in", "out"):
+        table.add_column(col, justify="right")
+    fields = ("requests", "finished", "cancelled", "rejected", "failed", "prompt_tokens",
+              "generated_tokens")
+    for r in rows:
+        table.add_row(r.group, *(f"{getattr(r, f):,}" for f in fields))
+    if len(rows) > 1:
+        table.add_section()
+        table.add_row("total", *(f"{sum(getattr(r, f) for r in rows):,}" for f in fields))
+    if not rows:
+        table.caption = "no requests in the audit log for this period"
     return table

@@ -137,9 +137,10 @@ class BaseClient:
         with contextlib.suppress(EverycycleError):
             await self.cancel(target)
 
-    async def load(self, model: str, executor: str | None = None) -> None:
+    async def load(self, model: str, executor: str | None = None, *,
+                   keep_alive_ms: int | None = None) -> None:
         """Make ``model`` resident. Raises RequestFailedError."""
-        event = await self._one(Load(new_request_id(), model, executor))
+        event = await self._one(Load(new_request_id(), model, executor, keep_alive_ms))
         assert isinstance(event, Done)
 
     async def unload(self, model: str) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.abc
 
+from ..daemon.keys import LOCAL
 from ..errors import unwrap_groups
 from ..protocol import Request, ServerEvent
 from .aio import BaseClient
@@ -32,6 +33,7 @@ class _EmbeddedPeer:
 
     def __init__(self, client: EmbeddedClient) -> None:
         self._client = client
+        self.principal = LOCAL
 
     def emit(self, event: ServerEvent) -> None:
         self._client._deliver(self._client._conn.receive_event(event))

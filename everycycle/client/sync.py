@@ -129,9 +129,10 @@ class SyncClient:
         """Cancel request ``target``. Raises RequestFailedError (Invalid if not active)."""
         self._one(Cancel(new_request_id(), target))
 
-    def load(self, model: str, executor: str | None = None) -> None:
+    def load(self, model: str, executor: str | None = None, *,
+             keep_alive_ms: int | None = None) -> None:
         """Make ``model`` resident. Raises RequestFailedError."""
-        self._one(Load(new_request_id(), model, executor))
+        self._one(Load(new_request_id(), model, executor, keep_alive_ms))
 
     def unload(self, model: str) -> None:
         """Release ``model``. Raises RequestFailedError."""

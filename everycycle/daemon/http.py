@@ -23,7 +23,7 @@ and no ``[DONE]``.
 from __future__ import annotations
 
 import base64
-import hmac
+import contextlib
 import json
 import math
 import struct
@@ -56,6 +56,7 @@ from ..protocol import (
     Tokens,
     validate_request_id,
 )
+from .keys import LOCAL, KeyStore, Principal
 from .metrics import CONTENT_TYPE, Metrics
 from .supervisor import Outcome, Supervisor
 
@@ -112,7 +113,8 @@ class _HttpPeer:
 
     allow_paths = False
 
-    def __init__(self) -> None:
+    def __init__(self, principal: Principal) -> None:
+        self.principal = principal
         self.send: MemoryObjectSendStream[ServerEvent]
         self.receive: MemoryObjectReceiveStream[ServerEvent]
         self.send, self.receive = anyio.create_memory_object_stream[ServerEvent](math.inf)
@@ -209,15 +211,16 @@ class _Generation:
     collects; a disconnect cancels the request on the supervisor."""
 
     def __init__(self, api: HttpApi, req: Generate | Embed, shape: _Shape, *, stream: bool,
-                 include_usage: bool) -> None:
+                 include_usage: bool, principal: Principal) -> None:
         self.api = api
+        self.principal = principal
         self.req = req
         self.shape = shape
         self.stream = stream
         self.include_usage = include_usage
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        peer = _HttpPeer()
+        peer = _HttpPeer(self.principal)
         sup = self.api.supervisor
         self.api.spawn(sup.handle, peer, self.req)
         try:
@@ -253,12 +256,13 @@ class _Generation:
             headers.append((b"content-length", str(length).encode()))
         return headers
 
-    async def _error(self, send: Send, event: Error) -> None:
+    async def _error(self, send: Send, event: Error, outcome: Outcome | None) -> None:
         status = _STATUS[event.kind]
         body = json.dumps(error_body(status, event.message, event.kind.value)).encode()
         headers = self._headers("application/json", len(body))
         if status == 429:
-            headers.append((b"retry-after", b"1"))
+            wait = outcome.retry_after_s if outcome and outcome.retry_after_s else 1.0
+            headers.append((b"retry-after", str(max(1, math.ceil(wait))).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -266,7 +270,7 @@ class _Generation:
         text: list[str] = []
         async for event in peer.receive:
             if isinstance(event, Error):
-                await self._error(send, event)
+                await self._error(send, event, peer.outcome)
                 return
             if isinstance(event, Embeddings):
                 answer = self.shape.embeddings(event, peer.outcome)
@@ -293,7 +297,7 @@ class _Generation:
 
         async for event in peer.receive:
             if isinstance(event, Error) and not started:
-                await self._error(send, event)
+                await self._error(send, event, peer.outcome)
                 return
             if not started:
                 await send({"type": "http.response.start", "status": 200,
@@ -331,10 +335,12 @@ class HttpApi:
     task group (a request outlives the HTTP exchange that asked for it only until the
     supervisor ends it)."""
 
-    def __init__(self, supervisor: Supervisor, metrics: Metrics, *, token: str | None) -> None:
+    def __init__(self, supervisor: Supervisor, metrics: Metrics, *, keys: KeyStore,
+                 require_key: bool) -> None:
         self.supervisor = supervisor
         self.metrics = metrics
-        self._token = token
+        self.keys = keys
+        self.require_key = require_key
         self._tg: anyio.abc.TaskGroup | None = None
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -370,15 +376,21 @@ class HttpApi:
         return error_response(405, f"{request.method} is not allowed on {request.url.path}",
                               "method_not_allowed")
 
-    def _auth(self, request: HttpRequest) -> None:
-        if self._token is None:
-            return
+    def _auth(self, request: HttpRequest) -> Principal:
+        """Who is asking: the key's principal. Without --http-auth on loopback, a request
+        with no key (or one we do not know: OpenAI clients always send some) is "local"."""
         given = request.headers.get("authorization", "")
         scheme, _, secret = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                secret.strip().encode(), self._token.encode()):
-            raise _HttpError(401, "a valid bearer token is required "
-                             "(`everycycle daemon --show-token`)", "invalid_api_key")
+        principal = (self.keys.authenticate(secret.strip())
+                     if scheme.lower() == "bearer" and secret.strip() else None)
+        if principal is None:
+            if self.require_key:
+                raise _HttpError(401, "a valid bearer token is required "
+                                 "(`everycycle daemon --show-token` or `everycycle keys add`)",
+                                 "invalid_api_key")
+            principal = self.keys.principal(LOCAL.name)
+        request.state.principal = principal
+        return principal
 
     async def _json(self, request: HttpRequest) -> dict[str, Any]:
         self._auth(request)
@@ -398,9 +410,10 @@ class HttpApi:
             raise _HttpError(400, "the body must be a JSON object", "invalid_json")
         return data
 
-    def _model(self, data: dict[str, Any]) -> str:
+    def _model(self, request: HttpRequest, data: dict[str, Any]) -> str:
         name = data.get("model")
         registry = self.supervisor.registry
+        restricted = request.state.principal.limits.models is not None
         if name is None or name == "":
             try:
                 return registry.default_name()
@@ -408,7 +421,9 @@ class HttpApi:
                 raise _HttpError(400, exc.message, "model_required") from None
         if not isinstance(name, str):
             raise _HttpError(400, "`model` must be a string", "invalid_type")
-        if name not in registry.models:
+        if name not in registry.models and not restricted:
+            # (A key limited to some models hears the same for every other model,
+            # existing or not: the supervisor's Invalid.)
             raise _HttpError(404, f"model '{name}' not found (GET /v1/models lists them)",
                              "model_not_found")
         return name
@@ -457,7 +472,7 @@ class HttpApi:
                 raise _HttpError(400, f"`{key}` must be a number", "invalid_type")
         return options
 
-    def _generation(self, req_fn: Callable[[], Generate], shape: _Shape,
+    def _generation(self, request: HttpRequest, req_fn: Callable[[], Generate], shape: _Shape,
                     data: dict[str, Any]) -> _Generation:
         try:
             req = req_fn()
@@ -468,24 +483,25 @@ class HttpApi:
             raise _HttpError(400, "`stream` must be a boolean", "invalid_type")
         opts = data.get("stream_options") or {}
         include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
-        return _Generation(self, req, shape, stream=stream, include_usage=include_usage)
+        return _Generation(self, req, shape, stream=stream, include_usage=include_usage,
+                           principal=request.state.principal)
 
     # ------------------------------------------------------------------ endpoints
 
     async def chat_completions(self, request: HttpRequest) -> Any:
         data = await self._json(request)
-        model = self._model(data)
+        model = self._model(request, data)
         messages = _messages(data.get("messages"))
         options = self._options(request, data)
         options.update(_response_format(data.get("response_format")))
         rid = self._request_id(request, "chatcmpl")
         shape = _Shape(chat=True, request_id=rid, model=model)
         return self._generation(
-            lambda: Generate(rid, model, messages=messages, **options), shape, data)
+            request, lambda: Generate(rid, model, messages=messages, **options), shape, data)
 
     async def completions(self, request: HttpRequest) -> Any:
         data = await self._json(request)
-        model = self._model(data)
+        model = self._model(request, data)
         prompt = data.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -497,11 +513,11 @@ class HttpApi:
         rid = self._request_id(request, "cmpl")
         shape = _Shape(chat=False, request_id=rid, model=model)
         return self._generation(
-            lambda: Generate(rid, model, prompt, format=Format.RAW, **options), shape, data)
+            request, lambda: Generate(rid, model, prompt, format=Format.RAW, **options), shape, data)
 
     async def embeddings(self, request: HttpRequest) -> Any:
         data = await self._json(request)
-        model = self._model(data)
+        model = self._model(request, data)
         raw = data.get("input")
         texts = [raw] if isinstance(raw, str) else raw
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
@@ -517,7 +533,8 @@ class HttpApi:
             req = Embed(rid, model, tuple(texts), deadline_ms=_deadline(request))
         except ProtocolError as exc:
             raise _HttpError(400, exc.message, "invalid_value") from None
-        return _Generation(self, req, shape, stream=False, include_usage=False)
+        return _Generation(self, req, shape, stream=False, include_usage=False,
+                           principal=request.state.principal)
 
     def _model_object(self, name: str) -> dict[str, Any]:
         spec = self.supervisor.registry.models[name]
@@ -528,15 +545,27 @@ class HttpApi:
                 "executor": here.assigned_executor if here else None,
                 "default": name == self.supervisor.registry.default}
 
+    def _visible(self, principal: Principal) -> list[str]:
+        """The registry's models that ``principal`` may use."""
+        registry = self.supervisor.registry
+        allowed = principal.limits.models
+        if allowed is None:
+            return list(registry.models)
+        names = set()
+        for name in allowed:
+            with contextlib.suppress(EverycycleError):
+                names.add(registry.get(name).name)
+        return [name for name in registry.models if name in names]
+
     async def list_models(self, request: HttpRequest) -> Response:
-        self._auth(request)
+        principal = self._auth(request)
         return JSONResponse({"object": "list", "data": [
-            self._model_object(name) for name in self.supervisor.registry.models]})
+            self._model_object(name) for name in self._visible(principal)]})
 
     async def get_model(self, request: HttpRequest) -> Response:
-        self._auth(request)
+        principal = self._auth(request)
         name = request.path_params["model_id"]
-        if name not in self.supervisor.registry.models:
+        if name not in self._visible(principal):
             raise _HttpError(404, f"model '{name}' not found", "model_not_found")
         return JSONResponse(self._model_object(name))
 

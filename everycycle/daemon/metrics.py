@@ -88,6 +88,13 @@ class Metrics:
         self.tpot = Histogram("everycycle_time_per_output_token_seconds",
                               "Mean time between a request's generated tokens.", ["model"],
                               buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.principal_tokens = Counter(
+            "everycycle_principal_tokens", "Tokens per principal (API key, or local).",
+            ["principal", "kind"], registry=self.registry)
+        self.rejections = Counter(
+            "everycycle_rejections", "Requests rejected, per principal and limit "
+            "(queue, or the quota that refused them).", ["principal", "limit"],
+            registry=self.registry)
         self._supervisor = supervisor
         self.registry.register(_Fleet(supervisor))
         supervisor.observers.append(self.observe)
@@ -100,6 +107,11 @@ class Metrics:
         self.prompt_tokens.labels(model).inc(outcome.prompt_tokens)
         self.cached_tokens.labels(model).inc(outcome.cached_tokens)
         self.generated_tokens.labels(model).inc(outcome.generated_tokens)
+        who = outcome.principal
+        self.principal_tokens.labels(who, "prompt").inc(outcome.prompt_tokens)
+        self.principal_tokens.labels(who, "generated").inc(outcome.generated_tokens)
+        if outcome.kind is not None and outcome.kind.value == "Rejected":
+            self.rejections.labels(who, outcome.limit or "capacity").inc()
         if outcome.ttft_s is not None:
             self.ttft.labels(model).observe(outcome.ttft_s)
             if outcome.generated_tokens > 1:

@@ -11,12 +11,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hmac
 import ipaddress
 import logging
 import math
 import os
-import secrets
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,10 +34,11 @@ from ..errors import (
     ProtocolError,
     unwrap_groups,
 )
-from ..models.registry import load_registry
+from ..models.registry import DEFAULT_KEEP_ALIVE, load_registry
 from ..protocol import Auth, Error, LineFramer, ServerEvent, decode_request, encode
 from ..sockets import wake_reader
 from .audit import AuditLog
+from .keys import LOCAL, KeyStore, Principal, load_or_create_token
 from .supervisor import Limits, Outcome, Supervisor
 
 log = logging.getLogger(__name__)
@@ -60,6 +59,8 @@ class DaemonConfig:
     """Serve the OpenAI-compatible HTTP API on (host, port); port 0 picks a free one."""
     http_auth: bool = False
     """Require the bearer token on HTTP even on loopback (always required off loopback)."""
+    keep_alive: float = DEFAULT_KEEP_ALIVE
+    """Seconds an idle model stays loaded (-1: always) unless models.toml or a request says."""
 
 
 @contextlib.contextmanager
@@ -115,25 +116,13 @@ def read_pid(sock: Path) -> int | None:
         return None
 
 
-def load_or_create_token() -> str:
-    """The TCP bearer token, created (0600) on first use."""
-    path = paths.token_file()
-    paths.ensure_private_dir(path.parent)
-    try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        token = secrets.token_urlsafe(32)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-        return token
-
-
 class _Connection:
     """One client connection: its outgoing queue and identity (a supervisor Peer)."""
 
     def __init__(self, send: MemoryObjectSendStream[ServerEvent], *, allow_paths: bool) -> None:
         self.allow_paths = allow_paths
+        self.principal: Principal = LOCAL
+        """The Unix socket's user is "local"; a TCP connection is whoever its Auth names."""
         self._send = send
 
     def emit(self, event: ServerEvent) -> None:
@@ -156,11 +145,11 @@ class Daemon:
         audit = AuditLog(paths.audit_file(), include_prompts=config.audit_prompts)
         self.supervisor = Supervisor(
             registry, limits=config.limits, auto_load=config.auto_load, audit=audit,
-            on_shutdown=self.stop,
+            on_shutdown=self.stop, keep_alive=config.keep_alive,
         )
         self._stop = anyio.Event()
         self._connections: set[_Connection] = set()
-        self._token: str | None = None
+        self.keys = KeyStore()
         self.tcp_port: int | None = None
         self._idle: anyio.Event | None = None
         self.audit = audit
@@ -168,7 +157,7 @@ class Daemon:
             host = config.tcp[0]
             if not _is_loopback(host) and not config.allow_remote:
                 raise ConfigError(f"--tcp {host} is not a loopback address; add --allow-remote")
-            self._token = load_or_create_token()
+            self.keys.default_token = load_or_create_token()
         self.http_port: int | None = None
         self._http: Any = None  # the HttpApi, imported only when asked for
         self._http_server: Any = None
@@ -180,8 +169,11 @@ class Daemon:
             from .http import HttpApi
             from .metrics import Metrics
 
-            token = load_or_create_token() if remote or config.http_auth else None
-            self._http = HttpApi(self.supervisor, Metrics(self.supervisor), token=token)
+            if remote or config.http_auth:
+                self.keys.default_token = load_or_create_token()
+            self._http = HttpApi(self.supervisor, Metrics(self.supervisor), keys=self.keys,
+                                 require_key=remote or config.http_auth)
+        self.keys.keys()  # a loose or broken key file stops start-up, naming it
 
     def stop(self) -> None:
         """Begin a graceful shutdown (from the event loop)."""
@@ -290,6 +282,8 @@ class Daemon:
     async def _serve_connection(self, stream: anyio.abc.ByteStream, is_tcp: bool) -> None:
         send, recv = anyio.create_memory_object_stream[ServerEvent](math.inf)
         conn = _Connection(send, allow_paths=not is_tcp)
+        if not is_tcp:
+            conn.principal = self.keys.principal("local")
         self._connections.add(conn)
         try:
             async with anyio.create_task_group() as tg:
@@ -352,11 +346,12 @@ class Daemon:
                             conn.emit(Error("", ErrorKind.INVALID, "authentication required"))
                             self.audit.write({"event": "auth", "outcome": "missing"})
                             return
-                        assert self._token is not None
-                        if not hmac.compare_digest(request.token.encode(), self._token.encode()):
+                        principal = self.keys.authenticate(request.token)
+                        if principal is None:
                             conn.emit(Error("", ErrorKind.REJECTED, "invalid token"))
                             self.audit.write({"event": "auth", "outcome": "refused"})
                             return
+                        conn.principal = principal
                         authed = True
                         continue
                     if isinstance(request, Auth):

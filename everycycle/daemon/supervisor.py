@@ -43,7 +43,7 @@ from ..errors import (
     RejectedError,
     RequestCancelledError,
 )
-from ..models.registry import ModelSpec, Registry, local_file
+from ..models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry, local_file
 from ..protocol import (
     Accepted,
     Cancel,
@@ -59,6 +59,7 @@ from ..protocol import (
     Generate,
     Load,
     LoadedModel,
+    PrincipalLoad,
     Request,
     ServerEvent,
     Shutdown,
@@ -67,6 +68,8 @@ from ..protocol import (
     Unload,
 )
 from .audit import AuditLog
+from .keys import LOCAL, Principal
+from .quota import Quotas
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +131,18 @@ class Outcome:
     queue_wait_s: float = 0.0
     ttft_s: float | None = None
     duration_s: float = 0.0
+    principal: str = LOCAL.name
+    limit: str | None = None
+    """The quota that refused it (a Rejected request), e.g. ``requests_per_minute``."""
+    retry_after_s: float | None = None
+    """When it was refused for a while: in how many seconds to try again."""
 
 
 class Peer(Protocol):
     """Whoever sent the request: receives its events without blocking."""
 
     allow_paths: bool
+    principal: Principal
 
     def emit(self, event: ServerEvent) -> None: ...
 
@@ -163,8 +172,15 @@ class _Model:
     spec: ModelSpec
     runner: Runner
     executor: str
+    placement: ex.Placement | None = None
     running: set[_Active] = field(default_factory=set)
     queue: list[_Active] = field(default_factory=list)
+    keep_alive: float = DEFAULT_KEEP_ALIVE
+    """Seconds it stays loaded once idle; negative: always."""
+    last_used: float = field(default_factory=time.monotonic)
+    """When it was loaded, or a request of it began or ended (monotonic)."""
+    admitting: int = 0
+    """Requests between admission and a slot or the queue: never unload under them."""
 
 
 class Supervisor:
@@ -178,11 +194,15 @@ class Supervisor:
         auto_load: bool = True,
         audit: AuditLog | None = None,
         on_shutdown: Callable[[], None] | None = None,
+        keep_alive: float = DEFAULT_KEEP_ALIVE,
     ) -> None:
         self.registry = registry
+        self.keep_alive = keep_alive
+        """Seconds an idle model stays loaded unless models.toml or a request says."""
         self.limits = limits or Limits()
         self.auto_load = auto_load
         self.audit = audit
+        self.quotas = Quotas()
         self.observers: list[Callable[[Outcome], None]] = []
         """Called with every Generate request's Outcome (metrics)."""
         self._on_shutdown = on_shutdown
@@ -207,6 +227,7 @@ class Supervisor:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._pump)
+                tg.start_soon(self._reap_idle)
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
@@ -238,7 +259,8 @@ class Supervisor:
                 self._cancel(target, f"cancelled by request {request.request_id}")
                 peer.emit(Done(rid))
             elif isinstance(request, Load):
-                await self._ensure_loaded(request.model, peer, request.executor)
+                model = await self._ensure_loaded(request.model, peer, request.executor)
+                self._touch(model, request.keep_alive_ms)
                 peer.emit(Done(rid))
             elif isinstance(request, Unload):
                 if request.model not in self._models:
@@ -267,10 +289,19 @@ class Supervisor:
                 exc = RequestCancelledError(active.cancel_reason)
             self._finish(active, Error(rid, exc.kind, exc.message))
             return
+        if not isinstance(request, Generate | Embed):
+            peer.emit(Error(rid, exc.kind, exc.message))
+            return
+        # Refused before admission: the peer, metrics and the audit log still hear of it.
+        limit = retry = None
+        if isinstance(exc, RejectedError):
+            limit, retry = exc.limit, exc.retry_after
+        outcome = Outcome(request_id=rid, model=request.model, executor=None, kind=exc.kind,
+                          finish_reason=None, principal=peer.principal.name, limit=limit,
+                          retry_after_s=retry)
+        peer.finished(outcome)
         peer.emit(Error(rid, exc.kind, exc.message))
-        if isinstance(request, Generate | Embed):  # refused before admission: metrics count it
-            self._observe(Outcome(request_id=rid, model=request.model, executor=None,
-                                  kind=exc.kind, finish_reason=None))
+        self._report(outcome, request)
 
     def disconnect(self, peer: Peer) -> None:
         """The peer went away: cancel all of its requests."""
@@ -301,6 +332,7 @@ class Supervisor:
         if (isinstance(req, Generate) and req.max_tokens is not None
                 and req.max_tokens > self.limits.max_tokens):
             raise InvalidRequestError(f"max_tokens must be between 1 and {self.limits.max_tokens}")
+        self._check_principal(peer, req)
         active = _Active(req=req, peer=peer, admitted=time.monotonic())
         self._active[rid] = active
         if req.deadline_ms is not None:
@@ -318,12 +350,37 @@ class Supervisor:
         async with self._admission.setdefault(spec.name, anyio.Lock()):
             await self._admit(peer, req, active, allow_load)
 
+    def _check_principal(self, peer: Peer, req: Generate | Embed) -> None:
+        """The principal's own limits: which models, how many at once, how fast."""
+        principal = peer.principal
+        limits = principal.limits
+        if limits.models is not None:
+            def canonical(name: str) -> str | None:
+                try:
+                    return self.registry.get(name).name
+                except EverycycleError:
+                    return None
+
+            wanted = canonical(req.model)
+            if wanted is None or wanted not in {canonical(m) for m in limits.models}:
+                # The same words whether or not the model exists.
+                raise InvalidRequestError(
+                    f"model '{req.model}' is not available to key '{principal.name}'")
+        inflight = sum(1 for a in self._active.values()
+                       if a.peer.principal.name == principal.name)
+        self.quotas.admit(principal, prompt_bytes=_prompt_bytes(req), inflight=inflight)
+
     async def _admit(self, peer: Peer, req: Generate | Embed, active: _Active,
                      allow_load: bool) -> None:
         rid = req.request_id
         model = await self._ensure_loaded(req.model, peer, None, allow_load=allow_load)
         active.model = model.spec.name
-        job = await anyio.to_thread.run_sync(self._job, model, req, active)
+        self._touch(model, req.keep_alive_ms)
+        model.admitting += 1  # (no await since it was found: the reaper cannot have it)
+        try:
+            job = await anyio.to_thread.run_sync(self._job, model, req, active)
+        finally:
+            model.admitting -= 1
         if active.cancel_reason is None and self._models.get(model.spec.name) is not model:
             active.cancel_reason = f"model '{model.spec.name}' unloaded"
         if active.cancel_reason is not None:
@@ -396,6 +453,39 @@ class Supervisor:
             for i, waiting in enumerate(model.queue):
                 waiting.peer.emit(Accepted(waiting.req.request_id, i + 1))
 
+    @staticmethod
+    def _touch(model: _Model, keep_alive_ms: int | None) -> None:
+        """A request uses ``model`` now; its keep_alive, if any, holds from now on."""
+        model.last_used = time.monotonic()
+        if keep_alive_ms is not None:
+            model.keep_alive = -1.0 if keep_alive_ms < 0 else keep_alive_ms / 1000
+
+    @staticmethod
+    def _idle_left(model: _Model, now: float) -> float | None:
+        """Seconds until ``model`` is unloaded for being idle; None: busy, or never."""
+        if model.running or model.queue or model.admitting or model.keep_alive < 0:
+            return None
+        return model.last_used + model.keep_alive - now
+
+    async def _reap_idle(self) -> None:
+        """Unload each model idle for its keep_alive (never one with requests)."""
+        while True:
+            delay = 1.0
+            for name, model in list(self._models.items()):
+                left = self._idle_left(model, time.monotonic())
+                if left is None:
+                    continue
+                if left <= 0 and self._models.get(name) is model:
+                    log.info("unloading %s: idle for %gs", name, model.keep_alive)
+                    await self._unload(name, f"model '{name}' unloaded: idle")
+                else:
+                    delay = min(delay, left)
+            await anyio.sleep(max(0.02, delay))
+
+    def _unload_in_ms(self, model: _Model) -> int | None:
+        left = self._idle_left(model, time.monotonic())
+        return None if left is None else max(0, int(left * 1000))
+
     async def _deadline(self, active: _Active, scope: anyio.CancelScope, ms: int) -> None:
         with scope:
             await anyio.sleep_forever()
@@ -433,9 +523,10 @@ class Supervisor:
         if active.deadline is not None:
             active.deadline.cancel()
         model = active.home
+        now = time.monotonic()
         if model is not None:
             model.running.discard(active)
-        now = time.monotonic()
+            model.last_used = now
         started = active.started or now
         outcome = Outcome(
             request_id=rid,
@@ -445,10 +536,11 @@ class Supervisor:
             finish_reason=reason,
             prompt_tokens=active.n_prompt,
             cached_tokens=active.job.n_reused if active.job else 0,
-            generated_tokens=active.job.n_generated if active.job else 0,
+            generated_tokens=active.n_out,
             queue_wait_s=started - active.admitted,
             ttft_s=None if active.first_token is None else active.first_token - active.admitted,
             duration_s=now - active.admitted,
+            principal=active.peer.principal.name,
         )
         active.peer.finished(outcome)
         active.peer.emit(event)
@@ -466,6 +558,7 @@ class Supervisor:
         if self.audit is not None:
             record: dict[str, Any] = {
                 "request_id": outcome.request_id,
+                "principal": outcome.principal,
                 "model": outcome.model,
                 "executor": outcome.executor,
                 "prompt_tokens": outcome.prompt_tokens,
@@ -475,6 +568,8 @@ class Supervisor:
                 "duration_ms": round(outcome.duration_s * 1000, 1),
                 "outcome": outcome.kind.value if outcome.kind else "Finished",
             }
+            if outcome.limit is not None:
+                record["limit"] = outcome.limit
             if self.audit.include_prompts:
                 record["prompt"] = (list(req.input) if isinstance(req, Embed) else
                                     req.prompt if req.messages is None else
@@ -498,6 +593,17 @@ class Supervisor:
         finally:
             self._outputs.put(None)  # release the abandoned getter thread
 
+    def _count(self, active: _Active, event: Tokens) -> None:
+        """Count the ids a client is sent: what usage, quotas and the audit log charge."""
+        n = len(event.chunk.ids)
+        if n:
+            active.n_out += n
+            self.quotas.generated(active.peer.principal, n)
+
+    def _stream(self, active: _Active, event: Tokens) -> None:
+        self._count(active, event)
+        active.peer.emit(event)
+
     def _on_outputs(self, batch: list[tuple[Job, Output]]) -> None:
         freed: set[_Model] = set()
         for job, out in batch:
@@ -508,7 +614,7 @@ class Supervisor:
             if active.first_token is None and out.ids:
                 active.first_token = time.monotonic()
             if not out.finished:
-                active.peer.emit(Tokens(rid, TokenChunk(out.text, out.ids), False))
+                self._stream(active, Tokens(rid, TokenChunk(out.text, out.ids), False))
                 continue
             if active.home is not None:
                 freed.add(active.home)
@@ -523,8 +629,9 @@ class Supervisor:
                 vectors = tuple(tuple(v) for v in out.embeddings)
                 self._finish(active, Embeddings(rid, vectors), out.reason)
             else:
-                self._finish(active, Tokens(rid, TokenChunk(out.text, out.ids), True),
-                             out.reason)
+                last = Tokens(rid, TokenChunk(out.text, out.ids), True)
+                self._count(active, last)
+                self._finish(active, last, out.reason)
         for model in freed:
             if self._models.get(model.spec.name) is model:
                 self._advance(model)
@@ -576,18 +683,24 @@ class Supervisor:
     def _load_blocking(self, spec: ModelSpec, executor: str | None) -> _Model:
         path = local_file(spec, download=True)  # auto-pull a hub model (logged)
         need = plan(path, context=spec.context, parallel=spec.parallel,
-                    kv_cache_type=spec.kv_cache_type).total
-        chosen = ex.place(executor or spec.executor, self._executors, need)
-        devices = ex.device_handles(chosen.name) if chosen.is_gpu else []
+                    kv_cache_type=spec.kv_cache_type)
+        placement = ex.place(executor or spec.executor, self._executors, need)
+        offload = placement.offload
+        devices = (ex.device_handles(placement.executor.name, placement.device_indices)
+                   if offload is not None else [])
         try:
             runner = Runner(path, context=spec.context, parallel=spec.parallel,
                             notify=self._notify, gpu_devices=devices,
+                            n_gpu_layers=offload.n_gpu_layers if offload else 0,
+                            tensor_split=offload.split if offload else (),
                             kv_cache_type=spec.kv_cache_type)
         except EverycycleError:
             raise
         except Exception as exc:
             raise InternalError(f"loading {spec.name} failed: {exc}") from exc
-        return _Model(spec=spec, runner=runner, executor=chosen.name)
+        keep = spec.keep_alive if spec.keep_alive is not None else self.keep_alive
+        return _Model(spec=spec, runner=runner, executor=placement.name, placement=placement,
+                      keep_alive=keep)
 
     async def _unload(self, name: str, reason: str) -> None:
         model = self._models.pop(name, None)
@@ -625,10 +738,26 @@ class Supervisor:
                     queued=len(m.queue),
                     weights_bytes=m.runner.weights_bytes,
                     kv_bytes=m.runner.kv_bytes,
+                    device_layers=(m.placement.offload.gpu_layers
+                                   if m.placement and m.placement.offload else None),
+                    total_layers=(m.placement.offload.n_layer
+                                  if m.placement and m.placement.offload else None),
+                    unload_in_ms=self._unload_in_ms(m),
+                    keep_alive_ms=-1 if m.keep_alive < 0 else int(m.keep_alive * 1000),
                 )
                 for m in self._models.values()
             ),
             active_requests=len(self._active),
             http=self.http_address,
             daemon_rss=_rss_bytes(),
+            principals=self._principal_loads(),
         )
+
+    def _principal_loads(self) -> tuple[PrincipalLoad, ...] | None:
+        counts: dict[str, int] = {}
+        for active in self._active.values():
+            name = active.peer.principal.name
+            counts[name] = counts.get(name, 0) + 1
+        if len(counts) < 2:
+            return None
+        return tuple(PrincipalLoad(n, c) for n, c in sorted(counts.items()))

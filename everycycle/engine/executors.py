@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidRequestError, RejectedError
+from .memory import DEVICE_RESERVE, MemoryPlan, Offload, fit
 
 # ggml_backend_dev_type (ggml-backend.h). ACCEL devices (BLAS, AMX) work alongside the
 # CPU backend and META devices wrap others: neither is an executor of its own.
@@ -185,48 +186,117 @@ def discover() -> list[Executor]:
     return found
 
 
-def device_handles(executor: str) -> list[int]:
-    """The ggml device pointers of ``executor``'s GPU devices, for llama_model_params."""
+def device_handles(executor: str, indices: Sequence[int] | None = None) -> list[int]:
+    """The ggml device pointers of ``executor``'s GPU devices (those at ``indices`` in
+    its device list, or all), for llama_model_params."""
     lib = _ggml()
     out: list[int] = []
     for r in range(lib.ggml_backend_reg_count()):
         reg = lib.ggml_backend_reg_get(r)
         if _backend_key(lib.ggml_backend_reg_name(reg).decode("utf-8", "replace")) != executor:
             continue
-        for d in range(lib.ggml_backend_reg_dev_count(reg)):
-            dev = lib.ggml_backend_reg_dev_get(reg, d)
-            if lib.ggml_backend_dev_type(dev) in _GPU_TYPES:
-                out.append(dev)
+        gpus = [dev for d in range(lib.ggml_backend_reg_dev_count(reg))
+                if lib.ggml_backend_dev_type(dev := lib.ggml_backend_reg_dev_get(reg, d))
+                in _GPU_TYPES]
+        out.extend(gpus if indices is None else [gpus[i] for i in indices])
     return out
 
 
-def place(wanted: str, executors: Sequence[Executor], need_bytes: int) -> Executor:
-    """Choose the executor for a model needing ``need_bytes`` (weights + KV cache).
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a model goes: an executor, which of its GPU devices, how many layers."""
 
-    ``auto``: the first GPU executor with that much free memory, else cpu. A named
-    executor must exist in this build (else InvalidRequestError) and, for a GPU, have
-    room (else RejectedError).
+    executor: Executor
+    device_indices: tuple[int, ...]
+    """Indices into the executor's devices; empty on the CPU."""
+    offload: Offload | None
+    """None on the CPU."""
+    pinned: bool = False
+    """Named with a device index (``cuda:1``)."""
+
+    @property
+    def name(self) -> str:
+        """``cuda``, ``cuda:1`` when pinned to one device, ``cpu``."""
+        if self.pinned:
+            return f"{self.executor.name}:{self.device_indices[0]}"
+        return self.executor.name
+
+
+def _fit_on(e: Executor, indices: Sequence[int], plan: MemoryPlan) -> Placement:
+    free = [e.devices[i].memory_free for i in indices]
+    return Placement(e, tuple(indices), fit(plan, free))
+
+
+def _check_host(placement: Placement, executors: Sequence[Executor], plan: MemoryPlan
+                ) -> Placement:
+    """What stays on the CPU must fit the host's memory."""
+    host = next((e for e in executors if e.name == "cpu"), None)
+    on_host = placement.offload.cpu_bytes if placement.offload else plan.total
+    if host is not None and host.memory_total and on_host > host.memory_total:
+        raise RejectedError(
+            f"the model needs {_mib(on_host)} of host memory beside what its executor "
+            f"holds; this machine has {_mib(host.memory_total)}")
+    return placement
+
+
+def place(wanted: str, executors: Sequence[Executor], plan: MemoryPlan) -> Placement:
+    """Choose where a model needing ``plan`` goes.
+
+    ``auto``: the first GPU executor that holds all of it; else the GPU executor that
+    holds the most layers (the rest on the CPU, as Ollama and llama-server's ``--fit``
+    do); else the CPU. ``vulkan`` (a backend): all its GPUs, layers split by their free
+    memory. ``cuda:1``: that device alone. A named executor must be in this build (else
+    InvalidRequestError) and hold at least one layer (else RejectedError, with the
+    numbers).
     """
     by_name = {e.name: e for e in executors}
     if wanted == "auto":
+        best: Placement | None = None
         for e in executors:
-            if e.is_gpu and e.memory_free >= need_bytes:
-                return e
+            if not e.is_gpu:
+                continue
+            here = _fit_on(e, [i for i, d in enumerate(e.devices) if d.is_gpu], plan)
+            assert here.offload is not None
+            if here.offload.full:
+                return _check_host(here, executors, plan)
+            if here.offload.gpu_layers and (
+                    best is None or best.offload is None
+                    or here.offload.gpu_layers > best.offload.gpu_layers):
+                best = here
+        if best is not None:
+            return _check_host(best, executors, plan)
         if "cpu" in by_name:
-            return by_name["cpu"]
-        raise RejectedError(f"no executor has {_mib(need_bytes)} free for this model")
-    chosen = by_name.get(wanted)
+            return _check_host(Placement(by_name["cpu"], (), None), executors, plan)
+        raise RejectedError(f"no executor has {_mib(plan.total)} free for this model")
+    base, _, index = wanted.partition(":")
+    chosen = by_name.get(base)
     if chosen is None:
         have = ", ".join(e.name for e in executors) or "none"
         raise InvalidRequestError(
             f"executor '{wanted}' is not in this build of llama.cpp (have: {have})"
         )
-    if chosen.is_gpu and chosen.memory_free < need_bytes:
+    if not chosen.is_gpu:
+        if index:
+            raise InvalidRequestError(f"executor '{base}' takes no device index")
+        return _check_host(Placement(chosen, (), None), executors, plan)
+    gpus = [i for i, d in enumerate(chosen.devices) if d.is_gpu]
+    if index:
+        if not index.isdigit() or int(index) >= len(gpus):
+            raise InvalidRequestError(
+                f"executor '{wanted}': {base} has devices 0 to {len(gpus) - 1}")
+        gpus = [gpus[int(index)]]
+    placement = _fit_on(chosen, gpus, plan)
+    placement = Placement(chosen, placement.device_indices, placement.offload,
+                          pinned=bool(index))
+    assert placement.offload is not None
+    if not placement.offload.gpu_layers:
+        free = sum(chosen.devices[i].memory_free for i in gpus)
+        first = (plan.layer_weights[-1] + plan.layer_kv[-1]) if plan.n_layer else plan.total
         raise RejectedError(
-            f"executor '{wanted}' has {_mib(chosen.memory_free)} free; "
-            f"the model needs {_mib(need_bytes)}"
-        )
-    return chosen
+            f"executor '{wanted}' has {_mib(free)} free; the model needs "
+            f"{_mib(plan.total)} ({_mib(first)} for one layer, {_mib(DEVICE_RESERVE)} "
+            "kept for compute)")
+    return _check_host(placement, executors, plan)
 
 
 def _mib(n: int) -> str:

@@ -1,6 +1,8 @@
-"""A minimal reader for a GGUF file's metadata header (no tensors, no llama.cpp).
+"""A minimal reader for a GGUF file's header: its metadata and where its tensors lie
+(no tensor data, no llama.cpp).
 
-Used to size a model's KV cache before deciding where to load it.
+Used to size a model's KV cache and each layer's weights before deciding where to
+load it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,59 @@ def _value(f: BinaryIO, vtype: int, keep: bool) -> Any:
         items = [_value(f, etype, keep) for _ in range(n)]
         return items if keep else None
     raise ValueError(f"unknown value type {vtype}")
+
+
+def _skip_metadata(f: BinaryIO, n_kv: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = _string(f)
+        out[key] = _value(f, _read(f, "I"), False)
+    return out
+
+
+def layer_bytes(path: Path) -> tuple[list[int], int]:
+    """Bytes of each repeating layer's tensors (``blk.N.*``), and of all the others
+    (token embeddings, output norm and head), read from the tensors' offsets.
+
+    Raises InvalidRequestError for a file that is not a readable GGUF.
+    """
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError("not a GGUF file (bad magic)")
+            if _read(f, "I") < 2:
+                raise ValueError("unsupported GGUF version")
+            n_tensors, n_kv = _read(f, "Q"), _read(f, "Q")
+            if n_kv > _MAX_KV or n_tensors > _MAX_KV:
+                raise ValueError("implausible header counts")
+            meta = _skip_metadata(f, n_kv)
+            infos: list[tuple[int, str]] = []
+            for _ in range(n_tensors):
+                name = _string(f)
+                n_dims = _read(f, "I")
+                if n_dims > 8:
+                    raise ValueError("implausible tensor rank")
+                f.seek(8 * n_dims + 4, 1)  # dims, type
+                infos.append((_read(f, "Q"), name))
+            align = meta.get("general.alignment")
+            align = align if isinstance(align, int) and align > 0 else 32
+            start = (f.tell() + align - 1) // align * align
+    except (OSError, ValueError, struct.error) as exc:
+        raise InvalidRequestError(f"{path}: cannot read GGUF tensors: {exc}") from None
+    infos.sort()
+    layers: dict[int, int] = {}
+    other = 0
+    for i, (offset, name) in enumerate(infos):
+        end = infos[i + 1][0] if i + 1 < len(infos) else size - start
+        nbytes = max(0, end - offset)
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 1 and parts[1].isdigit():
+            layers[int(parts[1])] = layers.get(int(parts[1]), 0) + nbytes
+        else:
+            other += nbytes
+    n_layer = max(layers) + 1 if layers else 0
+    return [layers.get(i, 0) for i in range(n_layer)], other
 
 
 def read_metadata(path: Path, wanted: tuple[str, ...] = (),

@@ -11,7 +11,8 @@ engine reports llama.cpp's own figure once a model is loaded (tests hold the two
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +49,91 @@ def kv_type_id(name: str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
-    """Bytes a model needs: its weights and the KV cache for its slots."""
+    """Bytes a model needs: its weights and the KV cache for its slots, and both per
+    repeating layer (what partial offload moves to a device, layer by layer)."""
 
     weights: int
     kv: int
+    layer_weights: tuple[int, ...] = field(default=())
+    """Each repeating layer's tensors (``blk.N.*``)."""
+    other_weights: int = 0
+    """Embeddings, output norm and head: the rest of the file."""
+    layer_kv: tuple[int, ...] = field(default=())
 
     @property
     def total(self) -> int:
         return self.weights + self.kv
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layer_weights)
+
+
+DEVICE_RESERVE = 256 << 20
+"""Kept free on each device for llama.cpp's compute buffers and the driver."""
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """How much of a model goes on a set of devices; the rest stays on the CPU.
+
+    llama.cpp offloads the *last* ``gpu_layers`` repeating layers (and their KV cache),
+    and with all of them the output head too (``n_gpu_layers = n_layer + 1``).
+    """
+
+    gpu_layers: int
+    n_layer: int
+    output: bool
+    device_bytes: tuple[int, ...]
+    """What each device will hold (weights + KV)."""
+    cpu_bytes: int
+    """What stays in host memory (weights + KV)."""
+    split: tuple[float, ...] = ()
+    """llama.cpp's tensor_split: each device's share; empty for a single device."""
+
+    @property
+    def n_gpu_layers(self) -> int:
+        return self.gpu_layers + (1 if self.output else 0)
+
+    @property
+    def full(self) -> bool:
+        return self.output and self.gpu_layers == self.n_layer
+
+
+def fit(plan: MemoryPlan, free: Sequence[int], *, reserve: int = DEVICE_RESERVE) -> Offload:
+    """As many layers as the devices' free memory holds (after ``reserve`` each).
+
+    Several devices share the layers in proportion to their room (llama.cpp's
+    tensor split); since layers are whole, each device keeps one layer's worth spare.
+    """
+    n = plan.n_layer
+    room = [max(0, f - reserve) for f in free]
+    total_room = sum(room)
+    slack = (max(plan.layer_weights, default=0) + max(plan.layer_kv, default=0)
+             if len(room) > 1 else 0)
+
+    def need(k: int) -> int:
+        return sum(plan.layer_weights[n - k:]) + sum(plan.layer_kv[n - k:])
+
+    everything = plan.total
+    chosen, output = 0, False
+    if n and all(r >= slack for r in room) and everything + slack * len(room) <= total_room:
+        chosen, output = n, True
+    else:
+        for k in range(n, 0, -1):
+            if need(k) + slack * len(room) <= total_room:
+                chosen = k
+                break
+    on_devices = everything if output else need(chosen) if chosen else 0
+    if len(room) > 1 and total_room:
+        split = tuple(r / total_room for r in room)
+        shares = [int(on_devices * share) for share in split]
+        shares[-1] += on_devices - sum(shares)  # rounding: the last device takes the rest
+        device_bytes = tuple(shares)
+    else:
+        split, device_bytes = (), (on_devices,) * len(room)
+    return Offload(gpu_layers=chosen, n_layer=n, output=output, device_bytes=device_bytes,
+                   cpu_bytes=everything - on_devices, split=split if chosen else ())
 
 
 def swa_layers(meta: dict[str, Any], arch: str, n_layer: int) -> list[bool]:
@@ -78,7 +156,7 @@ def plan(path: Path, *, context: int, parallel: int, kv_cache_type: str = "f16",
     Raises InvalidRequestError for a file that is not a readable GGUF, ConfigError for
     an unknown ``kv_cache_type``.
     """
-    from .gguf import read_metadata
+    from .gguf import layer_bytes, read_metadata
 
     kv_type_id(kv_cache_type)
     per_element = KV_CACHE_TYPES[kv_cache_type][1]
@@ -98,6 +176,11 @@ def plan(path: Path, *, context: int, parallel: int, kv_cache_type: str = "f16",
     window = num("attention.sliding_window", 0)
     per_seq = _pad(context)
     swa_cells = _pad(min(per_seq, window + n_ubatch)) if window else per_seq
-    cells = sum(swa_cells if swa else per_seq for swa in swa_layers(meta, arch, n_layer))
-    kv = int(parallel * cells * n_head_kv * (k_dim + v_dim) * per_element)
-    return MemoryPlan(weights=path.stat().st_size, kv=kv)
+    layer_kv = tuple(int(parallel * (swa_cells if swa else per_seq) * n_head_kv
+                         * (k_dim + v_dim) * per_element)
+                     for swa in swa_layers(meta, arch, n_layer))
+    layers, other = layer_bytes(path)
+    if len(layers) != n_layer:  # an architecture whose layers are not blk.N: one lump
+        layers, other = [0] * n_layer, path.stat().st_size
+    return MemoryPlan(weights=path.stat().st_size, kv=sum(layer_kv),
+                      layer_weights=tuple(layers), other_weights=other, layer_kv=layer_kv)

@@ -151,6 +151,8 @@ class Runner:
         parallel: int,
         notify: Notify,
         gpu_devices: Sequence[int] = (),
+        n_gpu_layers: int | None = None,
+        tensor_split: Sequence[float] = (),
         n_threads: int | None = None,
         n_batch: int = 512,
         kv_cache_type: str = "f16",
@@ -167,7 +169,14 @@ class Runner:
         # Pin the model to the executor's devices: a NULL-terminated list (empty = CPU).
         self._devices = (ctypes.c_void_p * (len(gpu_devices) + 1))(*gpu_devices, None)
         mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p).value
-        mparams.n_gpu_layers = 999 if gpu_devices else 0
+        # The last n_gpu_layers layers go on the devices (n_layer + 1: the output head
+        # too); the rest stay on the CPU.
+        mparams.n_gpu_layers = (0 if not gpu_devices else 999 if n_gpu_layers is None
+                                else n_gpu_layers)
+        if tensor_split and len(gpu_devices) > 1:
+            size = max(len(tensor_split), int(L.llama_max_devices()))
+            self._split = (ctypes.c_float * size)(*tensor_split)
+            mparams.tensor_split = ctypes.cast(self._split, ctypes.POINTER(ctypes.c_float))
         if not path.is_file():
             raise InvalidRequestError(f"{path} is not a file")
         model = L.llama_model_load_from_file(str(path).encode(), mparams)

@@ -45,6 +45,7 @@ _KEYS = {
     "min_p": float,
     "repeat_penalty": float,
     "seed": int,
+    "keep_alive": object,
 }
 _SAMPLING_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0),
@@ -56,6 +57,35 @@ _SAMPLING_RANGES: dict[str, tuple[float, float]] = {
 }
 _SOURCES = ("path", "package", "hf_repo")
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+DEFAULT_KEEP_ALIVE = 300.0
+"""Seconds an idle model stays loaded, as Ollama's default of 5 minutes."""
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_keep_alive(value: object) -> float:
+    """Seconds from ``300``, ``"5m"``, ``"1h30m"``, ``"90s"``, ``0`` (unload when idle)
+    or ``-1`` / ``"never"`` (stay loaded: returned as -1). Raises ValueError, with the
+    forms it takes."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if value < 0:
+            return -1.0
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("-1", "never", "forever"):
+            return -1.0
+        try:
+            return parse_keep_alive(float(text))
+        except ValueError:
+            pass
+        import re
+
+        parts = re.fullmatch(r"((\d+(\.\d+)?)(ms|s|m|h|d))+", text)
+        if parts:
+            return sum(float(n) * _UNITS[u]
+                       for n, _, u in re.findall(r"(\d+(\.\d+)?)(ms|s|m|h|d)", text))
+    raise ValueError(f"keep-alive {value!r}: use seconds (300), a duration (5m, 1h, 90s), "
+                     "0 (unload when idle) or -1 (never unload)")
 """The kv_cache_type values the engine sizes and llama.cpp supports on every backend."""
 
 
@@ -82,6 +112,8 @@ class ModelSpec:
     """The KV cache's element type: f16, q8_0 or q4_0 (llama-server's -ctk/-ctv)."""
     sampling: Mapping[str, float | int] = field(default_factory=dict)
     """Sampling defaults for this model (temperature, top_k, …); requests override them."""
+    keep_alive: float | None = None
+    """Seconds it stays loaded once idle (-1: always); None: the daemon's default."""
 
     @property
     def hub_ref(self) -> hub.HubRef:
@@ -132,6 +164,8 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         if expected is None:
             allowed = ", ".join(sorted(_KEYS))
             raise ConfigError(f"{where}: unknown key '{key}' (expected one of {allowed})")
+        if expected is object:  # checked by its own parser
+            continue
         ok = isinstance(value, int | float) if expected is float else isinstance(value, expected)
         if not ok or isinstance(value, bool):
             kind = "number" if expected is float else expected.__name__
@@ -147,6 +181,13 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
     for key, (flo, fhi) in _SAMPLING_RANGES.items():
         if key in raw and not flo <= raw[key] <= fhi:
             raise ConfigError(f"{where}.{key} must be between {flo:g} and {fhi:g}")
+    keep_alive = None
+    if "keep_alive" in raw:
+        try:
+            keep_alive = parse_keep_alive(raw["keep_alive"])
+        except ValueError as exc:
+            reason = str(exc).split(": ", 1)[1]
+            raise ConfigError(f"{where}.keep_alive = {raw['keep_alive']!r}: {reason}") from None
     kv = raw.get("kv_cache_type", "f16")
     if kv not in KV_CACHE_TYPES:
         raise ConfigError(f"{where}.kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)} "
@@ -179,6 +220,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         package_file=raw.get("package_file"),
         kv_cache_type=kv,
         sampling={k: raw[k] for k in _SAMPLING_RANGES if k in raw},
+        keep_alive=keep_alive,
     )
 
 

@@ -1,0 +1,263 @@
+"""API keys: who is asking (a principal) and what each may do (its limits).
+
+The local Unix-socket user is the principal "local". TCP and HTTP clients present a
+key; the daemon's original single token (``paths.token_file()``) is the key named
+"default". Other keys live in a JSON key file in the config directory, made and kept
+0600 and refused when group or others can read it. Only a SHA-256 hash of each
+secret is stored: secrets are 256 random bits, so a plain hash cannot be reversed by
+guessing, and the daemon compares hashes in constant time. A secret is shown once,
+when ``everycycle keys add`` makes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import stat
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import paths
+from ..errors import ConfigError, InvalidRequestError
+
+SECRET_PREFIX = "ec-"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+RESERVED = ("local", "default")
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLimits:
+    """A principal's limits; None is unlimited."""
+
+    concurrent: int | None = None
+    """Requests running or queued at once."""
+    requests_per_minute: float | None = None
+    tokens_per_minute: float | None = None
+    """Generated tokens per minute."""
+    prompt_bytes_per_minute: float | None = None
+    models: tuple[str, ...] | None = None
+    """The models (names or aliases) it may use; None: all of them."""
+
+    def describe(self) -> str:
+        """The limits in words, for `keys list`."""
+        parts = []
+        if self.concurrent is not None:
+            parts.append(f"{self.concurrent} at once")
+        for value, unit in ((self.requests_per_minute, "requests/min"),
+                            (self.tokens_per_minute, "tokens/min"),
+                            (self.prompt_bytes_per_minute, "prompt bytes/min")):
+            if value is not None:
+                parts.append(f"{value:g} {unit}")
+        if self.models is not None:
+            parts.append("models: " + ", ".join(self.models))
+        return "; ".join(parts) or "none"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a request comes from."""
+
+    name: str
+    limits: KeyLimits = field(default_factory=KeyLimits)
+
+
+LOCAL = Principal("local")
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    name: str
+    sha256: str | None
+    """None for "local" and "default", whose entries hold limits only."""
+    created: float
+    limits: KeyLimits
+
+
+def load_or_create_token() -> str:
+    """The daemon's first key, "default" (TCP and HTTP), created (0600) on first use."""
+    path = paths.token_file()
+    paths.ensure_private_dir(path.parent)
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        token = secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        return token
+
+
+def keys_file() -> Path:
+    return paths.config_dir() / "keys.json"
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def check_name(name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise InvalidRequestError(
+            f"key name {name!r}: use 1-64 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit")
+    if name in RESERVED:
+        raise InvalidRequestError(f"key name '{name}' is reserved")
+    return name
+
+
+def _limits_from(raw: Any, where: str) -> KeyLimits:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: limits must be an object")
+    known = set(KeyLimits.__dataclass_fields__)
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"{where}: unknown limit {min(unknown)!r}")
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        if value is None:
+            continue
+        if name == "models":
+            if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+                raise ConfigError(f"{where}: models must be a list of names")
+            values[name] = tuple(value)
+        elif (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+              or (name == "concurrent" and not isinstance(value, int))):
+            raise ConfigError(f"{where}: {name} must be a positive number")
+        else:
+            values[name] = value
+    return KeyLimits(**values)
+
+
+class KeyStore:
+    """The key file, re-read whenever it changes (so `keys add` needs no restart)."""
+
+    def __init__(self, path: Path | None = None, *, default_token: str | None = None) -> None:
+        self.path = path or keys_file()
+        self.default_token = default_token
+        self._seen: tuple[int, int] | None = None
+        self._keys: dict[str, Key] = {}
+
+    # ------------------------------------------------------------------ reading
+
+    def _check_mode(self, st: os.stat_result) -> None:
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise ConfigError(
+                f"key file {self.path} can be read by others (mode {mode:04o}); "
+                f"run: chmod 600 {self.path}")
+
+    def keys(self) -> dict[str, Key]:
+        """The keys on file, by name. Raises ConfigError for a loose or broken file."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            self._seen, self._keys = None, {}
+            return {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read key file {self.path}: {exc.strerror}") from None
+        self._check_mode(st)
+        seen = (st.st_mtime_ns, st.st_size)
+        if seen == self._seen:
+            return self._keys
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"key file {self.path} is unreadable: {exc}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("keys"), dict):
+            raise ConfigError(f"key file {self.path}: expected {{\"keys\": {{...}}}}")
+        keys: dict[str, Key] = {}
+        for name, entry in data["keys"].items():
+            where = f"key file {self.path}, key '{name}'"
+            digest = entry.get("sha256") if isinstance(entry, dict) else None
+            if not isinstance(entry, dict) or not (isinstance(digest, str) or name in RESERVED):
+                raise ConfigError(f"{where}: expected an object with sha256")
+            keys[name] = Key(name=name, sha256=digest if name not in RESERVED else None,
+                             created=float(entry.get("created", 0)),
+                             limits=_limits_from(entry.get("limits", {}), where))
+        self._seen, self._keys = seen, keys
+        return keys
+
+    def authenticate(self, secret: str) -> Principal | None:
+        """The principal whose secret this is, or None. A broken key file refuses
+        every key but "default" (and raises nothing: the daemon logs it elsewhere)."""
+        if self.default_token is not None and hmac.compare_digest(
+                secret.encode("utf-8"), self.default_token.encode("utf-8")):
+            return self.principal("default")
+        if not secret.startswith(SECRET_PREFIX):
+            return None
+        try:
+            keys = self.keys()
+        except ConfigError:
+            return None
+        digest = hash_secret(secret)
+        found: Principal | None = None
+        for key in keys.values():  # every key compared: the time says nothing
+            if key.sha256 is not None and hmac.compare_digest(digest, key.sha256):
+                found = Principal(key.name, key.limits)
+        return found
+
+    def principal(self, name: str) -> Principal:
+        """``name`` ("local", "default" or a key) with its limits as on file now; a
+        broken key file gives no limits (start-up has refused it already)."""
+        try:
+            key = self.keys().get(name)
+        except ConfigError:
+            key = None
+        return Principal(name, key.limits if key else KeyLimits())
+
+    # ------------------------------------------------------------------ writing
+
+    def _write(self, keys: dict[str, Key]) -> None:
+        paths.ensure_private_dir(self.path.parent)
+        body = {"keys": {k.name: {**({"sha256": k.sha256} if k.sha256 else {}),
+                                  "created": k.created,
+                                  "limits": {n: v for n, v in asdict(k.limits).items()
+                                             if v is not None}}
+                         for k in keys.values()}}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(body, f, indent=2)
+                f.write("\n")
+            os.replace(tmp, self.path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def add(self, name: str, limits: KeyLimits) -> str:
+        """Make key ``name``; returns its secret (shown once, never stored)."""
+        keys = dict(self.keys())
+        check_name(name)
+        if name in keys:
+            raise InvalidRequestError(f"key '{name}' exists; remove it first (keys rm {name})")
+        secret = SECRET_PREFIX + secrets.token_urlsafe(32)
+        keys[name] = Key(name, hash_secret(secret), round(time.time(), 3), limits)
+        self._write(keys)
+        return secret
+
+    def set_limits(self, name: str, limits: KeyLimits) -> None:
+        """Replace the limits of key ``name``, or of "local" or "default"."""
+        keys = dict(self.keys())
+        old = keys.get(name)
+        if old is None and name not in RESERVED:
+            raise InvalidRequestError(f"no key named '{name}' (keys add {name} makes one)")
+        keys[name] = Key(name, old.sha256 if old else None,
+                         old.created if old else round(time.time(), 3), limits)
+        self._write(keys)
+
+    def remove(self, name: str) -> None:
+        keys = dict(self.keys())
+        if name not in keys or name in RESERVED:
+            raise InvalidRequestError(f"no key named '{name}'" if name not in RESERVED else
+                                      f"'{name}' cannot be removed; `keys limit {name}` "
+                                      "with no limits lifts them")
+        del keys[name]
+        self._write(keys)
