@@ -248,6 +248,8 @@ def main() -> None:
     ap.add_argument("--model", type=Path)
     ap.add_argument("--llama-server", type=Path)
     ap.add_argument("--ttft-samples", type=int, default=10)
+    ap.add_argument("--ngl", type=int, default=0,
+                    help="llama-server's -ngl (99 on a GPU; the daemon places by itself)")
     args = ap.parse_args()
     model = args.model or local_file(load_registry().get("gemma-3-270m"))
     threads = os.cpu_count() or 1
@@ -270,7 +272,7 @@ def main() -> None:
             port = None
             if args.llama_server:
                 port = stack.enter_context(llama_server(args.llama_server, model, args.k,
-                                                        threads))
+                                                        threads, extra=("-ngl", str(args.ngl))))
             ours, theirs = side_by_side(sock, port, args.k, args.n, args.rounds)
         fresh, extended, other = prefix_reuse(sock)
         via_daemon, in_process = ttft_pair(sock, models, args.ttft_samples)

@@ -46,7 +46,8 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
 
 def write_tiny_gguf(path: Path, *, seed: int = 1234,
                     chat_template: str | None = CHAT_TEMPLATE,
-                    sliding_window: int | None = None, n_head: int = N_HEAD) -> Path:
+                    sliding_window: int | None = None, n_head: int = N_HEAD,
+                    n_layer: int = N_LAYER, n_embd: int = N_EMBD, n_ff: int = N_FF) -> Path:
     """Write the tiny model to ``path`` and return it.
 
     With ``sliding_window`` it is a gemma3-architecture model whose layers attend to
@@ -60,15 +61,15 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
     w.add_name(f"tiny-random-{arch}")
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
-        w.add_key_length(N_EMBD // n_head)
-        w.add_value_length(N_EMBD // n_head)
+        w.add_key_length(n_embd // n_head)
+        w.add_value_length(n_embd // n_head)
     w.add_context_length(N_CTX)
-    w.add_embedding_length(N_EMBD)
-    w.add_block_count(N_LAYER)
-    w.add_feed_forward_length(N_FF)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head)
-    w.add_rope_dimension_count(N_EMBD // n_head)
+    w.add_rope_dimension_count(n_embd // n_head)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("llama")
@@ -87,39 +88,39 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
         w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
 
     def ones(name: str) -> None:
-        w.add_tensor(name, np.ones(N_EMBD, dtype=np.float32))
+        w.add_tensor(name, np.ones(n_embd, dtype=np.float32))
 
     # Dimension 0 of the residual stream is a constant that no layer writes to, and only
     # the end tokens read it (strongly negative): the model never ends a stream by itself, so tests
     # control every stream's length.
-    embd = rng.standard_normal((n_vocab, N_EMBD)).astype(np.float32)
+    embd = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
     embd[:, 0] = 4.0
     if sliding_window is not None:
-        embd /= np.sqrt(N_EMBD)  # gemma scales embeddings up by sqrt(n_embd): attention matters
+        embd /= np.sqrt(n_embd)  # gemma scales embeddings up by sqrt(n_embd): attention matters
     w.add_tensor("token_embd.weight", embd)
     ones("output_norm.weight")
-    out = rng.standard_normal((n_vocab, N_EMBD)).astype(np.float32)
+    out = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
     out[:, 0] = 0.0
     out[2, 0] = -1000.0
     for i, word in enumerate(WORDS):
         if word.startswith("<"):  # llama.cpp treats <end_of_turn> as end-of-generation too
             out[259 + i, 0] = -1000.0
     w.add_tensor("output.weight", out)
-    for i in range(N_LAYER):
+    for i in range(n_layer):
         ones(f"blk.{i}.attn_norm.weight")
-        t(f"blk.{i}.attn_q.weight", N_EMBD, N_EMBD)
-        t(f"blk.{i}.attn_k.weight", N_EMBD, N_EMBD)
-        t(f"blk.{i}.attn_v.weight", N_EMBD, N_EMBD)
-        w.add_tensor(f"blk.{i}.attn_output.weight", _no_write_to_dim0(rng, N_EMBD, N_EMBD))
+        t(f"blk.{i}.attn_q.weight", n_embd, n_embd)
+        t(f"blk.{i}.attn_k.weight", n_embd, n_embd)
+        t(f"blk.{i}.attn_v.weight", n_embd, n_embd)
+        w.add_tensor(f"blk.{i}.attn_output.weight", _no_write_to_dim0(rng, n_embd, n_embd))
         if sliding_window is not None:  # gemma3's extra norms
             ones(f"blk.{i}.post_attention_norm.weight")
             ones(f"blk.{i}.post_ffw_norm.weight")
-            w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(N_EMBD // n_head, np.float32))
-            w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(N_EMBD // n_head, np.float32))
+            w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(n_embd // n_head, np.float32))
+            w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(n_embd // n_head, np.float32))
         ones(f"blk.{i}.ffn_norm.weight")
-        t(f"blk.{i}.ffn_gate.weight", N_FF, N_EMBD)
-        t(f"blk.{i}.ffn_up.weight", N_FF, N_EMBD)
-        w.add_tensor(f"blk.{i}.ffn_down.weight", _no_write_to_dim0(rng, N_EMBD, N_FF))
+        t(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
+        t(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
+        w.add_tensor(f"blk.{i}.ffn_down.weight", _no_write_to_dim0(rng, n_embd, n_ff))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

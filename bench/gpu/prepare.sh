@@ -19,13 +19,13 @@ grep -qx '.gpu/' .gitignore || echo '.gpu/' >> .gitignore
 #    backends a CUDA (or CPU) build does not compile.
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-$PIP download --quiet --no-binary :all: --no-deps --no-build-isolation -d "$work" \
+$PIP download --quiet --no-binary :all: --no-deps -d "$work" \
   "llama-cpp-python==$VERSION"
 tar -xzf "$work"/llama_cpp_python-"$VERSION".tar.gz -C "$work"
 src="$work/llama_cpp_python-$VERSION"
 lc="$src/vendor/llama.cpp"
-rm -rf "$src"/{docs,examples,tests,docker,scripts} "$lc"/{models,docs,media,examples,tests,\
-gguf-py,docs,scripts,.devops,.github,build} "$lc"/tools/server/public* "$lc"/tools/server/webui
+rm -rf "$src"/{.git,docs,examples,tests,docker,scripts} "$lc"/{models,docs,media,examples,tests,\
+gguf-py,scripts,.devops,.github,build,benches,.git} "$lc"/tools/server/public* "$lc"/tools/server/webui
 for b in "$lc"/ggml/src/ggml-*/; do
   case "$(basename "$b")" in
     ggml-cpu|ggml-cuda|ggml-blas) ;;

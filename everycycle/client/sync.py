@@ -106,11 +106,11 @@ class SyncClient:
         return last
 
     def generate(self, model: str, prompt: str | None = None, *,
-                 messages: tuple[Message, ...] | None = None,
+                 messages: tuple[Message, ...] | None = None, request_id: str | None = None,
                  **options: Any) -> Iterator[ServerEvent]:
         """Events of a Generate request (see protocol.Generate for ``options``)."""
-        return self.request(Generate(new_request_id(), model, prompt, messages=messages,
-                                     **options))
+        return self.request(Generate(request_id or new_request_id(), model, prompt,
+                                     messages=messages, **options))
 
     def embed(self, model: str, texts: Sequence[str], **options: Any
               ) -> list[tuple[float, ...]]:

@@ -95,6 +95,18 @@ def _rss_bytes() -> int | None:
         return None
 
 
+def _device_layers(model: _Model) -> tuple[int | None, int | None]:
+    """(repeating layers on the executor's devices, layers): llama.cpp's own report
+    when it made one, else the plan's; (None, None) on the CPU."""
+    offload = model.placement.offload if model.placement else None
+    if offload is None:
+        return None, None
+    if model.runner.offloaded is not None:
+        on, total = model.runner.offloaded  # the output head counts as a layer there
+        return min(on, total - 1), total - 1
+    return offload.gpu_layers, offload.n_layer
+
+
 def _prompt_bytes(req: Generate | Embed) -> int:
     if isinstance(req, Embed):
         return sum(len(text.encode("utf-8")) for text in req.input)
@@ -684,7 +696,8 @@ class Supervisor:
         path = local_file(spec, download=True)  # auto-pull a hub model (logged)
         need = plan(path, context=spec.context, parallel=spec.parallel,
                     kv_cache_type=spec.kv_cache_type)
-        placement = ex.place(executor or spec.executor, self._executors, need)
+        placement = ex.place(executor or spec.executor, self._executors, need,
+                             max_layers=spec.gpu_layers)
         offload = placement.offload
         devices = (ex.device_handles(placement.executor.name, placement.device_indices)
                    if offload is not None else [])
@@ -738,10 +751,8 @@ class Supervisor:
                     queued=len(m.queue),
                     weights_bytes=m.runner.weights_bytes,
                     kv_bytes=m.runner.kv_bytes,
-                    device_layers=(m.placement.offload.gpu_layers
-                                   if m.placement and m.placement.offload else None),
-                    total_layers=(m.placement.offload.n_layer
-                                  if m.placement and m.placement.offload else None),
+                    device_layers=_device_layers(m)[0],
+                    total_layers=_device_layers(m)[1],
                     unload_in_ms=self._unload_in_ms(m),
                     keep_alive_ms=-1 if m.keep_alive < 0 else int(m.keep_alive * 1000),
                 )

@@ -45,6 +45,9 @@ _VENDOR_WORDS = (
     ("qualcomm", "Qualcomm"),
     ("adreno", "Qualcomm"),
     ("mali", "Arm"),
+    ("llvmpipe", "Mesa"),  # lavapipe: Mesa's Vulkan driver on the CPU
+    ("lavapipe", "Mesa"),
+    ("swiftshader", "Google"),
 )
 
 
@@ -222,9 +225,10 @@ class Placement:
         return self.executor.name
 
 
-def _fit_on(e: Executor, indices: Sequence[int], plan: MemoryPlan) -> Placement:
+def _fit_on(e: Executor, indices: Sequence[int], plan: MemoryPlan,
+            max_layers: int | None) -> Placement:
     free = [e.devices[i].memory_free for i in indices]
-    return Placement(e, tuple(indices), fit(plan, free))
+    return Placement(e, tuple(indices), fit(plan, free, max_layers=max_layers))
 
 
 def _check_host(placement: Placement, executors: Sequence[Executor], plan: MemoryPlan
@@ -239,7 +243,8 @@ def _check_host(placement: Placement, executors: Sequence[Executor], plan: Memor
     return placement
 
 
-def place(wanted: str, executors: Sequence[Executor], plan: MemoryPlan) -> Placement:
+def place(wanted: str, executors: Sequence[Executor], plan: MemoryPlan, *,
+          max_layers: int | None = None) -> Placement:
     """Choose where a model needing ``plan`` goes.
 
     ``auto``: the first GPU executor that holds all of it; else the GPU executor that
@@ -247,7 +252,7 @@ def place(wanted: str, executors: Sequence[Executor], plan: MemoryPlan) -> Place
     do); else the CPU. ``vulkan`` (a backend): all its GPUs, layers split by their free
     memory. ``cuda:1``: that device alone. A named executor must be in this build (else
     InvalidRequestError) and hold at least one layer (else RejectedError, with the
-    numbers).
+    numbers). ``max_layers`` caps the layers on any GPU (models.toml's ``gpu_layers``).
     """
     by_name = {e.name: e for e in executors}
     if wanted == "auto":
@@ -255,7 +260,8 @@ def place(wanted: str, executors: Sequence[Executor], plan: MemoryPlan) -> Place
         for e in executors:
             if not e.is_gpu:
                 continue
-            here = _fit_on(e, [i for i, d in enumerate(e.devices) if d.is_gpu], plan)
+            here = _fit_on(e, [i for i, d in enumerate(e.devices) if d.is_gpu], plan,
+                           max_layers)
             assert here.offload is not None
             if here.offload.full:
                 return _check_host(here, executors, plan)
@@ -285,7 +291,7 @@ def place(wanted: str, executors: Sequence[Executor], plan: MemoryPlan) -> Place
             raise InvalidRequestError(
                 f"executor '{wanted}': {base} has devices 0 to {len(gpus) - 1}")
         gpus = [gpus[int(index)]]
-    placement = _fit_on(chosen, gpus, plan)
+    placement = _fit_on(chosen, gpus, plan, max_layers)
     placement = Placement(chosen, placement.device_indices, placement.offload,
                           pinned=bool(index))
     assert placement.offload is not None

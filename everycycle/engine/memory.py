@@ -100,8 +100,10 @@ class Offload:
         return self.output and self.gpu_layers == self.n_layer
 
 
-def fit(plan: MemoryPlan, free: Sequence[int], *, reserve: int = DEVICE_RESERVE) -> Offload:
-    """As many layers as the devices' free memory holds (after ``reserve`` each).
+def fit(plan: MemoryPlan, free: Sequence[int], *, reserve: int = DEVICE_RESERVE,
+        max_layers: int | None = None) -> Offload:
+    """As many layers as the devices' free memory holds (after ``reserve`` each), and
+    at most ``max_layers`` (models.toml's ``gpu_layers``) when given.
 
     Several devices share the layers in proportion to their room (llama.cpp's
     tensor split); since layers are whole, each device keeps one layer's worth spare.
@@ -117,10 +119,12 @@ def fit(plan: MemoryPlan, free: Sequence[int], *, reserve: int = DEVICE_RESERVE)
 
     everything = plan.total
     chosen, output = 0, False
-    if n and all(r >= slack for r in room) and everything + slack * len(room) <= total_room:
+    top = n if max_layers is None else max(0, min(n, max_layers))
+    if (n and top == n and all(r >= slack for r in room)
+            and everything + slack * len(room) <= total_room):
         chosen, output = n, True
     else:
-        for k in range(n, 0, -1):
+        for k in range(top, 0, -1):
             if need(k) + slack * len(room) <= total_room:
                 chosen = k
                 break

@@ -179,7 +179,10 @@ class Runner:
             mparams.tensor_split = ctypes.cast(self._split, ctypes.POINTER(ctypes.c_float))
         if not path.is_file():
             raise InvalidRequestError(f"{path} is not a file")
-        model = L.llama_model_load_from_file(str(path).encode(), mparams)
+        with _log_capture() as loading:
+            model = L.llama_model_load_from_file(str(path).encode(), mparams)
+        self.offloaded = loading.offloaded
+        """(layers on the devices, layers + output head), as llama.cpp reported them."""
         if not model:
             raise InvalidRequestError(f"llama.cpp could not load {path} (not a valid GGUF?)")
         self._model = model
@@ -714,9 +717,13 @@ class _OneCandidate:
 class _Captured:
     kv_bytes: int = 0
     errors: list[str] = field(default_factory=list)
+    offloaded: tuple[int, int] | None = None
+    """(layers on devices, layers) as llama.cpp reports loading a model (the output
+    head counts as a layer there)."""
 
 
 _KV_SIZE = re.compile(rb"^llama_kv_cache: size = +([0-9.]+) MiB")
+_OFFLOADED = re.compile(rb"offloaded (\d+)/(\d+) layers to GPU")
 _capture_lock = threading.Lock()
 _capturing: list[_Captured] = []
 
@@ -766,6 +773,9 @@ def _quiet_log(level: int, text: bytes, user_data: Any) -> None:
             m = _KV_SIZE.match(text)
             if m:
                 _capturing[0].kv_bytes += int(float(m.group(1)) * (1 << 20))
+            m = _OFFLOADED.search(text)
+            if m:
+                _capturing[0].offloaded = (int(m.group(1)), int(m.group(2)))
         elif level == 4:  # GGML_LOG_LEVEL_ERROR
             _capturing[0].errors.append(text.decode("utf-8", "replace").strip())
     if level == 4 and text:  # GGML_LOG_LEVEL_ERROR

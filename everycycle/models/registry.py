@@ -46,6 +46,7 @@ _KEYS = {
     "repeat_penalty": float,
     "seed": int,
     "keep_alive": object,
+    "gpu_layers": int,
 }
 _SAMPLING_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0),
@@ -114,6 +115,9 @@ class ModelSpec:
     """Sampling defaults for this model (temperature, top_k, …); requests override them."""
     keep_alive: float | None = None
     """Seconds it stays loaded once idle (-1: always); None: the daemon's default."""
+    gpu_layers: int | None = None
+    """At most this many layers on a GPU (llama.cpp's -ngl, Ollama's num_gpu); None:
+    as many as its free memory holds."""
 
     @property
     def hub_ref(self) -> hub.HubRef:
@@ -175,7 +179,8 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         raise ConfigError(f"{where} needs exactly one source: path, package or hf_repo")
     if "hf_repo" in raw and "hf_file" not in raw:
         raise ConfigError(f"{where}: hf_repo needs hf_file")
-    for key, lo, hi in (("context", 16, 1 << 20), ("parallel", 1, 256)):
+    for key, lo, hi in (("context", 16, 1 << 20), ("parallel", 1, 256),
+                        ("gpu_layers", 0, 100_000)):
         if key in raw and not lo <= raw[key] <= hi:
             raise ConfigError(f"{where}.{key} must be between {lo} and {hi}")
     for key, (flo, fhi) in _SAMPLING_RANGES.items():
@@ -221,6 +226,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         kv_cache_type=kv,
         sampling={k: raw[k] for k in _SAMPLING_RANGES if k in raw},
         keep_alive=keep_alive,
+        gpu_layers=raw.get("gpu_layers"),
     )
 
 

@@ -1,0 +1,146 @@
+"""A real non-CPU executor: Vulkan on Mesa's lavapipe (the CI's Vulkan job, .ci/run).
+
+Skipped where this llama.cpp build has no Vulkan device; with
+EVERYCYCLE_REQUIRE_VULKAN=1 (set by that job) a missing device fails instead.
+lavapipe's float arithmetic differs from ggml-cpu's, so these compare behaviour (it
+loads there, generates, cancels, unloads, reports its layers), not exact text.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import SpawnDaemon
+from daemonhelp import EC
+from tinymodel import write_tiny_gguf
+
+from everycycle.client import SyncClient
+from everycycle.engine import executors as ex
+from everycycle.engine.memory import fit, plan
+from everycycle.errors import RequestFailedError
+from everycycle.protocol import Error, LoadedModel, Tokens
+
+pytestmark = pytest.mark.vulkan
+
+
+@pytest.fixture(scope="module")
+def vulkan() -> ex.Executor:
+    found = {e.name: e for e in ex.discover()}
+    if "vulkan" not in found:
+        if os.environ.get("EVERYCYCLE_REQUIRE_VULKAN") == "1":
+            pytest.fail("the Vulkan job needs a Vulkan executor, and discovery found none "
+                        f"(executors: {sorted(found)}); is GGML_VK_VISIBLE_DEVICES=0 set?")
+        pytest.skip("no Vulkan executor in this llama.cpp build: the Vulkan job "
+                    "(.ci/run, .ci/vulkan-venv) runs these")
+    return found["vulkan"]
+
+
+@pytest.fixture(scope="module")
+def deep_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with 6 layers, to split between Vulkan0 and the CPU."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("vk") / "deep.gguf", n_layer=6)
+
+
+@pytest.fixture
+def vk_models(tmp_path: Path, tiny_gguf: Path, deep_gguf: Path) -> Path:
+    f = tmp_path / "vk.toml"
+    f.write_text('default = "tiny"\n'
+                 f'[models.tiny]\npath = "{tiny_gguf}"\ncontext = 512\nparallel = 2\n'
+                 f'[models.split]\npath = "{deep_gguf}"\ncontext = 512\nparallel = 2\n'
+                 'executor = "vulkan"\ngpu_layers = 3\n'
+                 f'[models.oncpu]\npath = "{tiny_gguf}"\ncontext = 512\nparallel = 2\n'
+                 'executor = "cpu"\n')
+    return f
+
+
+@pytest.fixture
+def client(vulkan: ex.Executor, spawn_daemon: SpawnDaemon, vk_models: Path
+           ) -> Iterator[SyncClient]:
+    spawn_daemon(models=vk_models)
+    with SyncClient() as c:
+        yield c
+
+
+def loaded(c: SyncClient, name: str) -> LoadedModel:
+    return next(m for m in c.describe_fleet().loaded_models if m.name == name)
+
+
+def generate(c: SyncClient, model: str, n: int) -> list[int]:
+    ids: list[int] = []
+    for event in c.generate(model, "hello world", max_tokens=n, temperature=0.0):
+        assert not isinstance(event, Error), event
+        if isinstance(event, Tokens):
+            ids.extend(event.chunk.ids)
+    return ids
+
+
+def test_discovery_names_the_vulkan_device_its_vendor_and_memory(vulkan: ex.Executor) -> None:
+    assert vulkan.is_gpu and vulkan.vendor == "Mesa"
+    dev = vulkan.devices[0]
+    assert dev.name == "Vulkan0" and "llvmpipe" in dev.description
+    assert dev.memory_total > 0 and 0 < dev.memory_free <= dev.memory_total
+    assert [e.name for e in ex.discover()][-1] == "cpu"  # GPU executors first
+
+
+def test_auto_places_a_model_on_vulkan_and_generates(client: SyncClient) -> None:
+    ids = generate(client, "tiny", 16)
+    assert len(ids) == 16
+    m = loaded(client, "tiny")
+    assert m.assigned_executor == "vulkan"
+    assert m.device_layers == m.total_layers == 2  # llama.cpp's own report: all of it
+    snap = client.describe_fleet()
+    vk = next(e for e in snap.executors if e.name == "vulkan")
+    assert vk.vendor == "Mesa" and vk.device_count == 1 and vk.memory_total
+
+
+def test_executor_cpu_keeps_it_off_the_gpu(client: SyncClient) -> None:
+    assert len(generate(client, "oncpu", 4)) == 4
+    m = loaded(client, "oncpu")
+    assert m.assigned_executor == "cpu" and m.device_layers is None
+    client.load("tiny", executor="cpu")  # not loaded yet: it goes where it is told
+    assert loaded(client, "tiny").assigned_executor == "cpu"
+
+
+def test_a_model_split_across_vulkan0_and_the_cpu(client: SyncClient, deep_gguf: Path,
+                                                  vulkan: ex.Executor) -> None:
+    ids = generate(client, "split", 24)
+    assert len(ids) == 24
+    m = loaded(client, "split")
+    assert m.assigned_executor == "vulkan"
+    assert (m.device_layers, m.total_layers) == (3, 6)  # as llama.cpp reported loading it
+    # The planner's arithmetic, on this device: what it predicts is what llama.cpp did.
+    p = plan(deep_gguf, context=512, parallel=2)
+    predicted = fit(p, [vulkan.devices[0].memory_free], max_layers=3)
+    assert (predicted.gpu_layers, predicted.n_layer, predicted.output) == (3, 6, False)
+    assert 0 < predicted.device_bytes[0] < p.total and predicted.cpu_bytes > 0
+
+
+def test_cancel_and_unload_on_vulkan(client: SyncClient) -> None:
+    generate(client, "tiny", 2)
+    rid = "vk-cancel"
+    events = client.generate("tiny", "go", max_tokens=4000, temperature=1.0, request_id=rid)
+    got = 0
+    last = None
+    for event in events:
+        if isinstance(event, Tokens):
+            got += 1
+            if got == 3:
+                client.cancel(rid)
+        last = event
+    assert isinstance(last, Error) and last.kind.value == "Cancelled"
+    client.unload("tiny")
+    assert all(m.name != "tiny" for m in client.describe_fleet().loaded_models)
+    with pytest.raises(RequestFailedError, match="not loaded"):
+        client.unload("tiny")
+
+
+def test_fleet_shows_the_vulkan_executor_and_layers(client: SyncClient) -> None:
+    generate(client, "split", 2)
+    out = subprocess.run([*EC, "fleet"], capture_output=True, text=True, timeout=60,
+                         check=True, env={**os.environ, "COLUMNS": "160"})
+    assert "vulkan" in out.stderr and "Mesa" in out.stderr and "3/6" in out.stderr, out.stderr
+    assert "no GPU backend" not in out.stderr
