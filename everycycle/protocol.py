@@ -184,6 +184,8 @@ class ExecutorSummary:
     device_count: int
     memory_total: int | None = field(default=None, metadata={"skip_none": True})
     memory_free: int | None = field(default=None, metadata={"skip_none": True})
+    status: str | None = field(default=None, metadata={"skip_none": True})
+    """``unreachable`` for a remote executor that cannot be reached; absent when fine."""
 
     def __post_init__(self) -> None:
         _check_text(self)

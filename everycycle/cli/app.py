@@ -18,13 +18,22 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from .. import __version__
+from .. import __version__, paths
 from ..errors import (
     ConfigError,
     DaemonUnavailableError,
     EverycycleError,
 )
-from ..protocol import Accepted, Error, FleetDescription, Format, Generate, Tokens, encode
+from ..protocol import (
+    Accepted,
+    Error,
+    FleetDescription,
+    FleetSnapshot,
+    Format,
+    Generate,
+    Tokens,
+    encode,
+)
 from .common import (
     EXIT_CODES,
     EXIT_INTERRUPTED,
@@ -359,12 +368,20 @@ def fleet(
     as_json: Annotated[bool, typer.Option("--json", help="Print the FleetSnapshot line.")]
     = False,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh live until Ctrl-C.")] = False,
+    hosts: Annotated[list[str] | None, typer.Option(
+        "--host", metavar="HOST:PORT|SOCKET",
+        help="A daemon's TCP address or socket path (repeat: one view of several).")] = None,
+    token: Annotated[str | None, typer.Option(
+        "--token", envvar="EVERYCYCLE_TOKEN",
+        help="Key for TCP daemons (default: this user's daemon token).")] = None,
     socket: SocketOpt = None,
 ) -> None:
     """Show executors, loaded models and active requests.
 
-    Example: everycycle fleet --json
+    Example: everycycle fleet --json; everycycle fleet --host box1:7000 --host box2:7000
     """
+    if hosts:
+        raise typer.Exit(_fleets(hosts, token, as_json))
     try:
         snap = _fleet(socket)
     except DaemonUnavailableError as exc:
@@ -397,6 +414,42 @@ def fleet(
                 live.update(fleet_view(_fleet(socket)))
             except DaemonUnavailableError:
                 break
+
+
+def _fleets(hosts: list[str], token: str | None, as_json: bool) -> int:
+    """``fleet --host …``: each daemon's snapshot, then a total; exit 69 if any is down."""
+    from ..client.sync import SyncClient
+
+    if token is None:
+        from ..daemon.keys import load_or_create_token
+
+        token = load_or_create_token() if paths.token_file().exists() else None
+    found: list[tuple[str, FleetSnapshot]] = []
+    failed = 0
+    for host in hosts:
+        is_path = "/" in host
+        address, _, port = host.rpartition(":")
+        if not is_path and (not address or not port.isdigit()):
+            fail(f"--host {host!r}: expected HOST:PORT or a socket path", 2)
+        try:
+            client = (SyncClient(Path(host), timeout=30) if is_path else
+                      SyncClient(tcp=(address.strip("[]"), int(port)), token=token, timeout=30))
+            with client:
+                found.append((host, client.describe_fleet()))
+        except EverycycleError as exc:
+            sys.stderr.write(f"everycycle: {host}: {exc.message}\n")
+            failed += 1
+    if as_json:
+        for _, snap in found:
+            sys.stdout.buffer.write(encode(FleetDescription(snap)))
+        sys.stdout.flush()
+    else:
+        from rich.console import Console
+
+        from .render import fleets_view
+
+        Console(stderr=not sys.stdout.isatty()).print(fleets_view(found, failed))
+    return EXIT_UNAVAILABLE if failed else 0
 
 
 @app.command()
@@ -459,3 +512,4 @@ def main() -> None:
 from . import daemon as _daemon_commands  # noqa: F401
 from . import keys as _keys_commands  # noqa: F401
 from . import models as _models_commands  # noqa: F401
+from . import rpc as _rpc_commands  # noqa: F401

@@ -30,6 +30,10 @@ def daemon(
     audit_prompts: Annotated[bool, typer.Option("--audit-prompts")] = False,
     max_queue: Annotated[int, typer.Option("--max-queue", min=0)] = 64,
     max_inflight: Annotated[int, typer.Option("--max-inflight", min=1)] = 32,
+    rpc: Annotated[list[str] | None, typer.Option(
+        "--rpc", metavar="HOST:PORT", help="Use the executors an `everycycle rpc-serve` "
+        "(or llama.cpp rpc-server) offers there (repeat). No authentication: trusted "
+        "networks only.")] = None,
     keep_alive: Annotated[str, typer.Option(
         "--keep-alive", help="How long an idle model stays loaded: 5m, 1h, 300, 0, or -1 "
         "for always (models.toml and requests may say otherwise).")] = "5m",
@@ -50,6 +54,12 @@ def daemon(
         keep_seconds = parse_keep_alive(keep_alive)
     except ValueError as exc:
         fail(f"--{exc}", 2)
+    from ..engine.rpc import parse_endpoint
+
+    try:
+        rpc_hosts = tuple(parse_endpoint(h) for h in rpc or ())
+    except EverycycleError as exc:
+        fail(exc.message, 2)
     sock = socket or paths.socket_path()
     tcp_addr = None
     if tcp is not None:
@@ -74,7 +84,7 @@ def daemon(
                           limits=Limits(max_queue=max_queue, max_inflight=max_inflight),
                           auto_load=auto_load, audit_prompts=audit_prompts, tcp=tcp_addr,
                           allow_remote=allow_remote, http=http_addr, http_auth=http_auth,
-                          keep_alive=keep_seconds)
+                          keep_alive=keep_seconds, rpc=rpc_hosts)
     import anyio
 
     try:

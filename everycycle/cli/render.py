@@ -61,8 +61,9 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
     for col in ("name", "vendor", "devices", "memory free / total"):
         ex.add_column(col)
     for e in snapshot.executors:
-        ex.add_row(e.name, e.vendor, str(e.device_count),
-                   f"{_size(e.memory_free)} / {_size(e.memory_total)}")
+        memory = (e.status if e.status else
+                  f"{_size(e.memory_free)} / {_size(e.memory_total)}")
+        ex.add_row(e.name, e.vendor, str(e.device_count), memory)
     if not any(e.name != "cpu" for e in snapshot.executors):
         ex.caption = "no GPU backend in this llama.cpp build"
     models = Table(title="loaded models", title_justify="left")
@@ -155,3 +156,24 @@ def usage_view(rows: Sequence[Any], by: str) -> Table:
     if not rows:
         table.caption = "no requests in the audit log for this period"
     return table
+
+
+def fleets_view(found: Sequence[tuple[str, FleetSnapshot]], failed: int) -> Group:
+    """``fleet --host …``: one section per daemon, then the total."""
+    from rich.console import Group
+    from rich.rule import Rule
+
+    parts: list[Any] = []
+    for host, snap in found:
+        parts.append(Rule(f"{host} ({snap.hostname})", align="left"))
+        parts.append(fleet_view(snap))
+    executors = sum(len(s.executors) for _, s in found)
+    models = sum(len(s.loaded_models) for _, s in found)
+    active = sum(s.active_requests for _, s in found)
+    total = (f"total: {len(found)} daemons, {executors} executors, {models} loaded models, "
+             f"{active} active requests")
+    if failed:
+        total += f"; {failed} unreachable"
+    parts.append(Rule())
+    parts.append(total)
+    return Group(*parts)

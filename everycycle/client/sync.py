@@ -15,6 +15,7 @@ from typing import Any, Self
 from .. import paths
 from ..errors import DaemonUnavailableError, RequestFailedError
 from ..protocol import (
+    Auth,
     Cancel,
     DescribeFleet,
     Embed,
@@ -38,24 +39,40 @@ __all__ = ["SyncClient"]
 class SyncClient:
     """``with SyncClient() as c: print(c.describe_fleet())``. Raises DaemonUnavailableError."""
 
-    def __init__(self, socket: Path | None = None, *, timeout: float | None = None) -> None:
+    def __init__(self, socket: Path | None = None, *, tcp: tuple[str, int] | None = None,
+                 token: str | None = None, timeout: float | None = None) -> None:
         self.path = socket or paths.socket_path()
+        self.tcp = tcp
+        self._token = token
         self._timeout = timeout
         self._sock: pysocket.socket | None = None
         self._conn = ClientConnection()
         self._pending: deque[Routed] = deque()
 
     def __enter__(self) -> Self:
-        sock = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-        sock.settimeout(self._timeout)
+        where = f"{self.tcp[0]}:{self.tcp[1]}" if self.tcp else str(self.path)
         try:
-            sock.connect(str(self.path))
+            if self.tcp is not None:
+                sock = pysocket.create_connection(self.tcp, timeout=self._timeout or 30)
+                sock.settimeout(self._timeout)
+            else:
+                sock = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+                sock.settimeout(self._timeout)
+                try:
+                    sock.connect(str(self.path))
+                except OSError:
+                    sock.close()
+                    raise
         except OSError as exc:
-            sock.close()
-            raise DaemonUnavailableError(
-                f"no daemon at {self.path} ({exc.strerror or exc})"
-            ) from None
+            raise DaemonUnavailableError(f"no daemon at {where} ({exc.strerror or exc})"
+                                         ) from None
         self._sock = sock
+        if self._token is not None:
+            try:
+                sock.sendall(self._conn.send(Auth(self._token)))
+            except OSError as exc:
+                sock.close()
+                raise DaemonUnavailableError(f"lost the daemon at {where}: {exc}") from None
         return self
 
     def __exit__(self, *exc: object) -> None:

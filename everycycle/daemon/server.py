@@ -61,6 +61,8 @@ class DaemonConfig:
     """Require the bearer token on HTTP even on loopback (always required off loopback)."""
     keep_alive: float = DEFAULT_KEEP_ALIVE
     """Seconds an idle model stays loaded (-1: always) unless models.toml or a request says."""
+    rpc: tuple[str, ...] = ()
+    """RPC servers (HOST:PORT) whose devices become remote executors."""
 
 
 @contextlib.contextmanager
@@ -145,7 +147,7 @@ class Daemon:
         audit = AuditLog(paths.audit_file(), include_prompts=config.audit_prompts)
         self.supervisor = Supervisor(
             registry, limits=config.limits, auto_load=config.auto_load, audit=audit,
-            on_shutdown=self.stop, keep_alive=config.keep_alive,
+            on_shutdown=self.stop, keep_alive=config.keep_alive, rpc=config.rpc,
         )
         self._stop = anyio.Event()
         self._connections: set[_Connection] = set()

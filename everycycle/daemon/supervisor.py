@@ -21,7 +21,7 @@ import os
 import queue
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,6 +34,7 @@ from ..engine import executors as ex
 from ..engine.grammar import schema_to_gbnf
 from ..engine.memory import plan
 from ..engine.runner import EMBED_MAX_TOKENS, Job, Output, Runner, Sampling
+from ..engine.worker import IsolatedRunner
 from ..errors import (
     ErrorKind,
     EverycycleError,
@@ -182,7 +183,7 @@ class _Active:
 @dataclass(eq=False)
 class _Model:
     spec: ModelSpec
-    runner: Runner
+    runner: Runner | IsolatedRunner
     executor: str
     placement: ex.Placement | None = None
     running: set[_Active] = field(default_factory=set)
@@ -207,8 +208,13 @@ class Supervisor:
         audit: AuditLog | None = None,
         on_shutdown: Callable[[], None] | None = None,
         keep_alive: float = DEFAULT_KEEP_ALIVE,
+        rpc: Sequence[str] = (),
     ) -> None:
         self.registry = registry
+        self.rpc_hosts = tuple(dict.fromkeys([*rpc, *registry.rpc]))
+        """Remote executors' RPC servers (--rpc and models.toml)."""
+        self._remote: dict[str, list[ex.Executor] | str] = {}
+        """Per RPC server: its executors, or why it cannot be reached."""
         self.keep_alive = keep_alive
         """Seconds an idle model stays loaded unless models.toml or a request says."""
         self.limits = limits or Limits()
@@ -235,11 +241,14 @@ class Supervisor:
                   ) -> None:
         """Serve until cancelled; then cancel every request and unload every model."""
         self._executors = await anyio.to_thread.run_sync(ex.discover)
+        await self._probe_remote()
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._pump)
                 tg.start_soon(self._reap_idle)
+                if self.rpc_hosts:
+                    tg.start_soon(self._watch_remote)
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
@@ -494,6 +503,64 @@ class Supervisor:
                     delay = min(delay, left)
             await anyio.sleep(max(0.02, delay))
 
+    # ------------------------------------------------------------------ remote executors
+
+    def _host_in_use(self, endpoint: str) -> _Model | None:
+        return next((m for m in self._models.values() if m.placement is not None
+                     and m.placement.executor.remote == endpoint), None)
+
+    async def _probe_remote(self) -> None:
+        """Ask each RPC server not serving a model now for its devices (in a child
+        process: ggml-rpc aborts the process that loses its server)."""
+        from ..engine import rpc
+
+        for endpoint in self.rpc_hosts:
+            if self._host_in_use(endpoint) is not None:
+                continue  # a ggml RPC server serves one client at a time
+            try:
+                found = await anyio.to_thread.run_sync(rpc.probe_in_child, endpoint)
+            except EverycycleError as exc:
+                if self._remote.get(endpoint) != exc.message:
+                    log.warning("%s", exc.message)
+                self._remote[endpoint] = exc.message
+                continue
+            name = rpc.executor_name(endpoint)
+            self._remote[endpoint] = [
+                ex.Executor(f"{name}/{d.index}", "remote",
+                            (ex.Device(f"RPC{d.index}[{endpoint}]", endpoint, d.memory_total,
+                                       d.memory_free, True),), remote=endpoint)
+                for d in found]
+
+    async def _watch_remote(self) -> None:
+        while True:
+            await anyio.sleep(15)
+            await self._probe_remote()
+
+    def _all_executors(self) -> list[ex.Executor]:
+        remote = [e for found in self._remote.values() if isinstance(found, list)
+                  for e in found]
+        local = [e for e in self._executors if e.name != "cpu"]
+        return local + remote + [e for e in self._executors if e.name == "cpu"]
+
+    def _executor_summaries(self) -> tuple[ExecutorSummary, ...]:
+        rows = [ExecutorSummary(e.name, e.vendor, len(e.devices), e.memory_total,
+                                e.memory_free) for e in self._executors if e.name != "cpu"]
+        for endpoint in self.rpc_hosts:
+            found = self._remote.get(endpoint)
+            using = self._host_in_use(endpoint)
+            dead = using is not None and using.runner.dead
+            if isinstance(found, list):
+                rows.extend(ExecutorSummary(e.name, e.vendor, len(e.devices), e.memory_total,
+                                            e.memory_free,
+                                            status="unreachable" if dead else None)
+                            for e in found)
+            else:
+                rows.append(ExecutorSummary(f"rpc:{endpoint}", "remote", 0,
+                                            status="unreachable"))
+        rows.extend(ExecutorSummary(e.name, e.vendor, len(e.devices), e.memory_total,
+                                    e.memory_free) for e in self._executors if e.name == "cpu")
+        return tuple(rows)
+
     def _unload_in_ms(self, model: _Model) -> int | None:
         left = self._idle_left(model, time.monotonic())
         return None if left is None else max(0, int(left * 1000))
@@ -672,6 +739,12 @@ class Supervisor:
                              *, allow_load: bool = True) -> _Model:
         spec = self._spec_for(name, peer)
         model = self._models.get(spec.name)
+        if model is not None and model.runner.dead:
+            # Its remote host went away: load it again (or fail, naming the host).
+            assert model.placement is not None and model.placement.executor.remote
+            self._remote[model.placement.executor.remote] = str(model.runner.dead)
+            await self._unload(spec.name, str(model.runner.dead))
+            model = None
         if model is not None:
             if executor is not None and executor != model.executor:
                 raise InvalidRequestError(
@@ -696,17 +769,39 @@ class Supervisor:
         path = local_file(spec, download=True)  # auto-pull a hub model (logged)
         need = plan(path, context=spec.context, parallel=spec.parallel,
                     kv_cache_type=spec.kv_cache_type)
-        placement = ex.place(executor or spec.executor, self._executors, need,
-                             max_layers=spec.gpu_layers)
+        wanted = executor or spec.executor
+        if wanted.startswith("rpc:"):
+            down = self._remote.get(wanted.removeprefix("rpc:").rpartition("/")[0])
+            if isinstance(down, str):
+                raise InternalError(down)
+        placement = ex.place(wanted, self._all_executors(), need, max_layers=spec.gpu_layers)
         offload = placement.offload
-        devices = (ex.device_handles(placement.executor.name, placement.device_indices)
-                   if offload is not None else [])
+        remote = placement.executor.remote
         try:
-            runner = Runner(path, context=spec.context, parallel=spec.parallel,
-                            notify=self._notify, gpu_devices=devices,
-                            n_gpu_layers=offload.n_gpu_layers if offload else 0,
-                            tensor_split=offload.split if offload else (),
-                            kv_cache_type=spec.kv_cache_type)
+            runner: Runner | IsolatedRunner
+            if remote is not None:
+                holder = self._host_in_use(remote)
+                if holder is not None:
+                    raise RejectedError(
+                        f"RPC host {remote} is serving model '{holder.spec.name}'; a ggml RPC "
+                        "server serves one model at a time: unload that one first")
+                assert offload is not None
+                try:
+                    runner = IsolatedRunner(path, endpoint=remote, device_index=int(
+                        placement.executor.name.rpartition("/")[2]), notify=self._notify,
+                        context=spec.context, parallel=spec.parallel,
+                        n_gpu_layers=offload.n_gpu_layers, kv_cache_type=spec.kv_cache_type)
+                except InternalError as exc:  # the host went away: fleet says so
+                    self._remote[remote] = exc.message
+                    raise
+            else:
+                devices = (ex.device_handles(placement.executor.name, placement.device_indices)
+                           if offload is not None else [])
+                runner = Runner(path, context=spec.context, parallel=spec.parallel,
+                                notify=self._notify, gpu_devices=devices,
+                                n_gpu_layers=offload.n_gpu_layers if offload else 0,
+                                tensor_split=offload.split if offload else (),
+                                kv_cache_type=spec.kv_cache_type)
         except EverycycleError:
             raise
         except Exception as exc:
@@ -737,10 +832,7 @@ class Supervisor:
             log.exception("executor discovery failed")
         return FleetSnapshot(
             hostname=self.hostname,
-            executors=tuple(
-                ExecutorSummary(e.name, e.vendor, len(e.devices), e.memory_total, e.memory_free)
-                for e in self._executors
-            ),
+            executors=self._executor_summaries(),
             loaded_models=tuple(
                 LoadedModel(
                     name=m.spec.name,

@@ -69,6 +69,8 @@ class Executor:
     name: str
     vendor: str
     devices: tuple[Device, ...]
+    remote: str | None = None
+    """The RPC server (HOST:PORT) of a remote executor; None for this host's own."""
 
     @property
     def is_gpu(self) -> bool:
@@ -189,10 +191,13 @@ def discover() -> list[Executor]:
     return found
 
 
-def device_handles(executor: str, indices: Sequence[int] | None = None) -> list[int]:
+def device_handles(executor: str, indices: Sequence[int] | None = None, *,
+                   gpu_only: bool = True) -> list[int]:
     """The ggml device pointers of ``executor``'s GPU devices (those at ``indices`` in
-    its device list, or all), for llama_model_params."""
+    its device list, or all), for llama_model_params; with ``gpu_only`` off, its CPU
+    devices too (to serve them over RPC)."""
     lib = _ggml()
+    kinds = _GPU_TYPES if gpu_only else (_DEV_CPU, *_GPU_TYPES)
     out: list[int] = []
     for r in range(lib.ggml_backend_reg_count()):
         reg = lib.ggml_backend_reg_get(r)
@@ -200,7 +205,7 @@ def device_handles(executor: str, indices: Sequence[int] | None = None) -> list[
             continue
         gpus = [dev for d in range(lib.ggml_backend_reg_dev_count(reg))
                 if lib.ggml_backend_dev_type(dev := lib.ggml_backend_reg_dev_get(reg, d))
-                in _GPU_TYPES]
+                in kinds]
         out.extend(gpus if indices is None else [gpus[i] for i in indices])
     return out
 
@@ -258,7 +263,7 @@ def place(wanted: str, executors: Sequence[Executor], plan: MemoryPlan, *,
     if wanted == "auto":
         best: Placement | None = None
         for e in executors:
-            if not e.is_gpu:
+            if not e.is_gpu or e.remote:  # a remote executor only when named
                 continue
             here = _fit_on(e, [i for i, d in enumerate(e.devices) if d.is_gpu], plan,
                            max_layers)
@@ -274,7 +279,9 @@ def place(wanted: str, executors: Sequence[Executor], plan: MemoryPlan, *,
         if "cpu" in by_name:
             return _check_host(Placement(by_name["cpu"], (), None), executors, plan)
         raise RejectedError(f"no executor has {_mib(plan.total)} free for this model")
-    base, _, index = wanted.partition(":")
+    base, index = wanted, ""
+    if wanted not in by_name:  # cuda:1 is device 1 of cuda; rpc:HOST:PORT/0 is a name
+        base, _, index = wanted.partition(":")
     chosen = by_name.get(base)
     if chosen is None:
         have = ", ".join(e.name for e in executors) or "none"

@@ -143,6 +143,9 @@ class Runner:
     for a file llama.cpp cannot load.
     """
 
+    dead: str | None = None
+    """Why it can no longer serve; always None here (a worker's IsolatedRunner can die)."""
+
     def __init__(
         self,
         path: Path,

@@ -143,6 +143,8 @@ class Registry:
 
     models: Mapping[str, ModelSpec]
     default: str | None
+    rpc: tuple[str, ...] = ()
+    """Remote executors' RPC servers (``rpc = ["HOST:PORT", …]`` at the top level)."""
 
     def get(self, name: str) -> ModelSpec:
         """The spec for ``name``. Raises InvalidRequestError for an unknown name."""
@@ -232,6 +234,11 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
 
 def parse_file(path: Path) -> tuple[dict[str, ModelSpec], str | None]:
     """Parse one models.toml. Raises ConfigError naming the file, line or model."""
+    models, default, _ = _parse(path)
+    return models, default
+
+
+def _parse(path: Path) -> tuple[dict[str, ModelSpec], str | None, tuple[str, ...]]:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -241,8 +248,14 @@ def parse_file(path: Path) -> tuple[dict[str, ModelSpec], str | None]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     for key in data:
-        if key not in ("default", "models"):
-            raise ConfigError(f"{path}: unknown top-level key '{key}' (expected default, models)")
+        if key not in ("default", "models", "rpc"):
+            raise ConfigError(f"{path}: unknown top-level key '{key}' "
+                              "(expected default, models, rpc)")
+    rpc = data.get("rpc", [])
+    if not isinstance(rpc, list) or not all(
+            isinstance(h, str) and h.rpartition(":")[0] and h.rpartition(":")[2].isdigit()
+            for h in rpc):
+        raise ConfigError(f"{path}: rpc must be a list of \"HOST:PORT\" strings")
     default = data.get("default")
     if default is not None and not isinstance(default, str):
         raise ConfigError(f"{path}: default must be a string")
@@ -250,7 +263,7 @@ def parse_file(path: Path) -> tuple[dict[str, ModelSpec], str | None]:
     if not isinstance(models_raw, dict):
         raise ConfigError(f"{path}: models must be a table of [models.NAME] entries")
     models = {name: _parse_entry(name, raw, path) for name, raw in models_raw.items()}
-    return models, default
+    return models, default, tuple(rpc)
 
 
 def load_registry(models_file: Path | None = None) -> Registry:
@@ -262,16 +275,18 @@ def load_registry(models_file: Path | None = None) -> Registry:
     models: dict[str, ModelSpec] = {}
     default: str | None = None
     used: list[Path] = []
+    rpc: list[str] = []
     for i, f in enumerate(files):
         if i > 0 and not f.exists():
             continue
-        entries, file_default = parse_file(f)
+        entries, file_default, hosts = _parse(f)
+        rpc.extend(h for h in hosts if h not in rpc)
         models.update(entries)
         default = file_default or default
         used.append(f)
     if default is not None and default not in models:
         raise ConfigError(f"{used[-1]}: default '{default}' is not a model in the registry")
-    return Registry(models=models, default=default)
+    return Registry(models=models, default=default, rpc=tuple(rpc))
 
 
 def local_file(spec: ModelSpec, *, download: bool = False, progress: bool = False) -> Path:
