@@ -49,7 +49,8 @@ GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
 cmake -S "$SRC/vendor/llama.cpp" -B "$WORK/build" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON "${CUDA[@]}" >"$WORK/cmake.log"
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+  -DGGML_NATIVE=ON "${CUDA[@]}" >"$WORK/cmake.log"
 cmake --build "$WORK/build" -j "$JOBS" --target llama mtmd llama-bench llama-server \
   >"$WORK/build.log" || { tail -40 "$WORK/build.log"; exit 1; }
 rm -rf "$WORK/site/llama_cpp"

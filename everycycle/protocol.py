@@ -251,6 +251,8 @@ class FleetSnapshot:
     principals: tuple[PrincipalLoad, ...] | None = field(default=None,
                                                           metadata={"skip_none": True})
     """Active requests per principal; present when more than one principal is active."""
+    rpc: bool | None = field(default=None, metadata={"skip_none": True})
+    """Whether the daemon's llama.cpp has the RPC backend (remote executors)."""
 
     def __post_init__(self) -> None:
         _check_text(self)

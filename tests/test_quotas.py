@@ -253,14 +253,23 @@ async def test_concurrency_and_token_limits_never_cut_a_running_request(served: 
     one = store.add("one", KeyLimits(concurrent=1))
     frugal = store.add("frugal", KeyLimits(tokens_per_minute=5))
     async with tcp(served, one) as c, tcp(served, frugal) as f:
-        stream = c.generate("tiny4", "x", max_tokens=40, temperature=1.0, seed=1)
+        stream = c.generate("tiny", "x", max_tokens=1000, temperature=1.0, seed=1)
         first = await stream.__anext__()  # Accepted: it holds the key's one place
         assert first.queue_position == 0
         n, err = await tokens_streamed(c, "tiny4", "y", max_tokens=2)
         assert err is not None and err.kind is ErrorKind.REJECTED
         assert "key 'one' has 1 requests in flight, its limit" in err.message
+
+        def one_more_over_http() -> None:
+            with openai_client(served, one) as api, pytest.raises(
+                    openai.RateLimitError, match="1 requests in flight") as exc:
+                api.completions.create(model="tiny4", prompt="a", max_tokens=2)
+            assert exc.value.response.headers["retry-after"] == "1"
+
+        await anyio.to_thread.run_sync(one_more_over_http)
         rest = [e async for e in stream]
-        assert isinstance(rest[-1], Tokens) and rest[-1].finished
+        assert isinstance(rest[-1], Tokens) and rest[-1].finished  # run to its end
+        assert sum(len(e.chunk.ids) for e in rest if isinstance(e, Tokens)) == 1000
         # Five tokens a minute, yet a 20-token answer runs to its end...
         n, err = await tokens_streamed(f, "tiny4", "x", max_tokens=20, temperature=1.0, seed=2)
         assert err is None and n == 20
@@ -268,6 +277,16 @@ async def test_concurrency_and_token_limits_never_cut_a_running_request(served: 
         _, err = await tokens_streamed(f, "tiny4", "x", max_tokens=2)
         assert err is not None and err.kind is ErrorKind.REJECTED
         assert "5 generated tokens per minute; retry in" in err.message
+
+        def frugal_over_http() -> None:
+            with openai_client(served, frugal) as api, pytest.raises(
+                    openai.RateLimitError, match="generated tokens per minute") as exc:
+                api.chat.completions.create(
+                    model="tiny4", messages=[{"role": "user", "content": "a"}], max_tokens=2)
+            # 15 tokens of debt at 5 a minute: a token is back in about three minutes.
+            assert 150 <= int(exc.value.response.headers["retry-after"]) <= 200
+
+        await anyio.to_thread.run_sync(frugal_over_http)
 
 
 @pytest.mark.anyio

@@ -25,7 +25,7 @@ tar -xzf "$work"/llama_cpp_python-"$VERSION".tar.gz -C "$work"
 src="$work/llama_cpp_python-$VERSION"
 lc="$src/vendor/llama.cpp"
 rm -rf "$src"/{.git,docs,examples,tests,docker,scripts} "$lc"/{models,docs,media,examples,tests,\
-gguf-py,scripts,.devops,.github,build,benches,.git} "$lc"/tools/server/public* "$lc"/tools/server/webui
+gguf-py,.devops,.github,build,benches,.git} "$lc"/tools/server/public* "$lc"/tools/server/webui
 for b in "$lc"/ggml/src/ggml-*/; do
   case "$(basename "$b")" in
     ggml-cpu|ggml-cuda|ggml-blas) ;;
@@ -44,6 +44,7 @@ tar -czf "$OUT/llama-cpp-python-src.tar.gz" -C "$work" "llama_cpp_python-$VERSIO
 pure=(typer rich markdown-it-py mdurl pygments shellingham starlette uvicorn h11
       prometheus-client prompt-toolkit wcwidth platformdirs diskcache gguf tqdm
       hypothesis sortedcontainers pytest pluggy iniconfig pytest-timeout anyio sniffio
+      click annotated-doc packaging
       typing-extensions idna pexpect ptyprocess jinja2)
 binary=(httptools pyyaml markupsafe)
 $PIP download --quiet --no-deps --only-binary=:all: -d "$OUT/wheels" --python-version "$PYV" \

@@ -24,6 +24,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 _spec = importlib.util.spec_from_file_location("ec_bench_load", HERE.parent / "load.py")
 assert _spec and _spec.loader
 load = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = load  # (its dataclasses look their module up)
 _spec.loader.exec_module(load)
 
 

@@ -64,8 +64,13 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
         memory = (e.status if e.status else
                   f"{_size(e.memory_free)} / {_size(e.memory_total)}")
         ex.add_row(e.name, e.vendor, str(e.device_count), memory)
+    notes = []
     if not any(e.name != "cpu" for e in snapshot.executors):
-        ex.caption = "no GPU backend in this llama.cpp build"
+        notes.append("no GPU backend in this llama.cpp build")
+    if snapshot.rpc is False:
+        notes.append("no RPC backend (remote executors need -DGGML_RPC=on)")
+    if notes:
+        ex.caption = "; ".join(notes)
     models = Table(title="loaded models", title_justify="left")
     for col in ("name", "revision", "executor", "layers", "slots busy/total", "queued",
                 "weights+KV", "idle unload"):

@@ -214,6 +214,7 @@ class Supervisor:
         self.rpc_hosts = tuple(dict.fromkeys([*rpc, *registry.rpc]))
         """Remote executors' RPC servers (--rpc and models.toml)."""
         self._remote: dict[str, list[ex.Executor] | str] = {}
+        self._rpc_available: bool | None = None
         """Per RPC server: its executors, or why it cannot be reached."""
         self.keep_alive = keep_alive
         """Seconds an idle model stays loaded unless models.toml or a request says."""
@@ -241,6 +242,9 @@ class Supervisor:
                   ) -> None:
         """Serve until cancelled; then cancel every request and unload every model."""
         self._executors = await anyio.to_thread.run_sync(ex.discover)
+        from ..engine import rpc
+
+        self._rpc_available = await anyio.to_thread.run_sync(rpc.available)
         await self._probe_remote()
         try:
             async with anyio.create_task_group() as tg:
@@ -854,6 +858,7 @@ class Supervisor:
             http=self.http_address,
             daemon_rss=_rss_bytes(),
             principals=self._principal_loads(),
+            rpc=self._rpc_available,
         )
 
     def _principal_loads(self) -> tuple[PrincipalLoad, ...] | None:
