@@ -206,6 +206,9 @@ class LoadedModel:
     queued: int | None = field(default=None, metadata={"skip_none": True})
     weights_bytes: int | None = field(default=None, metadata={"skip_none": True})
     kv_bytes: int | None = field(default=None, metadata={"skip_none": True})
+    lookup_drafted: int | None = field(default=None, metadata={"skip_none": True})
+    """Prompt-lookup draft tokens proposed so far, and those the model confirmed."""
+    lookup_accepted: int | None = field(default=None, metadata={"skip_none": True})
     device_layers: int | None = field(default=None, metadata={"skip_none": True})
     """Repeating layers on the executor's devices (the rest on the CPU); GPU only."""
     total_layers: int | None = field(default=None, metadata={"skip_none": True})
@@ -366,6 +369,9 @@ class Generate:
     """A GBNF grammar the output must follow, root rule ``root`` (an extension)."""
     keep_alive_ms: int | None = field(default=None, metadata={"skip_none": True})
     """How long the model stays loaded once idle, from now on (-1: always; an extension)."""
+    speculative: bool | None = field(default=None, metadata={"skip_none": True})
+    """Prompt-lookup decoding for a greedy request (default: the model's, on; an
+    extension). The output is the same either way; only the speed differs."""
 
     def __post_init__(self) -> None:
         _check_text(self)

@@ -192,7 +192,7 @@ def test_fleet_shows_several_daemons_in_one_view(spawn_daemon: SpawnDaemon,
         assert h in table.stderr
     assert "total: 3 daemons" in table.stderr and "1 loaded models" in table.stderr
     if not rpc.available():  # the fleet says plainly what this build cannot do
-        assert "no RPC backend (remote executors need -DGGML_RPC=on)" in table.stderr
+        assert "no RPC backend (needs -DGGML_RPC=on)" in table.stderr
     # A daemon that is down: the others are shown, it is named, and the exit code says so.
     down = subprocess.run([*EC, "fleet", *args, "--host", f"127.0.0.1:{free_port()}"],
                           capture_output=True, text=True, timeout=60, check=False)

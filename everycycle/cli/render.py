@@ -42,14 +42,14 @@ def _duration(ms: int) -> str:
 
 
 def _idle_unload(unload_in_ms: int | None, keep_alive_ms: int | None) -> str:
-    """``in 4m12s`` when idle; ``never``; ``5m after idle`` while busy."""
+    """``in 4m12s`` when idle; ``never``; ``5m00s idle`` while busy."""
     if unload_in_ms is not None:
         return f"in {_duration(unload_in_ms)}"
     if keep_alive_ms is None:
         return "-"
     if keep_alive_ms < 0:
         return "never"
-    return f"{_duration(keep_alive_ms)} after idle"
+    return f"{_duration(keep_alive_ms)} idle"
 
 
 def fleet_view(snapshot: FleetSnapshot) -> Group:
@@ -68,23 +68,26 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
     if not any(e.name != "cpu" for e in snapshot.executors):
         notes.append("no GPU backend in this llama.cpp build")
     if snapshot.rpc is False:
-        notes.append("no RPC backend (remote executors need -DGGML_RPC=on)")
+        notes.append("no RPC backend (needs -DGGML_RPC=on)")
     if notes:
-        ex.caption = "; ".join(notes)
+        ex.caption = "\n".join(notes)
     models = Table(title="loaded models", title_justify="left")
-    for col in ("name", "revision", "executor", "layers", "slots busy/total", "queued",
-                "weights+KV", "idle unload"):
-        models.add_column(col)
+    models.add_column("name", no_wrap=True)
+    for col in ("revision", "executor", "busy", "queue", "weights+KV", "unload"):
+        models.add_column(col, no_wrap=col == "weights+KV")
     for m in snapshot.loaded_models:
         slots = f"{m.busy}/{m.slots}" if m.slots is not None else "-"
-        layers = (f"{m.device_layers}/{m.total_layers}" if m.device_layers is not None
-                  and m.total_layers is not None else "cpu")
-        models.add_row(m.name, m.revision or "-", m.assigned_executor, layers, slots,
+        where = m.assigned_executor
+        if m.device_layers is not None and m.total_layers is not None:
+            where += f" ({m.device_layers}/{m.total_layers})"
+        models.add_row(m.name, m.revision or "-", where, slots,
                        str(m.queued if m.queued is not None else "-"),
                        _weights_kv(m.weights_bytes, m.kv_bytes),
                        _idle_unload(m.unload_in_ms, m.keep_alive_ms))
     if not snapshot.loaded_models:
         models.caption = "none"
+    elif any(m.device_layers is not None for m in snapshot.loaded_models):
+        models.caption = "executor (layers on its devices / layers)"
     footer = f"active requests: {snapshot.active_requests}"
     if snapshot.principals:
         footer += " (" + ", ".join(f"{p.name} {p.active_requests}"

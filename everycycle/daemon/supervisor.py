@@ -454,8 +454,9 @@ class Supervisor:
         if grammar is not None:
             runner.check_grammar(grammar)
         sampling = _sampling(req, model.spec.sampling, grammar)
+        lookup = req.speculative if req.speculative is not None else model.spec.speculative
         return Job(tokens=tokens, max_tokens=req.max_tokens or runner.n_ctx_slot,
-                   sampling=sampling, stop=req.stop or (), tag=active)
+                   sampling=sampling, stop=req.stop or (), tag=active, lookup=lookup)
 
     def _start(self, model: _Model, active: _Active) -> None:
         assert active.job is not None
@@ -850,6 +851,8 @@ class Supervisor:
                     device_layers=_device_layers(m)[0],
                     total_layers=_device_layers(m)[1],
                     unload_in_ms=self._unload_in_ms(m),
+                    lookup_drafted=m.runner.lookup_drafted,
+                    lookup_accepted=m.runner.lookup_accepted,
                     keep_alive_ms=-1 if m.keep_alive < 0 else int(m.keep_alive * 1000),
                 )
                 for m in self._models.values()

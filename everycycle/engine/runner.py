@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import EverycycleError, InternalError, InvalidRequestError
 from ..protocol import Format, Message
+from .lookup import PromptLookup
 from .memory import kv_type_id
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class Job:
     """Opaque to the engine: whatever the caller uses to route outputs."""
     embed_inputs: Sequence[Sequence[int]] | None = None
     """Set for an embedding job: the token sequences to embed (no generation)."""
+    lookup: bool = True
+    """Prompt-lookup drafts, verified in the batch (greedy jobs without a grammar)."""
     # Filled in by the runner, read by callers once the job finished:
     n_prompt: int = 0
     n_reused: int = 0
@@ -105,6 +108,10 @@ class _Slot:
     decoder: Any = None
     held_text: str = ""
     held_ids: list[int] = field(default_factory=list)
+    lookup: PromptLookup | None = None
+    draft: list[int] = field(default_factory=list)
+    """This step's draft, in batch rows ``draft_row`` on."""
+    draft_row: int = 0
 
 
 Notify = Callable[[list[tuple[Job, Output]]], None]
@@ -145,6 +152,8 @@ class Runner:
 
     dead: str | None = None
     """Why it can no longer serve; always None here (a worker's IsolatedRunner can die)."""
+    lookup_type: type[PromptLookup] = PromptLookup
+    """What drafts tokens for greedy jobs (tests put an oracle here)."""
 
     def __init__(
         self,
@@ -194,6 +203,9 @@ class Runner:
         threads = n_threads or max(1, os.cpu_count() or 1)
         self._threads = threads
         self._embedder: Any = None
+        self.lookup_drafted = 0
+        """Prompt-lookup draft tokens proposed, and those the model confirmed."""
+        self.lookup_accepted = 0
         cparams = L.llama_context_default_params()
         cparams.n_ctx = context * parallel
         cparams.n_batch = n_batch
@@ -503,6 +515,9 @@ class Runner:
             slot.sampler = None
         else:
             slot.sampler = self._make_sampler(job.sampling)
+        slot.lookup = (self.lookup_type(job.tokens)
+                       if job.lookup and greedy and job.sampling.grammar is None else None)
+        slot.draft = []
         slot.todo = list(job.tokens[reuse:])
         slot.n_past = reuse
         slot.decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -619,6 +634,19 @@ class Runner:
                     s.n_past += 1
                     rows.append((s, n))
                     n += 1
+            for s, _ in rows:  # prompt-lookup drafts after every slot has its row
+                if s.lookup is None:
+                    continue
+                assert s.job is not None
+                room = min(self._n_batch - n, self.n_ctx_slot - s.n_past,
+                           s.job.max_tokens - s.job.n_generated - 1)
+                s.draft = s.lookup.draft(room)
+                s.draft_row = n
+                for tok in s.draft:
+                    self._put(batch, n, tok, s.n_past, s.seq, True)
+                    s.cached.append(tok)
+                    s.n_past += 1
+                    n += 1
             for s in active:
                 if not s.todo or n >= self._n_batch:
                     continue
@@ -646,6 +674,9 @@ class Runner:
             for s, row in rows:
                 running = s.job
                 assert running is not None
+                if s.draft:
+                    self._verify(s, row, out)
+                    continue
                 if s.sampler is None:
                     logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, row),
                                                    shape=(self._n_vocab,))
@@ -658,18 +689,62 @@ class Runner:
                             continue
                 else:
                     tok = L.llama_sampler_sample(s.sampler, self._ctx, row)
-                if L.llama_vocab_is_eog(self._vocab, tok):
-                    self._finish(s, out, "eos")
-                    continue
-                running.n_generated += 1
-                s.last = tok
-                if self._emit(s, tok, out):
-                    self._finish(s, out, "stop")
-                elif running.n_generated >= running.max_tokens:
-                    self._finish(s, out, "length")
-                elif s.n_past + 1 >= self.n_ctx_slot:
-                    self._finish(s, out, "context")
+                self._take(s, tok, s.n_past, out)
             self._safe_notify(out)
+
+    def _take(self, s: _Slot, tok: int, n_past: int, out: list[tuple[Job, Output]]) -> bool:
+        """Handle one generated token, sampled with ``n_past`` tokens in the slot's cache;
+        True if it ended the job."""
+        running = s.job
+        assert running is not None
+        if self._L.llama_vocab_is_eog(self._vocab, tok):
+            self._finish(s, out, "eos")
+            return True
+        running.n_generated += 1
+        s.last = tok
+        if s.lookup is not None:
+            s.lookup.append(tok)
+        if self._emit(s, tok, out):
+            self._finish(s, out, "stop")
+        elif running.n_generated >= running.max_tokens:
+            self._finish(s, out, "length")
+        elif n_past + 1 >= self.n_ctx_slot:
+            self._finish(s, out, "context")
+        else:
+            return False
+        return True
+
+    def _verify(self, s: _Slot, row: int, out: list[tuple[Job, Output]]) -> None:
+        """Check a slot's draft against the model's own greedy choices (its own row
+        ``row``, then the draft's rows); keep the longest agreeing prefix and drop the
+        rest of the draft from the KV cache. The tokens taken are exactly those
+        one-at-a-time greedy decoding would have produced."""
+        L = self._L
+        draft = s.draft
+        s.draft = []
+        k = len(draft)
+        start = s.n_past - k - 1  # the position of the slot's own row (its last token)
+        taken: list[int] = []
+        for i in range(k + 1):
+            at = row if i == 0 else s.draft_row + i - 1
+            logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, at),
+                                           shape=(self._n_vocab,))
+            tok = int(logits.argmax())
+            taken.append(tok)
+            if i == k or tok != draft[i]:
+                break
+        accepted = len(taken) - 1  # draft tokens confirmed
+        if accepted < k:
+            L.llama_memory_seq_rm(self._mem, s.seq, start + 1 + accepted, -1)
+            del s.cached[len(s.cached) - (k - accepted):]
+            s.n_past = start + 1 + accepted
+        assert s.lookup is not None
+        s.lookup.verified(k, accepted)
+        self.lookup_drafted += k
+        self.lookup_accepted += accepted
+        for i, tok in enumerate(taken):
+            if self._take(s, tok, start + 1 + i, out):
+                return
 
     def _embed(self, jobs: list[Job], out: list[tuple[Job, Output]]) -> None:
         """Embed every input of ``jobs`` in shared batches (on the engine thread)."""

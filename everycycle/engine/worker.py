@@ -53,6 +53,7 @@ def _child(conn: Connection, path: str, endpoints: Sequence[str], device_index: 
 
     jobs: dict[int, Job] = {}
     ids: dict[int, int] = {}  # id(job) -> job id
+    runner: Runner | None = None
 
     def notify(batch: list[tuple[Job, Output]]) -> None:
         out = []
@@ -62,7 +63,8 @@ def _child(conn: Connection, path: str, endpoints: Sequence[str], device_index: 
                         job.n_prompt, job.n_reused, job.n_generated))
             if o.finished:
                 jobs.pop(ids.pop(id(job)), None)
-        send(("out", out))
+        assert runner is not None  # jobs come only once it is loaded
+        send(("out", out, runner.lookup_drafted, runner.lookup_accepted))
 
     try:
         devices: list[int] = []
@@ -84,9 +86,9 @@ def _child(conn: Connection, path: str, endpoints: Sequence[str], device_index: 
             break
         verb = message[0]
         if verb == "submit":
-            _, jid, tokens, max_tokens, sampling, stop, embed_inputs = message
+            _, jid, tokens, max_tokens, sampling, stop, embed_inputs, lookup = message
             job = Job(tokens=tokens, max_tokens=max_tokens, sampling=sampling, stop=stop,
-                      embed_inputs=embed_inputs)
+                      embed_inputs=embed_inputs, lookup=lookup)
             jobs[jid] = job
             ids[id(job)] = jid
             try:
@@ -94,7 +96,8 @@ def _child(conn: Connection, path: str, endpoints: Sequence[str], device_index: 
             except EverycycleError as exc:
                 jobs.pop(jid, None)
                 ids.pop(id(job), None)
-                send(("out", [(jid, "", (), True, "error", _wire_error(exc), None, 0, 0, 0)]))
+                send(("out", [(jid, "", (), True, "error", _wire_error(exc), None, 0, 0, 0)],
+                      runner.lookup_drafted, runner.lookup_accepted))
         elif verb == "cancel":
             _, jid, reason = message
             if jid in jobs:
@@ -149,6 +152,8 @@ class IsolatedRunner:
         self.weights_bytes: int = info["weights_bytes"]
         self.kv_bytes: int = info["kv_bytes"]
         self.offloaded: tuple[int, int] | None = info["offloaded"]
+        self.lookup_drafted = 0
+        self.lookup_accepted = 0
         self._reader = threading.Thread(target=self._read, name=f"rpc {endpoint}", daemon=True)
         self._reader.start()
 
@@ -170,6 +175,7 @@ class IsolatedRunner:
             except (EOFError, OSError):
                 break
             if message[0] == "out":
+                self.lookup_drafted, self.lookup_accepted = message[2], message[3]
                 batch = []
                 for (jid, text, ids, finished, reason, error, embeddings, n_prompt, n_reused,
                      n_generated) in message[1]:
@@ -231,7 +237,7 @@ class IsolatedRunner:
             self._jobs[jid] = job
         try:
             self._send(("submit", jid, list(job.tokens), job.max_tokens, job.sampling,
-                        tuple(job.stop), job.embed_inputs))
+                        tuple(job.stop), job.embed_inputs, job.lookup))
         except InternalError:
             with self._lock:
                 self._jobs.pop(jid, None)

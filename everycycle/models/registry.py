@@ -47,6 +47,7 @@ _KEYS = {
     "seed": int,
     "keep_alive": object,
     "gpu_layers": int,
+    "speculative": bool,
 }
 _SAMPLING_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0),
@@ -115,6 +116,8 @@ class ModelSpec:
     """Sampling defaults for this model (temperature, top_k, …); requests override them."""
     keep_alive: float | None = None
     """Seconds it stays loaded once idle (-1: always); None: the daemon's default."""
+    speculative: bool = True
+    """Prompt-lookup decoding for greedy requests (``speculative = false`` turns it off)."""
     gpu_layers: int | None = None
     """At most this many layers on a GPU (llama.cpp's -ngl, Ollama's num_gpu); None:
     as many as its free memory holds."""
@@ -229,6 +232,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         sampling={k: raw[k] for k in _SAMPLING_RANGES if k in raw},
         keep_alive=keep_alive,
         gpu_layers=raw.get("gpu_layers"),
+        speculative=raw.get("speculative", True),
     )
 
 

@@ -1,0 +1,195 @@
+"""Prompt-lookup decoding: drafts verified in the batch never change greedy output.
+
+The tiny random model rarely repeats itself, so besides the real n-gram drafter these
+tests use an oracle drafter (a real PromptLookup subclass) that proposes what greedy
+decoding will produce, corrupted where hypothesis says: every draft is then accepted
+whole, in part, or not at all, and stop strings, max_tokens and the context limit
+land inside accepted drafts. Output (ids, text, finish reason) must equal the output
+with lookup off, token for token.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from everycycle.engine.lookup import MAX_DRAFT, PromptLookup
+from everycycle.engine.runner import Job, Output, Runner, Sampling
+from everycycle.protocol import Format
+
+GREEDY = Sampling(temperature=0.0, repeat_penalty=1.0)
+
+
+def test_drafts_come_from_the_last_ngram_seen_before() -> None:
+    lk = PromptLookup([5, 6, 7, 8, 9, 1, 2, 5, 6])
+    assert lk.draft(10) == []  # (6, ?) : the last trigram is 2 5 6, never seen
+    lk.append(7)  # ... 5 6 7: seen at the start, followed by 8 9 1
+    assert lk.draft(3) == [8, 9, 1]
+    assert lk.draft(1) == [8]
+    lk.verified(3, 3)
+    assert lk.k == 6
+    lk.verified(6, 1)
+    assert lk.k == 2 and (lk.drafted, lk.accepted) == (9, 4)
+    for _ in range(20):
+        lk.verified(lk.k, lk.k)
+    assert lk.k == MAX_DRAFT
+
+
+class Oracle(PromptLookup):
+    """Drafts the known greedy continuation, corrupting every ``spoil``-th token."""
+
+    expected: ClassVar[dict[tuple[int, ...], list[int]]] = {}
+    spoil = 0
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        super().__init__(tokens)
+        self.prompt = tuple(tokens)
+        self.generated: list[int] = []
+        self.made = 0
+
+    def append(self, token: int) -> None:
+        super().append(token)
+        if hasattr(self, "prompt"):
+            self.generated.append(token)
+
+    def draft(self, limit: int) -> list[int]:
+        want = self.expected.get(self.prompt, [])
+        pos = len(self.generated)
+        out = list(want[pos:pos + min(self.k, limit)])
+        for i in range(len(out)):
+            self.made += 1
+            if self.spoil and self.made % self.spoil == 0:
+                out[i] = (out[i] + 1) % 256 + 3
+        return out
+
+
+class OracleRunner(Runner):
+    lookup_type = Oracle
+
+
+class Collect:
+    """Outputs per job, and an event when each finishes."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[int, list[Output]] = {}
+        self.done: dict[int, threading.Event] = {}
+
+    def __call__(self, batch: list[tuple[Job, Output]]) -> None:
+        for job, out in batch:
+            self.outputs.setdefault(id(job), []).append(out)
+            if out.finished:
+                self.done[id(job)].set()
+
+    def run(self, runner: Runner, job: Job, cancel_after: int | None = None
+            ) -> tuple[list[int], str, str | None]:
+        self.done[id(job)] = threading.Event()
+        runner.submit(job)
+        if cancel_after is not None:
+            while len(self.outputs.get(id(job), [])) < cancel_after:
+                if self.done[id(job)].wait(0.001):
+                    break
+            runner.cancel(job, "test")
+        assert self.done[id(job)].wait(60)
+        outs = self.outputs[id(job)]
+        ids = [i for o in outs for i in o.ids]
+        return ids, "".join(o.text for o in outs), outs[-1].reason
+
+
+@pytest.fixture
+def make_pair(tiny_gguf: Path) -> Iterator[Callable[[], tuple[Runner, Runner, Collect, Collect]]]:
+    """Fresh runners, lookup off and the oracle drafter on: the same history each.
+
+    (llama.cpp's float results depend a little on how a prompt was split between the
+    cache and the batch, so the two runners must have served exactly the same jobs.)
+    """
+    made: list[Runner] = []
+
+    def make() -> tuple[Runner, Runner, Collect, Collect]:
+        off, on = Collect(), Collect()
+        a = Runner(tiny_gguf, context=96, parallel=1, notify=off, n_threads=1)
+        b = OracleRunner(tiny_gguf, context=96, parallel=1, notify=on, n_threads=1)
+        made.extend((a, b))
+        return a, b, off, on
+
+    yield make
+    for r in made:
+        r.close()
+
+
+words = st.sampled_from(["hello", " world", " the", " a", "ing", "é", "✓", "x", " "])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(words, min_size=1, max_size=12).map("".join),
+       max_tokens=st.integers(1, 80), spoil=st.sampled_from([0, 0, 2, 3, 5, 7]),
+       stop=st.lists(st.sampled_from(["e", "wor", "é", "✓", "ll", "zz"]), max_size=2))
+def test_greedy_output_is_identical_with_and_without_lookup(
+        make_pair: Callable[[], tuple[Runner, Runner, Collect, Collect]], prompt: str,
+        max_tokens: int, spoil: int, stop: list[str]) -> None:
+    a, b, off, on = make_pair()
+    tokens = a.tokenize(prompt, Format.RAW)
+    # What greedy decoding gives, to the context's end: the oracle's script.
+    script, _, _ = off.run(a, Job(tokens=tokens, max_tokens=96, sampling=GREEDY, lookup=False))
+    Oracle.expected[tuple(tokens)] = script
+    Oracle.spoil = spoil
+    want = off.run(a, Job(tokens=tokens, max_tokens=max_tokens, sampling=GREEDY,
+                          stop=tuple(stop), lookup=False))
+    b_script = on.run(b, Job(tokens=tokens, max_tokens=96, sampling=GREEDY, lookup=False))
+    assert b_script[0] == script  # the same history on both runners
+    got = on.run(b, Job(tokens=tokens, max_tokens=max_tokens, sampling=GREEDY,
+                        stop=tuple(stop), lookup=True))
+    assert got == want
+    if max_tokens > 2 and want[2] == "length":
+        assert b.lookup_drafted > 0  # drafts were really made and checked
+    a.close()
+    b.close()
+
+
+def test_drafts_were_accepted_and_rejected(
+        make_pair: Callable[[], tuple[Runner, Runner, Collect, Collect]]) -> None:
+    a, b, off, on = make_pair()
+    tokens = a.tokenize("hello world", Format.RAW)
+    Oracle.expected[tuple(tokens)] = off.run(
+        a, Job(tokens=tokens, max_tokens=96, sampling=GREEDY, lookup=False))[0]
+    Oracle.spoil = 4
+    before = (b.lookup_drafted, b.lookup_accepted)
+    on.run(b, Job(tokens=tokens, max_tokens=60, sampling=GREEDY, lookup=True))
+    drafted, accepted = b.lookup_drafted - before[0], b.lookup_accepted - before[1]
+    assert 0 < accepted < drafted  # some whole, some cut short
+
+
+def test_the_context_limit_inside_a_draft(
+        make_pair: Callable[[], tuple[Runner, Runner, Collect, Collect]]) -> None:
+    a, b, off, on = make_pair()
+    tokens = a.tokenize("the a " * 12, Format.RAW)
+    script = off.run(a, Job(tokens=tokens, max_tokens=1000, sampling=GREEDY,
+                            lookup=False))
+    assert script[2] == "context"
+    Oracle.expected[tuple(tokens)] = script[0]
+    Oracle.spoil = 0
+    on.run(b, Job(tokens=tokens, max_tokens=1000, sampling=GREEDY, lookup=False))
+    assert on.run(b, Job(tokens=tokens, max_tokens=1000, sampling=GREEDY,
+                         lookup=True)) == script
+
+
+def test_cancelling_mid_draft_leaves_the_slot_sound(
+        make_pair: Callable[[], tuple[Runner, Runner, Collect, Collect]]) -> None:
+    a, b, off, on = make_pair()
+    tokens = a.tokenize("x é x", Format.RAW)
+    script = off.run(a, Job(tokens=tokens, max_tokens=96, sampling=GREEDY, lookup=False))
+    Oracle.expected[tuple(tokens)] = script[0]
+    Oracle.spoil = 3
+    on.run(b, Job(tokens=tokens, max_tokens=96, sampling=GREEDY, lookup=False))
+    _, _, reason = on.run(b, Job(tokens=tokens, max_tokens=96, sampling=GREEDY,
+                                 lookup=True), cancel_after=1)
+    assert reason in ("cancelled", "context")
+    # The next request on that slot (reusing its cache) is unaffected.
+    assert on.run(b, Job(tokens=tokens, max_tokens=40, sampling=GREEDY, lookup=True)) == \
+        off.run(a, Job(tokens=tokens, max_tokens=40, sampling=GREEDY, lookup=False))
