@@ -10,18 +10,22 @@ with lookup off, token for token.
 
 from __future__ import annotations
 
+import subprocess
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from conftest import SpawnDaemon
+from daemonhelp import EC
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from everycycle.client import SyncClient
 from everycycle.engine.lookup import MAX_DRAFT, PromptLookup
 from everycycle.engine.runner import Job, Output, Runner, Sampling
-from everycycle.protocol import Format
+from everycycle.protocol import Format, Tokens
 
 GREEDY = Sampling(temperature=0.0, repeat_penalty=1.0)
 
@@ -193,3 +197,28 @@ def test_cancelling_mid_draft_leaves_the_slot_sound(
     # The next request on that slot (reusing its cache) is unaffected.
     assert on.run(b, Job(tokens=tokens, max_tokens=40, sampling=GREEDY, lookup=True)) == \
         off.run(a, Job(tokens=tokens, max_tokens=40, sampling=GREEDY, lookup=False))
+
+
+def test_the_daemon_takes_speculative_per_model_and_request(
+        spawn_daemon: SpawnDaemon, tmp_path: Path, tiny_gguf: Path) -> None:
+    f = tmp_path / "m.toml"
+    f.write_text(f'[models.on]\npath = "{tiny_gguf}"\ncontext = 512\nparallel = 1\n'
+                 f'[models.off]\npath = "{tiny_gguf}"\ncontext = 512\nparallel = 1\n'
+                 "speculative = false\n")
+    spawn_daemon(models=f)
+    with SyncClient() as c:
+        outs = []
+        for model, flag in (("on", None), ("on", False), ("off", None), ("off", True)):
+            ids = [i for e in c.generate(model, "the a the a the a the", max_tokens=40,
+                                         temperature=0.0, speculative=flag)
+                   if isinstance(e, Tokens) for i in e.chunk.ids]
+            outs.append(ids)
+        assert len(outs[0]) == 40
+        fleet = {m.name: m for m in c.describe_fleet().loaded_models}
+        assert fleet["on"].lookup_drafted is not None and fleet["on"].lookup_accepted is not None
+        assert fleet["off"].lookup_drafted == 0  # off by models.toml... until asked for
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'[models.x]\npath = "{tiny_gguf}"\nspeculative = "yes"\n')
+    out = subprocess.run([*EC, "models", "--models", str(bad)], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 2 and "speculative must be a bool" in out.stderr

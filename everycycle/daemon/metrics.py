@@ -54,8 +54,17 @@ class _Fleet(Collector):
                                   labels=["model"])
         loaded = GaugeMetricFamily("everycycle_loaded_models", "Models resident per executor.",
                                    labels=["executor"])
+        drafted = GaugeMetricFamily(
+            "everycycle_lookup_drafted_tokens",
+            "Prompt-lookup draft tokens proposed since the model was loaded.", labels=["model"])
+        accepted = GaugeMetricFamily(
+            "everycycle_lookup_accepted_tokens",
+            "Prompt-lookup draft tokens the model confirmed since it was loaded.",
+            labels=["model"])
         per_executor = {e.name: 0 for e in snap.executors}
         for m in snap.loaded_models:
+            drafted.add_metric([m.name], m.lookup_drafted or 0)
+            accepted.add_metric([m.name], m.lookup_accepted or 0)
             queued.add_metric([m.name], m.queued or 0)
             busy.add_metric([m.name], m.busy or 0)
             slots.add_metric([m.name], m.slots or 0)
@@ -64,7 +73,7 @@ class _Fleet(Collector):
             loaded.add_metric([name], count)
         active = GaugeMetricFamily("everycycle_active_requests",
                                    "Requests running or queued.", value=snap.active_requests)
-        yield from (queued, busy, slots, loaded, active)
+        yield from (queued, busy, slots, loaded, active, drafted, accepted)
 
 
 class Metrics:

@@ -163,6 +163,7 @@ class Daemon:
         self.http_port: int | None = None
         self._http: Any = None  # the HttpApi, imported only when asked for
         self._http_server: Any = None
+        self._http_done = anyio.Event()
         if config.http is not None:
             host = config.http[0]
             remote = not _is_loopback(host)
@@ -210,12 +211,12 @@ class Daemon:
 
         server = http_server(self._http.app)
         self._http_server = server
-        if self._stop.is_set():
-            return
         try:
-            await server.serve(sockets=[sock])
+            if not self._stop.is_set():
+                await server.serve(sockets=[sock])
         finally:
             sock.close()
+            self._http_done.set()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -266,6 +267,8 @@ class Daemon:
                 with anyio.move_on_after(2):  # let writers flush the terminal events
                     if self._connections:
                         await self._idle.wait()
+                    if http_sock is not None:  # uvicorn closes its connections
+                        await self._http_done.wait()
                 tg.cancel_scope.cancel()
 
     async def _accept(

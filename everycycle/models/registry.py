@@ -176,7 +176,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         if expected is object:  # checked by its own parser
             continue
         ok = isinstance(value, int | float) if expected is float else isinstance(value, expected)
-        if not ok or isinstance(value, bool):
+        if not ok or (isinstance(value, bool) and expected is not bool):
             kind = "number" if expected is float else expected.__name__
             raise ConfigError(f"{where}.{key} must be a {kind}")
     sources = [s for s in _SOURCES if s in raw]
