@@ -206,6 +206,9 @@ class LoadedModel:
     queued: int | None = field(default=None, metadata={"skip_none": True})
     weights_bytes: int | None = field(default=None, metadata={"skip_none": True})
     kv_bytes: int | None = field(default=None, metadata={"skip_none": True})
+    lookup: bool | None = field(default=None, metadata={"skip_none": True})
+    """Whether greedy requests use prompt lookup by default: on unless models.toml says
+    otherwise or this model's batched decoding is not bit-exact on this build."""
     lookup_drafted: int | None = field(default=None, metadata={"skip_none": True})
     """Prompt-lookup draft tokens proposed so far, and those the model confirmed."""
     lookup_accepted: int | None = field(default=None, metadata={"skip_none": True})

@@ -89,11 +89,15 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
     elif any(m.device_layers is not None for m in snapshot.loaded_models):
         models.caption = "executor (layers on its devices / layers)"
     footer = f"active requests: {snapshot.active_requests}"
-    lookups = [f"{m.name} {m.lookup_accepted}/{m.lookup_drafted} "
-               f"({100 * (m.lookup_accepted or 0) // m.lookup_drafted}%)"
-               for m in snapshot.loaded_models if m.lookup_drafted]
+    lookups = []
+    for m in snapshot.loaded_models:
+        if m.lookup_drafted:
+            lookups.append(f"{m.name} {m.lookup_accepted}/{m.lookup_drafted} drafted tokens "
+                           f"accepted ({100 * (m.lookup_accepted or 0) // m.lookup_drafted}%)")
+        elif m.lookup is False:
+            lookups.append(f"{m.name} off")
     if lookups:
-        footer = "prompt lookup, draft tokens accepted: " + ", ".join(lookups) + "\n" + footer
+        footer = "prompt lookup: " + ", ".join(lookups) + "\n" + footer
     if snapshot.principals:
         footer += " (" + ", ".join(f"{p.name} {p.active_requests}"
                                    for p in snapshot.principals) + ")"

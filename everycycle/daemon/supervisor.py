@@ -454,7 +454,10 @@ class Supervisor:
         if grammar is not None:
             runner.check_grammar(grammar)
         sampling = _sampling(req, model.spec.sampling, grammar)
-        lookup = req.speculative if req.speculative is not None else model.spec.speculative
+        # On by default only where a draft's batch cannot change the output (the runner
+        # checked at load); asked for explicitly, it runs regardless.
+        lookup = (req.speculative if req.speculative is not None
+                  else model.spec.speculative and runner.lookup_exact)
         return Job(tokens=tokens, max_tokens=req.max_tokens or runner.n_ctx_slot,
                    sampling=sampling, stop=req.stop or (), tag=active, lookup=lookup)
 
@@ -851,6 +854,7 @@ class Supervisor:
                     device_layers=_device_layers(m)[0],
                     total_layers=_device_layers(m)[1],
                     unload_in_ms=self._unload_in_ms(m),
+                    lookup=m.spec.speculative and m.runner.lookup_exact,
                     lookup_drafted=m.runner.lookup_drafted,
                     lookup_accepted=m.runner.lookup_accepted,
                     keep_alive_ms=-1 if m.keep_alive < 0 else int(m.keep_alive * 1000),

@@ -249,6 +249,10 @@ class Runner:
         self._one_candidate = _OneCandidate(L)
         self._template_raw = False
         self._template = self._chat_template()
+        self.lookup_exact = self._batch_is_exact()
+        """Whether this model, on this build and device, gives each token the same logits
+        in a multi-row batch as alone: then prompt-lookup drafts change nothing but speed,
+        and greedy jobs use them by default."""
         self._thread = threading.Thread(target=self._run, name=f"engine:{path.name}", daemon=True)
         self._thread.start()
 
@@ -489,6 +493,43 @@ class Runner:
             self._L.llama_sampler_free(self._grammar_sampler(gbnf))
 
     # ------------------------------------------------------------------ engine thread
+
+    def _batch_is_exact(self) -> bool:
+        """Decode a few tokens one at a time, then as one batch (as a draft is verified),
+        and compare the logits bit for bit. (Some llama.cpp kernels round differently for
+        several rows than for one: gemma-3 Q4_K_M on ggml-cpu does.)"""
+        L = self._L
+        toks = self._tokenize("The quick brown fox jumps over the lazy dog again and again",
+                              special=False)[:12]
+        if len(toks) < 6 or self._n_batch < len(toks):
+            return False
+        prompt, tail = toks[:-4], toks[-4:]
+        batch = self._batch
+
+        def run(groups: list[list[int]]) -> list[np.ndarray]:
+            L.llama_memory_seq_rm(self._mem, 0, -1, -1)
+            pos = 0
+            got: list[np.ndarray] = []
+            for group in groups:
+                for i, tok in enumerate(group):
+                    self._put(batch, i, tok, pos + i, 0, True)
+                batch.n_tokens = len(group)
+                if L.llama_decode(self._ctx, batch) != 0:
+                    raise InternalError("llama_decode failed while loading")
+                got.extend(np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, i),
+                                                 shape=(self._n_vocab,)).copy()
+                           for i in range(len(group)))
+                pos += len(group)
+            return got[len(prompt) - 1:]
+
+        try:
+            alone = run([prompt] + [[t] for t in tail])
+            together = run([prompt, tail])
+        except InternalError:
+            return False
+        finally:
+            L.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        return all(np.array_equal(a, b) for a, b in zip(alone, together, strict=True))
 
     def _start(self, job: Job) -> None:
         """Put ``job`` in the free slot whose cached tokens share the longest prefix."""

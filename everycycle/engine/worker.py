@@ -78,7 +78,7 @@ def _child(conn: Connection, path: str, endpoints: Sequence[str], device_index: 
         return
     send(("ready", {"parallel": runner.parallel, "n_ctx_slot": runner.n_ctx_slot,
                     "weights_bytes": runner.weights_bytes, "kv_bytes": runner.kv_bytes,
-                    "offloaded": runner.offloaded}))
+                    "offloaded": runner.offloaded, "lookup_exact": runner.lookup_exact}))
     while True:
         try:
             message = conn.recv()
@@ -152,6 +152,7 @@ class IsolatedRunner:
         self.weights_bytes: int = info["weights_bytes"]
         self.kv_bytes: int = info["kv_bytes"]
         self.offloaded: tuple[int, int] | None = info["offloaded"]
+        self.lookup_exact: bool = info["lookup_exact"]
         self.lookup_drafted = 0
         self.lookup_accepted = 0
         self._reader = threading.Thread(target=self._read, name=f"rpc {endpoint}", daemon=True)
