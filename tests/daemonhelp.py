@@ -17,7 +17,7 @@ from everycycle import paths
 from everycycle.client import ClientConnection, SyncClient
 from everycycle.daemon.server import Daemon, DaemonConfig
 from everycycle.errors import DaemonUnavailableError
-from everycycle.protocol import ServerEvent, is_terminal
+from everycycle.protocol import Error, ServerEvent, Tokens, is_terminal
 from everycycle.sockets import wake_reader
 
 TIMEOUT = 30
@@ -141,3 +141,28 @@ class Raw:
             while await self._receive():
                 pass
         return True
+
+
+def greedy_ids(c: SyncClient, model: str, n: int = 24, prompt: str = "hello world") -> list[int]:
+    """The ids of a greedy generation, asserting it ends without an Error."""
+    ids: list[int] = []
+    for event in c.generate(model, prompt, max_tokens=n, temperature=0.0):
+        assert not isinstance(event, Error), event
+        if isinstance(event, Tokens):
+            ids.extend(event.chunk.ids)
+    return ids
+
+
+def cancel_mid_stream(c: SyncClient, model: str, request_id: str,
+                      after: int = 3) -> ServerEvent | None:
+    """Start a long sampled generation, cancel it after ``after`` chunks; the last event."""
+    got = 0
+    last = None
+    for event in c.generate(model, "go", max_tokens=4000, temperature=1.0,
+                            request_id=request_id):
+        if isinstance(event, Tokens):
+            got += 1
+            if got == after:
+                c.cancel(request_id)
+        last = event
+    return last

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 from conftest import SpawnDaemon
+from daemonhelp import cancel_mid_stream, greedy_ids
 
 from everycycle.client import SyncClient
 from everycycle.engine import executors as ex
-from everycycle.protocol import Error, Tokens
+from everycycle.protocol import Error
 
 pytestmark = pytest.mark.gpu
 
@@ -45,13 +46,6 @@ def client(cuda: ex.Executor, spawn_daemon: SpawnDaemon, tmp_path: Path,
         yield c
 
 
-def ids_of(c: SyncClient, model: str, n: int) -> list[int]:
-    ids: list[int] = []
-    for event in c.generate(model, "hello world", max_tokens=n, temperature=0.0):
-        assert not isinstance(event, Error), event
-        if isinstance(event, Tokens):
-            ids.extend(event.chunk.ids)
-    return ids
 
 
 def test_the_gpu_is_named_with_its_vendor_and_memory(cuda: ex.Executor) -> None:
@@ -60,29 +54,21 @@ def test_the_gpu_is_named_with_its_vendor_and_memory(cuda: ex.Executor) -> None:
 
 
 def test_auto_offloads_everything_and_generates(client: SyncClient) -> None:
-    assert len(ids_of(client, "tiny", 64)) == 64
+    assert len(greedy_ids(client, "tiny", 64)) == 64
     m = next(m for m in client.describe_fleet().loaded_models if m.name == "tiny")
     assert m.assigned_executor == "cuda" and m.device_layers == m.total_layers == 2
 
 
 def test_partial_offload_and_pinning(client: SyncClient) -> None:
-    assert len(ids_of(client, "half", 16)) == 16
-    assert len(ids_of(client, "pinned", 16)) == 16
+    assert len(greedy_ids(client, "half", 16)) == 16
+    assert len(greedy_ids(client, "pinned", 16)) == 16
     fleet = {m.name: m for m in client.describe_fleet().loaded_models}
     assert (fleet["half"].device_layers, fleet["half"].total_layers) == (1, 2)
     assert fleet["pinned"].assigned_executor == "cuda:0"
 
 
 def test_cancel_and_unload_on_the_gpu(client: SyncClient) -> None:
-    got = 0
-    last = None
-    for event in client.generate("tiny", "go", max_tokens=4000, temperature=1.0,
-                                 request_id="gpu-cancel"):
-        if isinstance(event, Tokens):
-            got += 1
-            if got == 3:
-                client.cancel("gpu-cancel")
-        last = event
+    last = cancel_mid_stream(client, "tiny", "gpu-cancel")
     assert isinstance(last, Error) and last.kind.value == "Cancelled"
     client.unload("tiny")
     assert all(m.name != "tiny" for m in client.describe_fleet().loaded_models)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SpawnDaemon
-from daemonhelp import EC, wait_until
+from daemonhelp import EC, greedy_ids, wait_until
 
 from everycycle.client import SyncClient
 from everycycle.daemon.keys import load_or_create_token
@@ -75,13 +75,6 @@ def models_for(tmp_path: Path, tiny_gguf: Path, endpoint: str) -> Path:
     return f
 
 
-def greedy(c: SyncClient, model: str, n: int = 24) -> list[int]:
-    ids: list[int] = []
-    for event in c.generate(model, "hello world", max_tokens=n, temperature=0.0):
-        assert not isinstance(event, Error), event
-        if isinstance(event, Tokens):
-            ids.extend(event.chunk.ids)
-    return ids
 
 
 @pytest.mark.rpc
@@ -95,15 +88,15 @@ def test_a_remote_executor_serves_like_a_local_one(
                       if e.name == f"rpc:{endpoint}/0")
         assert remote.vendor == "remote" and remote.status is None
         assert remote.memory_total and remote.memory_free
-        local_ids = greedy(c, "local")
-        assert greedy(c, "remote") == local_ids  # the same CPU arithmetic, over the wire
+        local_ids = greedy_ids(c, "local")
+        assert greedy_ids(c, "remote") == local_ids  # the same CPU arithmetic, over the wire
         m = next(m for m in c.describe_fleet().loaded_models if m.name == "remote")
         assert m.assigned_executor == f"rpc:{endpoint}/0" and m.device_layers == 2
         # One model per RPC server at a time (it serves one client): said, not hung.
         with pytest.raises(Exception, match="serves one model at a time"):
-            greedy(c, "split")
+            greedy_ids(c, "split")
         c.unload("remote")
-        assert len(greedy(c, "split")) == 24  # one layer remote, one local
+        assert len(greedy_ids(c, "split")) == 24  # one layer remote, one local
         m = next(m for m in c.describe_fleet().loaded_models if m.name == "split")
         assert (m.device_layers, m.total_layers) == (1, 2)
 
@@ -115,7 +108,7 @@ def test_losing_the_remote_host_fails_its_request_and_nothing_else(
     endpoint, server = rpc_server
     spawn_daemon("--rpc", endpoint, models=models_for(tmp_path, tiny_gguf, endpoint))
     with SyncClient() as c:
-        greedy(c, "remote", 2)
+        greedy_ids(c, "remote", 2)
         got = 0
         last = None
         for event in c.generate("remote", "go", max_tokens=30000, temperature=1.0):
@@ -126,7 +119,7 @@ def test_losing_the_remote_host_fails_its_request_and_nothing_else(
             last = event
         assert isinstance(last, Error) and last.kind is ErrorKind.INTERNAL, last
         assert endpoint in last.message, last.message
-        assert len(greedy(c, "local")) == 24  # the daemon and its other models serve on
+        assert len(greedy_ids(c, "local")) == 24  # the daemon and its other models serve on
         # The next request for the remote model says the host is gone.
         events = list(c.generate("remote", "again", max_tokens=2))
         assert isinstance(events[-1], Error) and endpoint in events[-1].message
@@ -148,7 +141,7 @@ def test_a_host_down_at_start_is_shown_and_named(rpc_build: None, spawn_daemon: 
         events = list(c.generate("remote", "x", max_tokens=2))
         assert isinstance(events[-1], Error) and events[-1].kind is ErrorKind.INTERNAL
         assert f"RPC host {endpoint} is unreachable" in events[-1].message
-        assert len(greedy(c, "local", 4)) == 4
+        assert len(greedy_ids(c, "local", 4)) == 4
 
 
 def test_rpc_serve_refuses_what_it_cannot_do_in_one_line() -> None:
@@ -175,7 +168,7 @@ def test_fleet_shows_several_daemons_in_one_view(spawn_daemon: SpawnDaemon,
     for port, sock in zip(ports, socks, strict=True):
         spawn_daemon("--tcp", f"127.0.0.1:{port}", sock=sock)
     with SyncClient(socks[0]) as c:
-        greedy(c, "tiny", 2)  # one of them has a model loaded
+        greedy_ids(c, "tiny", 2)  # one of them has a model loaded
     hosts = [f"127.0.0.1:{p}" for p in ports]
     args = [a for h in hosts for a in ("--host", h)]
     out = subprocess.run([*EC, "fleet", *args, "--json"], capture_output=True, text=True,

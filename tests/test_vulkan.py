@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 from conftest import SpawnDaemon
-from daemonhelp import EC
+from daemonhelp import EC, cancel_mid_stream, greedy_ids
 from tinymodel import write_tiny_gguf
 
 from everycycle.client import SyncClient
 from everycycle.engine import executors as ex
 from everycycle.engine.memory import fit, plan
 from everycycle.errors import RequestFailedError
-from everycycle.protocol import Error, LoadedModel, Tokens
+from everycycle.protocol import Error, LoadedModel
 
 pytestmark = pytest.mark.vulkan
 
@@ -69,13 +69,6 @@ def loaded(c: SyncClient, name: str) -> LoadedModel:
     return next(m for m in c.describe_fleet().loaded_models if m.name == name)
 
 
-def generate(c: SyncClient, model: str, n: int) -> list[int]:
-    ids: list[int] = []
-    for event in c.generate(model, "hello world", max_tokens=n, temperature=0.0):
-        assert not isinstance(event, Error), event
-        if isinstance(event, Tokens):
-            ids.extend(event.chunk.ids)
-    return ids
 
 
 def test_discovery_names_the_vulkan_device_its_vendor_and_memory(vulkan: ex.Executor) -> None:
@@ -87,7 +80,7 @@ def test_discovery_names_the_vulkan_device_its_vendor_and_memory(vulkan: ex.Exec
 
 
 def test_auto_places_a_model_on_vulkan_and_generates(client: SyncClient) -> None:
-    ids = generate(client, "tiny", 16)
+    ids = greedy_ids(client, "tiny", 16)
     assert len(ids) == 16
     m = loaded(client, "tiny")
     assert m.assigned_executor == "vulkan"
@@ -98,7 +91,7 @@ def test_auto_places_a_model_on_vulkan_and_generates(client: SyncClient) -> None
 
 
 def test_executor_cpu_keeps_it_off_the_gpu(client: SyncClient) -> None:
-    assert len(generate(client, "oncpu", 4)) == 4
+    assert len(greedy_ids(client, "oncpu", 4)) == 4
     m = loaded(client, "oncpu")
     assert m.assigned_executor == "cpu" and m.device_layers is None
     client.load("tiny", executor="cpu")  # not loaded yet: it goes where it is told
@@ -107,7 +100,7 @@ def test_executor_cpu_keeps_it_off_the_gpu(client: SyncClient) -> None:
 
 def test_a_model_split_across_vulkan0_and_the_cpu(client: SyncClient, deep_gguf: Path,
                                                   vulkan: ex.Executor) -> None:
-    ids = generate(client, "split", 24)
+    ids = greedy_ids(client, "split", 24)
     assert len(ids) == 24
     m = loaded(client, "split")
     assert m.assigned_executor == "vulkan"
@@ -120,17 +113,8 @@ def test_a_model_split_across_vulkan0_and_the_cpu(client: SyncClient, deep_gguf:
 
 
 def test_cancel_and_unload_on_vulkan(client: SyncClient) -> None:
-    generate(client, "tiny", 2)
-    rid = "vk-cancel"
-    events = client.generate("tiny", "go", max_tokens=4000, temperature=1.0, request_id=rid)
-    got = 0
-    last = None
-    for event in events:
-        if isinstance(event, Tokens):
-            got += 1
-            if got == 3:
-                client.cancel(rid)
-        last = event
+    greedy_ids(client, "tiny", 2)
+    last = cancel_mid_stream(client, "tiny", "vk-cancel")
     assert isinstance(last, Error) and last.kind.value == "Cancelled"
     client.unload("tiny")
     assert all(m.name != "tiny" for m in client.describe_fleet().loaded_models)
@@ -139,7 +123,7 @@ def test_cancel_and_unload_on_vulkan(client: SyncClient) -> None:
 
 
 def test_fleet_shows_the_vulkan_executor_and_layers(client: SyncClient) -> None:
-    generate(client, "split", 2)
+    greedy_ids(client, "split", 2)
     out = subprocess.run([*EC, "fleet"], capture_output=True, text=True, timeout=60,
                          check=True, env={**os.environ, "COLUMNS": "160"})
     assert "vulkan" in out.stderr and "Mesa" in out.stderr and "3/6" in out.stderr, out.stderr
