@@ -16,6 +16,7 @@ must not block. Rules, each upheld here and tested through the daemon:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -517,12 +518,15 @@ class Supervisor:
         return next((m for m in self._models.values() if m.placement is not None
                      and m.placement.executor.remote == endpoint), None)
 
-    async def _probe_remote(self) -> None:
+    async def _probe_remote(self, *, only_down: bool = False) -> None:
         """Ask each RPC server not serving a model now for its devices (in a child
-        process: ggml-rpc aborts the process that loses its server)."""
+        process: ggml-rpc aborts the process that loses its server); with ``only_down``,
+        just those last seen unreachable."""
         from ..engine import rpc
 
         for endpoint in self.rpc_hosts:
+            if only_down and not isinstance(self._remote.get(endpoint), str):
+                continue
             if self._host_in_use(endpoint) is not None:
                 continue  # a ggml RPC server serves one client at a time
             try:
@@ -540,9 +544,10 @@ class Supervisor:
                 for d in found]
 
     async def _watch_remote(self) -> None:
-        while True:
+        """Hosts that were down: every 15 s; every host's memory: every 2 minutes."""
+        for tick in itertools.count(1):
             await anyio.sleep(15)
-            await self._probe_remote()
+            await self._probe_remote(only_down=tick % 8 != 0)
 
     def _all_executors(self) -> list[ex.Executor]:
         remote = [e for found in self._remote.values() if isinstance(found, list)
