@@ -171,6 +171,25 @@ def llama_server_process(binary: Path, model: Path, k: int, threads: int, *, ctx
         proc.wait(30)
 
 
+def greedy_stream(c: Any, model: str, prompt: str, n: int, **options: Any
+                  ) -> tuple[float, list[int]]:
+    """One greedy stream on a blocking client: decode tok/s (first to last token) and
+    the ids. Exits naming the model on an Error."""
+    from everycycle.protocol import Error
+
+    ids: list[int] = []
+    first = last = 0.0
+    for event in c.generate(model, prompt, max_tokens=n, temperature=0.0, **options):
+        if isinstance(event, Error):
+            raise SystemExit(f"{model}: {event.message}")
+        if isinstance(event, Tokens) and event.chunk.ids:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            ids.extend(event.chunk.ids)
+    return ((len(ids) - 1) / (last - first) if last > first else float("nan")), ids
+
+
 def side_by_side(sock: Path, port: int | None, k: int, n: int, rounds: int
                  ) -> tuple[list[Run], list[Run]]:
     """Alternate rounds: everycycle, then llama-server (if any), ``rounds`` times."""

@@ -37,7 +37,7 @@ _spec.loader.exec_module(load)
 
 from everycycle.client import SyncClient
 from everycycle.models.registry import load_registry, local_file
-from everycycle.protocol import Error, Format, Tokens
+from everycycle.protocol import Format
 
 PARAGRAPH = ("The lighthouse keeper climbed the stairs every evning at dusk, lit the great "
              "lamp, and watched the ships pass safley through the narow strait. In winter "
@@ -66,21 +66,9 @@ base gemma-3-270m) a plain completion prompt."""
 
 def ours(c: SyncClient, model: str, text: str, n: int, speculative: bool
          ) -> tuple[float, list[int]]:
-    ids: list[int] = []
-    first = last = 0.0
     chat = model in CHAT
-    for event in c.generate(model, text if chat else f"{text}\n\n",
-                            format=None if chat else Format.RAW, max_tokens=n,
-                            temperature=0.0, speculative=speculative):
-        if isinstance(event, Error):
-            raise SystemExit(f"{model}: {event.message}")
-        if isinstance(event, Tokens) and event.chunk.ids:
-            now = time.perf_counter()
-            first = first or now
-            last = now
-            ids.extend(event.chunk.ids)
-    rate = (len(ids) - 1) / (last - first) if last > first else float("nan")
-    return rate, ids
+    return load.greedy_stream(c, model, text if chat else f"{text}\n\n", n,
+                              format=None if chat else Format.RAW, speculative=speculative)
 
 
 def theirs(port: int, model: str, text: str, n: int) -> tuple[float, int, int]:

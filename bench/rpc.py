@@ -12,6 +12,7 @@ hop costs a split model per token. Needs llama-cpp-python built with -DGGML_RPC=
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import socket
@@ -21,26 +22,21 @@ import tempfile
 import time
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # (bench/http.py)
+_spec = importlib.util.spec_from_file_location("ec_bench_load", HERE / "load.py")
+assert _spec and _spec.loader
+load = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = load
+_spec.loader.exec_module(load)
+
 from everycycle.client import SyncClient
 from everycycle.engine import rpc
 from everycycle.models.registry import load_registry, local_file
-from everycycle.protocol import Error, Tokens
 
 
 def stream_rate(c: SyncClient, model: str, n: int) -> float:
-    first = last = None
-    count = 0
-    for event in c.generate(model, "Write a long story about a lighthouse keeper.",
-                            max_tokens=n, temperature=0.0):
-        if isinstance(event, Error):
-            raise SystemExit(f"{model}: {event.message}")
-        if isinstance(event, Tokens) and event.chunk.ids:
-            now = time.perf_counter()
-            first = first or now
-            last = now
-            count += len(event.chunk.ids)
-    assert first is not None and last is not None
-    return (count - 1) / (last - first) if last > first else float("nan")
+    return load.greedy_stream(c, model, "Write a long story about a lighthouse keeper.", n)[0]
 
 
 def main() -> None:

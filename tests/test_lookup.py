@@ -32,7 +32,7 @@ GREEDY = Sampling(temperature=0.0, repeat_penalty=1.0)
 
 def test_drafts_come_from_the_last_ngram_seen_before() -> None:
     lk = PromptLookup([5, 6, 7, 8, 9, 1, 2, 5, 6])
-    assert lk.draft(10) == []  # (6, ?) : the last trigram is 2 5 6, never seen
+    assert lk.draft(10) == []  # the last trigram, 2 5 6, was never seen before
     lk.append(7)  # ... 5 6 7: seen at the start, followed by 8 9 1
     assert lk.draft(3) == [8, 9, 1]
     assert lk.draft(1) == [8]

@@ -846,31 +846,32 @@ class Supervisor:
         return FleetSnapshot(
             hostname=self.hostname,
             executors=self._executor_summaries(),
-            loaded_models=tuple(
-                LoadedModel(
-                    name=m.spec.name,
-                    revision=m.spec.revision,
-                    assigned_executor=m.executor,
-                    slots=m.runner.parallel,
-                    busy=len(m.running),
-                    queued=len(m.queue),
-                    weights_bytes=m.runner.weights_bytes,
-                    kv_bytes=m.runner.kv_bytes,
-                    device_layers=_device_layers(m)[0],
-                    total_layers=_device_layers(m)[1],
-                    unload_in_ms=self._unload_in_ms(m),
-                    lookup=m.spec.speculative and m.runner.lookup_exact,
-                    lookup_drafted=m.runner.lookup_drafted,
-                    lookup_accepted=m.runner.lookup_accepted,
-                    keep_alive_ms=-1 if m.keep_alive < 0 else int(m.keep_alive * 1000),
-                )
-                for m in self._models.values()
-            ),
+            loaded_models=tuple(self._loaded(m) for m in self._models.values()),
             active_requests=len(self._active),
             http=self.http_address,
             daemon_rss=_rss_bytes(),
             principals=self._principal_loads(),
             rpc=self._rpc_available,
+        )
+
+    def _loaded(self, m: _Model) -> LoadedModel:
+        device_layers, total_layers = _device_layers(m)
+        return LoadedModel(
+            name=m.spec.name,
+            revision=m.spec.revision,
+            assigned_executor=m.executor,
+            slots=m.runner.parallel,
+            busy=len(m.running),
+            queued=len(m.queue),
+            weights_bytes=m.runner.weights_bytes,
+            kv_bytes=m.runner.kv_bytes,
+            device_layers=device_layers,
+            total_layers=total_layers,
+            unload_in_ms=self._unload_in_ms(m),
+            lookup=m.spec.speculative and m.runner.lookup_exact,
+            lookup_drafted=m.runner.lookup_drafted,
+            lookup_accepted=m.runner.lookup_accepted,
+            keep_alive_ms=-1 if m.keep_alive < 0 else int(m.keep_alive * 1000),
         )
 
     def _principal_loads(self) -> tuple[PrincipalLoad, ...] | None:
