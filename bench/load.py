@@ -267,6 +267,10 @@ def main() -> None:
     ap.add_argument("--model", type=Path)
     ap.add_argument("--llama-server", type=Path)
     ap.add_argument("--ttft-samples", type=int, default=10)
+    ap.add_argument("--threads", type=int,
+                    help="the daemon's threads (models.toml's threads; default: its own choice)")
+    ap.add_argument("--server-threads", type=int,
+                    help="llama-server's -t and -tb (default: every core)")
     ap.add_argument("--ngl", type=int, default=0,
                     help="llama-server's -ngl (99 on a GPU; the daemon places by itself)")
     args = ap.parse_args()
@@ -275,7 +279,8 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="ecb", dir="/tmp"))
     models = home / "models.toml"
     models.write_text(f'[models.bench]\npath = "{model}"\ncontext = 4096\n'
-                      f"parallel = {max(args.k, 1)}\n")
+                      f"parallel = {max(args.k, 1)}\n"
+                      + (f"threads = {args.threads}\n" if args.threads else ""))
     env = {**os.environ, "EVERYCYCLE_HOME": str(home)}
     sock = home / "run" / "everycycle.sock"
     os.environ["EVERYCYCLE_HOME"] = str(home)
@@ -290,15 +295,17 @@ def main() -> None:
         with contextlib.ExitStack() as stack:
             port = None
             if args.llama_server:
-                port = stack.enter_context(llama_server(args.llama_server, model, args.k,
-                                                        threads, extra=("-ngl", str(args.ngl))))
+                port = stack.enter_context(llama_server(
+                    args.llama_server, model, args.k, args.server_threads or threads,
+                    extra=("-ngl", str(args.ngl))))
             ours, theirs = side_by_side(sock, port, args.k, args.n, args.rounds)
         fresh, extended, other = prefix_reuse(sock)
         via_daemon, in_process = ttft_pair(sock, models, args.ttft_samples)
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(60)
-    print(f"model {model.name}, {args.k} streams x {args.n} tokens, {threads} threads, "
+    print(f"model {model.name}, {args.k} streams x {args.n} tokens, daemon threads "
+          f"{args.threads or 'default'}, llama-server -t {args.server_threads or threads}, "
           f"{args.rounds} alternating rounds (best of each shown)")
     best = max(ours, key=lambda r: r.rate)
     print(best.line("everycycle"))

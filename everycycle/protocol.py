@@ -27,6 +27,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
@@ -106,15 +107,15 @@ def _check_range(name: str, value: float | None, lo: float, hi: float) -> None:
 
 def _check_text(message: object) -> None:
     """Every string field must be encodable as UTF-8 (no lone surrogates)."""
-    for f in dataclasses.fields(message):  # type: ignore[arg-type]
-        value = getattr(message, f.name)
+    for name, _ in _fields(type(message)):
+        value = getattr(message, name)
         values = value if isinstance(value, tuple) else (value,)
         for v in values:
             if isinstance(v, str) and not v.isascii():
                 try:
                     v.encode("utf-8")
                 except UnicodeEncodeError:
-                    raise ProtocolError(f"{f.name} is not valid Unicode") from None
+                    raise ProtocolError(f"{name} is not valid Unicode") from None
 
 
 def _check_name(what: str, value: str) -> None:
@@ -157,9 +158,11 @@ class TokenChunk:
     ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        _check_text(self)
-        for i in self.ids:
-            _check_range("token id", i, 0, _TOKEN_ID_MAX)
+        if not self.text.isascii():
+            _check_text(self)
+        if self.ids and not 0 <= min(self.ids) <= max(self.ids) <= _TOKEN_ID_MAX:
+            for i in self.ids:
+                _check_range("token id", i, 0, _TOKEN_ID_MAX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +174,7 @@ class Tokens:
     finished: bool
 
     def __post_init__(self) -> None:
-        _check_text(self)
-        validate_request_id(self.request_id)
+        validate_request_id(self.request_id)  # ASCII; the chunk checked its own text
 
 
 @dataclass(frozen=True, slots=True)
@@ -536,16 +538,30 @@ _REQUESTS: dict[str, type[Any]] = {
 # --------------------------------------------------------------------------- encoding
 
 
+_FIELDS: dict[type[Any], tuple[tuple[str, bool], ...]] = {}
+
+
+def _fields(cls: type[Any]) -> tuple[tuple[str, bool], ...]:
+    """(name, skip_none) of each field of dataclass ``cls``, computed once."""
+    found = _FIELDS.get(cls)
+    if found is None:
+        found = _FIELDS[cls] = tuple((f.name, bool(f.metadata.get("skip_none")))
+                                     for f in dataclasses.fields(cls))
+    return found
+
+
 def _to_json(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        if getattr(obj, "newtype", False):
-            return _to_json(getattr(obj, dataclasses.fields(obj)[0].name))
+    cls = type(obj)
+    if hasattr(cls, "__dataclass_fields__"):
+        names = _fields(cls)
+        if getattr(cls, "newtype", False):
+            return _to_json(getattr(obj, names[0][0]))
         out: dict[str, Any] = {}
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if value is None and f.metadata.get("skip_none"):
+        for name, skip_none in names:
+            value = getattr(obj, name)
+            if value is None and skip_none:
                 continue
-            out[f.name] = _to_json(value)
+            out[name] = _to_json(value)
         return out
     if isinstance(obj, enum.Enum):
         return obj.value
@@ -554,11 +570,29 @@ def _to_json(obj: Any) -> Any:
     return obj
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+_string = json.encoder.encode_basestring  # what _ENCODER writes for a str (C when built)
+
+
+def _encode_tokens(t: Tokens) -> bytes:
+    """Tokens, the one event sent per step per stream, without the generic walk: the
+    same bytes as ``_ENCODER`` would write (tests compare the two)."""
+    chunk = t.chunk
+    return (f'{{"Tokens":{{"request_id":{_string(t.request_id)},"chunk":{{"text":'
+            f'{_string(chunk.text)},"ids":[{",".join(map(str, chunk.ids))}]}},"finished":'
+            f'{"true" if t.finished else "false"}}}}}\n').encode()
+
+
 def encode(message: ServerEvent | Request) -> bytes:
     """One wire line (with its trailing newline) for ``message``."""
+    if type(message) is Tokens:
+        return _encode_tokens(message)
+    return _encode_generic(message)
+
+
+def _encode_generic(message: ServerEvent | Request) -> bytes:
     body = {type(message).__name__: _to_json(message)}
-    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    return text.encode("utf-8") + b"\n"
+    return _ENCODER.encode(body).encode("utf-8") + b"\n"
 
 
 # --------------------------------------------------------------------------- decoding
@@ -569,12 +603,17 @@ def _reject_constant(name: str) -> Any:
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ProtocolError(f"duplicate field `{key}`")
-        out[key] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ProtocolError(f"duplicate field `{key}`")
+            seen.add(key)
     return out
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
 
 
 _HINTS: dict[type[Any], dict[str, Any]] = {}
@@ -665,9 +704,103 @@ def _struct(cls: type[Any], value: Any, where: str) -> Any:
         if f.name not in value:
             if not optional:
                 raise ProtocolError(f"{where}: missing field `{f.name}`")
+            if f.default is dataclasses.MISSING:
+                kwargs[f.name] = None  # serde: an absent Option is None
             continue
         kwargs[f.name] = _from_json(tp, value[f.name], f"{where}.{f.name}")
     return cls(**kwargs)
+
+
+# The generic functions above walk the type hints on every call and say exactly what
+# is wrong. The compiled decoders below check the common shapes once per field with
+# the hints looked up in advance, and hand anything unexpected to the generic path,
+# so both accept the same lines and raise the same errors (tests compare them).
+
+_Decoder = Callable[[Any], Any]
+_COMPILED: dict[tuple[Any, str], _Decoder] = {}
+
+
+def _compiled(tp: Any, where: str) -> _Decoder:
+    dec = _COMPILED.get((tp, where))
+    if dec is None:
+        dec = _COMPILED[(tp, where)] = _compile(tp, where)
+    return dec
+
+
+def _compile(tp: Any, where: str) -> _Decoder:
+    def generic(value: Any) -> Any:
+        return _from_json(tp, value, where)
+
+    origin = get_origin(tp)
+    if origin is Union or origin is types.UnionType:
+        (inner_tp,) = (a for a in get_args(tp) if a is not type(None))
+        inner = _compiled(inner_tp, where)
+
+        def optional(value: Any) -> Any:
+            return None if value is None else inner(value)
+        return optional
+    if tp is str:
+        def string(value: Any) -> Any:
+            if type(value) is str and value.isascii():
+                return value
+            return generic(value)
+        return string
+    if tp is bool or tp is int or tp is float:
+        def scalar(value: Any) -> Any:
+            return value if type(value) is tp else generic(value)
+        return scalar
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        members = {m.value: m for m in tp}
+
+        def variant(value: Any) -> Any:
+            member = members.get(value) if type(value) is str else None
+            return member if member is not None else generic(value)
+        return variant
+    if origin is tuple and get_args(tp)[0] in (int, str):
+        elem = get_args(tp)[0]
+
+        def array(value: Any) -> Any:
+            if type(value) is list and all(type(v) is elem for v in value) and (
+                    elem is int or all(v.isascii() for v in value)):
+                return tuple(value)
+            return generic(value)
+        return array
+    if dataclasses.is_dataclass(tp):
+        return _compile_struct(typing.cast(type[Any], tp), where)
+    return generic
+
+
+def _compile_struct(cls: type[Any], where: str) -> _Decoder:
+    hints = _hints(cls)
+    if getattr(cls, "newtype", False):
+        inner = _compiled(hints[dataclasses.fields(cls)[0].name], where)
+
+        def newtype(value: Any) -> Any:
+            return cls(inner(value))
+        return newtype
+    # (name, decoder, absent): absent is what an absent field means — a missing field
+    # (required), nothing (it has a default), or None (an Option without one).
+    required = object()
+    plan = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        absent = (None if f.default is not dataclasses.MISSING
+                  else (None,) if type(None) in get_args(tp) else required)
+        plan.append((f.name, _compiled(tp, f"{where}.{f.name}"), absent))
+
+    def struct(value: Any) -> Any:
+        if type(value) is not dict:
+            return _struct(cls, value, where)
+        kwargs: dict[str, Any] = {}
+        for name, dec, absent in plan:
+            if name in value:
+                kwargs[name] = dec(value[name])
+            elif absent is required:
+                raise ProtocolError(f"{where}: missing field `{name}`")
+            elif absent is not None:
+                kwargs[name] = None
+        return cls(**kwargs)
+    return struct
 
 
 def _peek_request_id(body: Any) -> str:
@@ -691,9 +824,7 @@ def _decode(line: bytes | str, variants: dict[str, type[Any]]) -> Any:
     else:
         text = line
     try:
-        body = json.loads(
-            text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant
-        )
+        body = _DECODER.decode(text)
     except ProtocolError:
         raise
     except RecursionError:
@@ -709,7 +840,7 @@ def _decode(line: bytes | str, variants: dict[str, type[Any]]) -> Any:
         if cls is None:
             allowed = ", ".join(f"`{n}`" for n in variants)
             raise ProtocolError(f"unknown variant `{tag}`, expected one of {allowed}")
-        return _struct(cls, payload, tag)
+        return _compiled(cls, tag)(payload)
     except ProtocolError as exc:
         raise ProtocolError(exc.message, request_id=rid) from None
     except RecursionError:

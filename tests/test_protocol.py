@@ -313,3 +313,72 @@ def test_a_seed_generate_line_is_unchanged_by_the_messages_extension() -> None:
 def test_messages_with_a_lone_surrogate_cannot_be_built() -> None:
     with pytest.raises(ProtocolError, match="not valid Unicode"):
         p.Message(p.Role.USER, "\ud800")
+
+
+# ----------------------------------------------------------------- fast paths = generic paths
+# encode() writes Tokens without the generic walk, and decoding goes through decoders
+# compiled per type that hand anything unusual to the generic functions. Both must
+# give exactly what the generic path gives: the same bytes, objects and errors.
+
+
+@given(st.builds(p.Tokens, rid, chunks, st.booleans()))
+def test_tokens_fast_encoding_is_the_generic_encoding(event: p.Tokens) -> None:
+    assert p.encode(event) == p._encode_generic(event)
+
+
+def _outcome(decode: object, payload: object) -> object:
+    try:
+        return decode(payload)  # type: ignore[operator]
+    except ProtocolError as exc:
+        return ("error", exc.message)
+
+
+ODD_VALUES = [None, True, 0, -1, 1.5, 2**40, "", "x", "\ud800", "é", [], [1, "a"], [True],
+              ["\ud800"], {}, {"a": 1}]
+
+
+def _variants(value: object) -> list[object]:
+    """``value`` with each field (at any depth) replaced by each odd value, or dropped."""
+    out: list[object] = []
+    if isinstance(value, dict):
+        for key in value:
+            for odd in ODD_VALUES:
+                out.append({**value, key: odd})
+            out.append({k: v for k, v in value.items() if k != key})
+            out.extend({**value, key: inner} for inner in _variants(value[key]))
+    elif isinstance(value, list) and value:
+        out.extend([inner, *value[1:]] for inner in _variants(value[0]))
+    return out
+
+
+@pytest.mark.parametrize("line", GOLDEN_LINES, ids=lambda b: b[:40].decode())
+def test_compiled_decoders_accept_and_refuse_as_the_generic_one(line: bytes) -> None:
+    ((tag, payload),) = json.loads(line).items()
+    cls = p._EVENTS[tag]
+    compiled = p._compiled(cls, tag)
+    cases = [payload, *_variants(payload)]
+    for case in cases:
+        generic = _outcome(lambda v: p._struct(cls, v, tag), case)
+        assert _outcome(compiled, case) == generic, case
+
+
+@given(requests)
+def test_compiled_request_decoders_match_the_generic_one(request: p.Request) -> None:
+    ((tag, payload),) = json.loads(p.encode(request)).items()
+    cls = p._REQUESTS[tag]
+    for case in [payload, *_variants(payload)][:60]:
+        generic = _outcome(lambda v: p._struct(cls, v, tag), case)
+        assert _outcome(p._compiled(cls, tag), case) == generic, case
+
+
+def test_duplicate_fields_are_refused_naming_the_first_repeated_one() -> None:
+    with pytest.raises(ProtocolError, match="duplicate field `b`"):
+        p.decode_event(b'{"Done":{"request_id":"r","b":1,"c":2,"b":3,"c":4}}')
+
+
+def test_an_absent_option_without_a_default_decodes_as_none() -> None:
+    line = (b'{"FleetDescription":{"hostname":"h","executors":[],"loaded_models":[{"name":"m",'
+            b'"assigned_executor":"cpu"}],"active_requests":0}}')
+    event = p.decode_event(line)
+    assert isinstance(event, p.FleetDescription)
+    assert event.snapshot.loaded_models[0].revision is None

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -70,6 +69,7 @@ from ..protocol import (
     Unload,
 )
 from .audit import AuditLog
+from .handoff import Handoff
 from .keys import LOCAL, Principal
 from .quota import Quotas
 
@@ -232,7 +232,7 @@ class Supervisor:
         self._active: dict[str, _Active] = {}
         self._executors: list[ex.Executor] = []
         self._tg: anyio.abc.TaskGroup | None = None
-        self._outputs: queue.SimpleQueue[list[tuple[Job, Output]] | None] = queue.SimpleQueue()
+        self._outputs: Handoff[list[tuple[Job, Output]]] = Handoff()
         self.hostname = socket.gethostname()
         self.http_address: str | None = None
         self.closing = False
@@ -676,14 +676,7 @@ class Supervisor:
 
     async def _pump(self) -> None:
         """Deliver the engines' step outputs on the event loop, in order."""
-        try:
-            while True:
-                batch = await anyio.to_thread.run_sync(self._outputs.get, abandon_on_cancel=True)
-                if batch is None:
-                    return
-                self._on_outputs(batch)
-        finally:
-            self._outputs.put(None)  # release the abandoned getter thread
+        await self._outputs.drain(self._on_outputs)
 
     def _count(self, active: _Active, event: Tokens) -> None:
         """Count the ids a client is sent: what usage, quotas and the audit log charge."""
@@ -814,7 +807,7 @@ class Supervisor:
                                 notify=self._notify, gpu_devices=devices,
                                 n_gpu_layers=offload.n_gpu_layers if offload else 0,
                                 tensor_split=offload.split if offload else (),
-                                kv_cache_type=spec.kv_cache_type)
+                                n_threads=spec.threads, kv_cache_type=spec.kv_cache_type)
         except EverycycleError:
             raise
         except Exception as exc:

@@ -48,6 +48,7 @@ _KEYS = {
     "keep_alive": object,
     "gpu_layers": int,
     "speculative": bool,
+    "threads": int,
 }
 _SAMPLING_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0),
@@ -121,6 +122,9 @@ class ModelSpec:
     gpu_layers: int | None = None
     """At most this many layers on a GPU (llama.cpp's -ngl, Ollama's num_gpu); None:
     as many as its free memory holds."""
+    threads: int | None = None
+    """CPU threads for decoding (llama.cpp's -t, Ollama's num_thread); None: the
+    engine's default for this machine."""
 
     @property
     def hub_ref(self) -> hub.HubRef:
@@ -185,7 +189,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
     if "hf_repo" in raw and "hf_file" not in raw:
         raise ConfigError(f"{where}: hf_repo needs hf_file")
     for key, lo, hi in (("context", 16, 1 << 20), ("parallel", 1, 256),
-                        ("gpu_layers", 0, 100_000)):
+                        ("gpu_layers", 0, 100_000), ("threads", 1, 1024)):
         if key in raw and not lo <= raw[key] <= hi:
             raise ConfigError(f"{where}.{key} must be between {lo} and {hi}")
     for key, (flo, fhi) in _SAMPLING_RANGES.items():
@@ -232,6 +236,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         sampling={k: raw[k] for k in _SAMPLING_RANGES if k in raw},
         keep_alive=keep_alive,
         gpu_layers=raw.get("gpu_layers"),
+        threads=raw.get("threads"),
         speculative=raw.get("speculative", True),
     )
 
