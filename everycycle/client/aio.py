@@ -9,17 +9,16 @@ bytes and hands each request its events.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.abc
-from anyio.streams.memory import MemoryObjectSendStream
 
 from .. import paths
 from ..errors import DaemonUnavailableError, EverycycleError, RequestFailedError, unwrap_groups
+from ..mailbox import Mailbox
 from ..protocol import (
     Auth,
     Cancel,
@@ -50,26 +49,25 @@ class BaseClient:
 
     def __init__(self) -> None:
         self._conn = ClientConnection()
-        self._streams: dict[str, MemoryObjectSendStream[ServerEvent]] = {}
+        self._boxes: dict[str, Mailbox[ServerEvent]] = {}
 
     async def _send(self, request: Request) -> None:
         raise NotImplementedError
 
     def _deliver(self, routed: Routed) -> None:
-        stream = self._streams.get(routed.request_id)
-        if stream is None:
+        box = self._boxes.get(routed.request_id)
+        if box is None:
             return  # an abandoned request's late events, or one nobody can claim
-        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
-            stream.send_nowait(routed.event)
+        box.put(routed.event)
         if routed.terminal:
-            self._streams.pop(routed.request_id, None)
-            stream.close()
+            self._boxes.pop(routed.request_id, None)
+            box.close()
 
     def _close_all(self, reason: str) -> None:
         self._conn.close(reason)
-        for stream in self._streams.values():
-            stream.close()
-        self._streams.clear()
+        for box in self._boxes.values():
+            box.close()
+        self._boxes.clear()
 
     async def request(self, request: Request) -> AsyncIterator[ServerEvent]:
         """Send ``request`` and yield its events up to and including the terminal one.
@@ -79,18 +77,22 @@ class BaseClient:
         """
         self._conn.begin(request)
         rid = getattr(request, "request_id", "")
-        send, recv = anyio.create_memory_object_stream[ServerEvent](math.inf)
-        self._streams[rid] = send
+        box: Mailbox[ServerEvent] = Mailbox()
+        self._boxes[rid] = box
         try:
             await self._send(request)
-            async with recv:
-                async for event in recv:
+            while True:
+                try:
+                    events = await box.take()
+                except anyio.EndOfStream:
+                    break
+                for event in events:
                     yield event
                     if is_terminal(event):
                         return  # done, even if the connection closes right after
             raise DaemonUnavailableError(self._conn.closed or "the connection closed")
         finally:
-            self._streams.pop(rid, None)
+            self._boxes.pop(rid, None)
             self._conn.abandon(rid)
 
     async def _one(self, request: Request) -> ServerEvent:

@@ -2,16 +2,17 @@
 
 A decode step's outputs must reach the event loop within the step, and cheaply: on a
 small model a step takes well under a millisecond. Waiting in a worker thread for a
-queue (``anyio.to_thread.run_sync(queue.get)``) costs two thread switches per step;
-here a producer appends to a deque and writes one byte to a socket pair only when the
-consumer is not already due to wake, and the consumer drains everything queued since
-its last wake-up at once.
+queue (``anyio.to_thread.run_sync(queue.get)``) costs two thread switches per step.
+Here a producer appends to a deque and, only when the consumer is not already due to
+run, asks the event loop to run it soon (asyncio's ``call_soon_threadsafe``: a write
+to the loop's own wake-up pipe); the consumer then delivers
+everything queued since it last ran, in one go.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import socket
 from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -21,14 +22,21 @@ import anyio
 T = TypeVar("T")
 
 
+def _run_soon_from_threads() -> Callable[[Callable[[], None]], object]:
+    """The running asyncio loop's thread-safe "call this soon" (the daemon and the
+    clients run on anyio's asyncio backend)."""
+    return asyncio.get_running_loop().call_soon_threadsafe
+
+
 class Handoff(Generic[T]):
-    """``put`` from any thread; ``drain`` on the event loop calls ``deliver`` for each
-    item, in order, for as long as it runs (it owns the wake-up sockets)."""
+    """``put`` from any thread; while ``serve`` runs, the event loop calls ``deliver``
+    for each item, in order."""
 
     def __init__(self) -> None:
         self._items: deque[T] = deque()
-        self._writer: socket.socket | None = None
-        # True from a producer's wake-up byte until the consumer has read it. Set and
+        self._schedule: Callable[[Callable[[], None]], object] | None = None
+        self._deliver: Callable[[T], None] | None = None
+        # True from a producer's request to run until the consumer runs. Set and
         # cleared under the GIL (single stores); the consumer clears it *before* it
         # drains, so whatever a producer appended before seeing it set is drained in
         # that pass: no wake-up is ever missed.
@@ -39,28 +47,23 @@ class Handoff(Generic[T]):
         self._items.append(item)
         if not self._due:
             self._due = True
-            writer = self._writer
-            # A full buffer (BlockingIOError) already holds a wake-up; a closed one
-            # (OSError) means the consumer has gone.
-            if writer is not None:
-                with contextlib.suppress(OSError):
-                    writer.send(b"\0")
+            schedule = self._schedule
+            if schedule is not None:
+                with contextlib.suppress(RuntimeError):  # the loop has closed
+                    schedule(self._drain)
 
-    async def drain(self, deliver: Callable[[T], None]) -> None:
+    def _drain(self) -> None:
+        self._due = False
+        deliver = self._deliver
+        while self._items and deliver is not None:
+            deliver(self._items.popleft())
+
+    async def serve(self, deliver: Callable[[T], None]) -> None:
         """Deliver items as they come until cancelled (runs on the event loop)."""
-        reader, writer = socket.socketpair()
+        self._deliver = deliver
+        self._schedule = _run_soon_from_threads()
         try:
-            reader.setblocking(False)
-            writer.setblocking(False)
-            self._writer = writer
-            while True:
-                self._due = False
-                while self._items:
-                    deliver(self._items.popleft())
-                await anyio.wait_readable(reader)
-                with contextlib.suppress(BlockingIOError):
-                    reader.recv(4096)
+            self._drain()  # anything queued before serving began
+            await anyio.sleep_forever()
         finally:
-            self._writer = None
-            reader.close()
-            writer.close()
+            self._schedule = self._deliver = None

@@ -13,7 +13,6 @@ import errno
 import fcntl
 import ipaddress
 import logging
-import math
 import os
 import typing
 from collections.abc import Iterator
@@ -23,7 +22,6 @@ from typing import Any
 
 import anyio
 import anyio.abc
-from anyio.streams.memory import MemoryObjectSendStream
 
 from .. import paths
 from ..errors import (
@@ -34,6 +32,7 @@ from ..errors import (
     ProtocolError,
     unwrap_groups,
 )
+from ..mailbox import Mailbox
 from ..models.registry import DEFAULT_KEEP_ALIVE, load_registry
 from ..protocol import Auth, Error, LineFramer, ServerEvent, decode_request, encode
 from ..sockets import wake_reader
@@ -119,23 +118,24 @@ def read_pid(sock: Path) -> int | None:
 
 
 class _Connection:
-    """One client connection: its outgoing queue and identity (a supervisor Peer)."""
+    """One client connection: its outgoing lines and identity (a supervisor Peer)."""
 
-    def __init__(self, send: MemoryObjectSendStream[ServerEvent], *, allow_paths: bool) -> None:
+    def __init__(self, *, allow_paths: bool) -> None:
         self.allow_paths = allow_paths
         self.principal: Principal = LOCAL
         """The Unix socket's user is "local"; a TCP connection is whoever its Auth names."""
-        self._send = send
+        self.outgoing: Mailbox[bytes] = Mailbox()
+        """Encoded lines for the connection's writer; closed when the connection ends."""
 
     def emit(self, event: ServerEvent) -> None:
-        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
-            self._send.send_nowait(event)
+        if not self.outgoing.closed:
+            self.outgoing.put(encode(event))
 
     def finished(self, outcome: Outcome) -> None:
         """The socket protocol carries no usage report: the terminal event is all."""
 
     def close(self) -> None:
-        self._send.close()
+        self.outgoing.close()
 
 
 class Daemon:
@@ -285,8 +285,7 @@ class Daemon:
             tg.start_soon(self._serve_connection, stream, is_tcp)
 
     async def _serve_connection(self, stream: anyio.abc.ByteStream, is_tcp: bool) -> None:
-        send, recv = anyio.create_memory_object_stream[ServerEvent](math.inf)
-        conn = _Connection(send, allow_paths=not is_tcp)
+        conn = _Connection(allow_paths=not is_tcp)
         if not is_tcp:
             conn.principal = self.keys.principal("local")
         self._connections.add(conn)
@@ -295,22 +294,15 @@ class Daemon:
 
                 async def writer() -> None:
                     try:
-                        async with recv:
-                            async for event in recv:
-                                # One write for everything queued: a decode step emits
-                                # an event per slot at once.
-                                chunks = [encode(event)]
-                                while True:
-                                    try:
-                                        chunks.append(encode(recv.receive_nowait()))
-                                    except anyio.WouldBlock:
-                                        break
-                                    except anyio.EndOfStream:
-                                        break
-                                await stream.send(b"".join(chunks))
-                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                        while True:
+                            # One write for everything queued: a decode step emits an
+                            # event per slot at once.
+                            await stream.send(b"".join(await conn.outgoing.take()))
+                    except (anyio.EndOfStream, anyio.BrokenResourceError,
+                            anyio.ClosedResourceError, OSError):
                         pass
                     finally:
+                        conn.close()
                         self.supervisor.disconnect(conn)
                         wake_reader(stream)
 

@@ -676,7 +676,7 @@ class Supervisor:
 
     async def _pump(self) -> None:
         """Deliver the engines' step outputs on the event loop, in order."""
-        await self._outputs.drain(self._on_outputs)
+        await self._outputs.serve(self._on_outputs)
 
     def _count(self, active: _Active, event: Tokens) -> None:
         """Count the ids a client is sent: what usage, quotas and the audit log charge."""
