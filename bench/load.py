@@ -271,6 +271,8 @@ def main() -> None:
                     help="the daemon's threads (models.toml's threads; default: its own choice)")
     ap.add_argument("--server-threads", type=int,
                     help="llama-server's -t and -tb (default: every core)")
+    ap.add_argument("--no-lookup", action="store_true",
+                    help="speculative = false for the daemon's model (prompt lookup off)")
     ap.add_argument("--ngl", type=int, default=0,
                     help="llama-server's -ngl (99 on a GPU; the daemon places by itself)")
     args = ap.parse_args()
@@ -280,7 +282,8 @@ def main() -> None:
     models = home / "models.toml"
     models.write_text(f'[models.bench]\npath = "{model}"\ncontext = 4096\n'
                       f"parallel = {max(args.k, 1)}\n"
-                      + (f"threads = {args.threads}\n" if args.threads else ""))
+                      + (f"threads = {args.threads}\n" if args.threads else "")
+                      + ("speculative = false\n" if args.no_lookup else ""))
     env = {**os.environ, "EVERYCYCLE_HOME": str(home)}
     sock = home / "run" / "everycycle.sock"
     os.environ["EVERYCYCLE_HOME"] = str(home)

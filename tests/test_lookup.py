@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from everycycle.client import SyncClient
-from everycycle.engine.lookup import MAX_DRAFT, PromptLookup
+from everycycle.engine.lookup import MAX_DRAFT, PromptLookup, StepCost
 from everycycle.engine.runner import Job, Output, Runner, Sampling
 from everycycle.protocol import Format, Tokens
 
@@ -45,6 +45,43 @@ def test_drafts_come_from_the_last_ngram_seen_before() -> None:
     assert lk.k == MAX_DRAFT
 
 
+def test_a_draft_that_does_not_pay_is_predicted_and_checked_for_free() -> None:
+    lk = PromptLookup([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    assert lk.propose(10, threshold=0.4) == [4, 5, 6, 7]  # an even start: 0.5 > 0.4
+    lk.verified(4, 0)
+    lk.verified(1, 0)
+    assert lk.rate < 0.5 and lk.k == 1
+    assert lk.propose(10, threshold=0.5) == []  # predicted instead: [4]
+    assert lk.drafted == 5  # predictions are not drafts
+    for t in (4, 5, 6, 7, 1, 2, 3):  # the text copies: each prediction comes true
+        lk.append(t)
+        lk.propose(10, threshold=0.5)
+    assert lk.rate > 0.5
+    assert lk.propose(10, threshold=0.5) != []  # worth verifying again
+    lk2 = PromptLookup([1, 2, 3, 4, 1, 2, 3])
+    lk2.verified(3, 0)
+    assert lk2.propose(10, threshold=0.9) == []  # predicts [4]
+    lk2.append(9)  # wrong: the prediction settles as 0 of 1
+    assert lk2.rate < 0.3 and lk2.drafted == 3
+
+
+def test_step_cost_fits_the_row_price_and_says_when_drafts_pay() -> None:
+    cost = StepCost.fit([(1, 1.5), (4, 3.0), (8, 5.0), (1, 1.5)])  # 1 + 0.5·rows
+    assert cost.ratio == pytest.approx(0.5)
+    # break-even: a row costs a third of a one-row step; then half the headroom above
+    assert cost.threshold(1) == pytest.approx(1 / 3 + (1 - 1 / 3) / 2)
+    assert cost.threshold(8) > 1  # rows are dear and shared by 8: never draft
+    assert cost.threshold(2) == pytest.approx(0.5 + 0.5 / 2)  # break-even 1/2: allowed
+    for _ in range(50):
+        cost.observe(8, 9.0)  # one row count says nothing about the price of a row
+    assert cost.ratio == pytest.approx(0.5)
+    for i in range(1000):  # a GPU: rows are free
+        cost.observe(8 + i % 6, 2.0)
+    assert cost.ratio == pytest.approx(0.0, abs=1e-6)
+    assert cost.threshold(8) == pytest.approx(0.5)
+    assert StepCost.fit([(1, 1.0), (1, 1.1)]).ratio == 1.0  # cannot tell: rows are dear
+
+
 class Oracle(PromptLookup):
     """Drafts the known greedy continuation, corrupting every ``spoil``-th token."""
 
@@ -61,6 +98,9 @@ class Oracle(PromptLookup):
         super().append(token)
         if hasattr(self, "prompt"):
             self.generated.append(token)
+
+    def worth(self, threshold: float) -> bool:
+        return True  # always verify: these tests are about verification
 
     def draft(self, limit: int) -> list[int]:
         want = self.expected.get(self.prompt, [])

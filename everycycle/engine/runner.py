@@ -23,6 +23,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ import numpy as np
 
 from ..errors import EverycycleError, InternalError, InvalidRequestError
 from ..protocol import Format, Message
-from .lookup import PromptLookup
+from .lookup import PromptLookup, StepCost
 from .memory import kv_type_id
 
 log = logging.getLogger(__name__)
@@ -206,6 +207,8 @@ class Runner:
         self.lookup_drafted = 0
         """Prompt-lookup draft tokens proposed, and those the model confirmed."""
         self.lookup_accepted = 0
+        self._cost = StepCost(1.0)
+        """What a batch row costs next to a step: whether drafts pay (set at load)."""
         cparams = L.llama_context_default_params()
         cparams.n_ctx = context * parallel
         cparams.n_batch = n_batch
@@ -506,6 +509,8 @@ class Runner:
         prompt, tail = toks[:-4], toks[-4:]
         batch = self._batch
 
+        timed: list[tuple[int, float]] = []
+
         def run(groups: list[list[int]]) -> list[np.ndarray]:
             L.llama_memory_seq_rm(self._mem, 0, -1, -1)
             pos = 0
@@ -514,8 +519,10 @@ class Runner:
                 for i, tok in enumerate(group):
                     self._put(batch, i, tok, pos + i, 0, True)
                 batch.n_tokens = len(group)
+                started = time.perf_counter()
                 if L.llama_decode(self._ctx, batch) != 0:
                     raise InternalError("llama_decode failed while loading")
+                timed.append((len(group), time.perf_counter() - started))
                 got.extend(np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, i),
                                                  shape=(self._n_vocab,)).copy()
                            for i in range(len(group)))
@@ -529,6 +536,7 @@ class Runner:
             return False
         finally:
             L.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        self._cost = StepCost.fit(timed[1:])  # the first decode also allocates
         return all(np.array_equal(a, b) for a, b in zip(alone, together, strict=True))
 
     def _start(self, job: Job) -> None:
@@ -675,22 +683,25 @@ class Runner:
                     s.n_past += 1
                     rows.append((s, n))
                     n += 1
+            threshold = self._cost.threshold(len(rows))
             for s, _ in rows:  # prompt-lookup drafts after every slot has its row
                 if s.lookup is None:
                     continue
                 assert s.job is not None
                 room = min(self._n_batch - n, self.n_ctx_slot - s.n_past,
                            s.job.max_tokens - s.job.n_generated - 1)
-                s.draft = s.lookup.draft(room)
+                s.draft = s.lookup.propose(room, threshold)
                 s.draft_row = n
                 for tok in s.draft:
                     self._put(batch, n, tok, s.n_past, s.seq, True)
                     s.cached.append(tok)
                     s.n_past += 1
                     n += 1
+            prefill = False
             for s in active:
                 if not s.todo or n >= self._n_batch:
                     continue
+                prefill = True
                 take = s.todo[: self._n_batch - n]
                 del s.todo[: len(take)]
                 for j, tok in enumerate(take):
@@ -705,7 +716,10 @@ class Runner:
                 self._safe_notify(out)
                 continue
             batch.n_tokens = n
+            started = time.perf_counter()
             rc = L.llama_decode(self._ctx, batch)
+            if rc == 0 and not prefill:
+                self._cost.observe(n, time.perf_counter() - started)
             if rc != 0:
                 err = InternalError(f"llama_decode returned {rc}")
                 for s in active:
