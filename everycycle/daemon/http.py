@@ -28,13 +28,12 @@ import json
 import math
 import struct
 import time
-from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import anyio.abc
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
@@ -42,6 +41,7 @@ from starlette.routing import Route
 
 from ..engine.grammar import JSON_OBJECT_SCHEMA
 from ..errors import EverycycleError, ProtocolError
+from ..mailbox import Mailbox
 from ..protocol import (
     Accepted,
     Embed,
@@ -109,25 +109,30 @@ def error_response(status: int, message: str, code: str | None = None,
 
 
 class _HttpPeer:
-    """The supervisor's view of one HTTP request: events into a memory stream."""
+    """The supervisor's view of one HTTP request: its events, queued for the handler."""
 
     allow_paths = False
 
     def __init__(self, principal: Principal) -> None:
         self.principal = principal
-        self.send: MemoryObjectSendStream[ServerEvent]
-        self.receive: MemoryObjectReceiveStream[ServerEvent]
-        self.send, self.receive = anyio.create_memory_object_stream[ServerEvent](math.inf)
+        self.box: Mailbox[ServerEvent] = Mailbox()
         self.outcome: Outcome | None = None
 
     def emit(self, event: ServerEvent) -> None:
-        try:
-            self.send.send_nowait(event)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass
+        self.box.put(event)
 
     def finished(self, outcome: Outcome) -> None:
         self.outcome = outcome
+
+    async def events(self) -> AsyncIterator[ServerEvent]:
+        """The request's events as they come, until the box is closed."""
+        while True:
+            try:
+                batch = await self.box.take()
+            except anyio.EndOfStream:
+                return
+            for event in batch:
+                yield event
 
 
 def _finish_reason(outcome: Outcome | None) -> str:
@@ -245,8 +250,7 @@ class _Generation:
                 tg.cancel_scope.cancel()
         finally:
             sup.disconnect(peer)
-            peer.send.close()
-            peer.receive.close()
+            peer.box.close()
 
     def _headers(self, content_type: str, length: int | None = None
                  ) -> list[tuple[bytes, bytes]]:
@@ -268,7 +272,7 @@ class _Generation:
 
     async def _collect(self, peer: _HttpPeer, send: Send) -> None:
         text: list[str] = []
-        async for event in peer.receive:
+        async for event in peer.events():
             if isinstance(event, Error):
                 await self._error(send, event, peer.outcome)
                 return
@@ -295,7 +299,7 @@ class _Generation:
         async def write(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        async for event in peer.receive:
+        async for event in peer.events():
             if isinstance(event, Error) and not started:
                 await self._error(send, event, peer.outcome)
                 return
