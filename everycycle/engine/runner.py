@@ -252,12 +252,15 @@ class Runner:
         self._one_candidate = _OneCandidate(L)
         self._template_raw = False
         self._template = self._chat_template()
-        self.lookup_exact = self._batch_is_exact()
+        self.lookup_exact = False
         """Whether this model, on this build and device, gives each token the same logits
         in a multi-row batch as alone: then prompt-lookup drafts change nothing but speed,
-        and greedy jobs use them by default."""
-        self._thread = threading.Thread(target=self._run, name=f"engine:{path.name}", daemon=True)
+        and greedy jobs use them by default. (Probed on the engine thread at start.)"""
+        probed = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(probed,),
+                                        name=f"engine:{path.name}", daemon=True)
         self._thread.start()
+        probed.wait()
 
     # ------------------------------------------------------------------ any thread
 
@@ -618,7 +621,18 @@ class Runner:
         slot.held_text, slot.held_ids = "", []
         return False
 
-    def _run(self) -> None:
+    def _run(self, probed: threading.Event) -> None:
+        # Every llama_decode of this context runs on this thread, the load-time probe
+        # too. OpenMP keeps a thread pool per calling thread: a decode on another thread
+        # would leave a second pool, and with more OpenMP threads than cores libgomp
+        # stops spinning at its barriers and sleeps at every one (SmolLM2 on 2 cores:
+        # ~150 futex sleeps per token, 25% slower).
+        try:
+            self.lookup_exact = self._batch_is_exact()
+        except Exception:
+            log.exception("probing batched decoding failed for %s", self.path)
+        finally:
+            probed.set()
         try:
             self._loop()
         except BaseException as exc:  # the thread must report, never vanish silently
