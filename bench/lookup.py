@@ -4,7 +4,8 @@ speculative decoding, on copy-heavy tasks and on free generation, in one run.
 For each model and task, one greedy stream (one slot, 2 threads): our daemon with
 `speculative` off and on (checking the two outputs are identical), then llama-server
 from the same vendored llama.cpp with `--spec-type none`, `ngram-simple`, `ngram-mod`
-and `ngram-map-k` (its tok/s from its own `timings`). Rounds alternate; best shown.
+and `ngram-map-k`, each streamed and timed here from the first token to the last, as
+ours (its tokens counted by its own `timings`). Rounds alternate; best shown.
 
     .venv/bin/python bench/lookup.py --llama-server PATH [-n 200] [--rounds 2]
 """
@@ -72,20 +73,35 @@ def ours(c: SyncClient, model: str, text: str, n: int, speculative: bool
 
 
 def theirs(port: int, model: str, text: str, n: int) -> tuple[float, int, int]:
+    """llama-server's decode tok/s timed here, as ours: streamed, first token to last
+    (its own server-side ``timings`` leave out the HTTP stream), and its draft counts."""
     if model in CHAT:
         path, body = "/v1/chat/completions", {
             "messages": [{"role": "user", "content": text}], "max_tokens": n}
     else:
         path, body = "/completion", {"prompt": f"{text}\n\n", "n_predict": n}
-    body |= {"temperature": 0.0, "top_k": 1, "cache_prompt": False}
+    body |= {"temperature": 0.0, "top_k": 1, "cache_prompt": False, "stream": True}
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
                                  data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
+    first = last = 0.0
+    timings: dict[str, float] = {}
     with urllib.request.urlopen(req, timeout=600) as r:
-        data = json.loads(r.read())
-    t = data.get("timings", {})
-    return (float(t.get("predicted_per_second", float("nan"))), int(t.get("draft_n", 0)),
-            int(t.get("draft_n_accepted", 0)))
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            timings = ev.get("timings") or timings
+            piece = (ev["choices"][0]["delta"].get("content") if ev.get("choices")
+                     else ev.get("content"))
+            if piece:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+    tokens = int(timings.get("predicted_n", 0))
+    rate = (tokens - 1) / (last - first) if last > first and tokens > 1 else float("nan")
+    return rate, int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0))
 
 
 def main() -> None:
