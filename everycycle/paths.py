@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+import warnings
 from pathlib import Path
 
 import platformdirs
@@ -28,7 +29,12 @@ def runtime_dir() -> Path:
     home = _home()
     if home is not None:
         return home / "run"
-    return Path(platformdirs.user_runtime_dir(APP))
+    with warnings.catch_warnings():
+        # Without XDG_RUNTIME_DIR (containers, su, cron) platformdirs warns on every
+        # call, on the user's stderr, and falls back to /tmp/runtime-UID: a fine place,
+        # kept private by ensure_private_dir.
+        warnings.simplefilter("ignore")
+        return Path(platformdirs.user_runtime_dir(APP))
 
 
 def socket_path() -> Path:

@@ -307,3 +307,14 @@ def test_models_says_which_are_chat_and_which_complete(models_file: Path) -> Non
     rows = json.loads(ec("models", "--json").stdout)
     kinds = {r["name"]: r["kind"] for r in rows}
     assert kinds["smollm2-135m"] == "chat" and kinds["gemma-3-270m"] == "completion"
+
+
+def test_no_xdg_runtime_dir_is_not_a_warning_on_stderr(tmp_path: Path) -> None:
+    # As root in a container, or under su or cron: platformdirs warns on every call.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XDG_RUNTIME_DIR", "EVERYCYCLE_HOME", "EVERYCYCLE_SOCKET")}
+    out = subprocess.run([sys.executable, "-W", "default", "-c",
+                          "from everycycle import paths; print(paths.socket_path())"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stderr == ""
+    assert out.stdout.strip().endswith("everycycle.sock")
