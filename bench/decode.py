@@ -74,8 +74,7 @@ def engine(path: Path, prompt: list[int], n: int, threads: int) -> float:
                 done.set()
 
     runner = Runner(path, context=4096, parallel=1, notify=notify, n_threads=threads)
-    job = Job(tokens=prompt, max_tokens=n + 1, sampling=Sampling(temperature=0.0),
-              lookup=os.environ.get("EC_LOOKUP", "1") == "1")
+    job = Job(tokens=prompt, max_tokens=n + 1, sampling=Sampling(temperature=0.0))
     runner.submit(job)
     done.wait()
     elapsed = time.perf_counter() - first[0]  # from the first token, as the raw loop
