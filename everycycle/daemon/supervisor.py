@@ -236,6 +236,8 @@ class Supervisor:
         self.hostname = socket.gethostname()
         self.http_address: str | None = None
         self.closing = False
+        self._all_ended: anyio.Event | None = None
+        """Set when the last request ends while ``close`` waits for them."""
 
     # ------------------------------------------------------------------ lifetime
 
@@ -260,13 +262,24 @@ class Supervisor:
             with anyio.CancelScope(shield=True):
                 await self.close()
 
+    CLOSE_WAIT_S = 10.0
+    """How long ``close`` waits for requests still in admission to end."""
+
     async def close(self) -> None:
-        """Cancel everything ("daemon shutting down") and unload all models."""
+        """Cancel everything ("daemon shutting down") and unload all models; return once
+        every request has had its terminal event (or after CLOSE_WAIT_S)."""
         self.closing = True
         for active in list(self._active.values()):
             self._cancel(active, "daemon shutting down")
         for name in list(self._models):
             await self._unload(name, "daemon shutting down")
+        # A request still being admitted (tokenizing on a worker thread, or waiting for
+        # the one ahead of it) ends when its admission finishes; the listeners close
+        # their connections once this returns, so its Cancelled event must come first.
+        if self._active:
+            self._all_ended = anyio.Event()
+            with anyio.move_on_after(self.CLOSE_WAIT_S):
+                await self._all_ended.wait()
 
     # ------------------------------------------------------------------ dispatch
 
@@ -612,6 +625,8 @@ class Supervisor:
         if self._active.get(rid) is not active:
             return
         del self._active[rid]
+        if not self._active and self._all_ended is not None:
+            self._all_ended.set()
         if active.deadline is not None:
             active.deadline.cancel()
         model = active.home
