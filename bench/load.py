@@ -6,7 +6,7 @@ aggregate decode tok/s, time to first token p50/p95, and the ratio. Also measure
 daemon's single-stream TTFT against the embedded path, and what a follow-up prompt
 that extends a previous one costs to prefill.
 
-    .venv/bin/python bench/load.py -k 4 -n 128 [--llama-server PATH] [--model PATH]
+    .venv/bin/python bench/load.py -k 4 -n 128 [--llama-server PATH] [--model PATH ...]
 """
 
 from __future__ import annotations
@@ -264,7 +264,8 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=4, help="concurrent streams")
     ap.add_argument("-n", type=int, default=128, help="tokens per stream")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--model", type=Path)
+    ap.add_argument("--model", type=Path, action="append",
+                    help="a GGUF (repeat for several, one after another; default gemma-3-270m)")
     ap.add_argument("--llama-server", type=Path)
     ap.add_argument("--ttft-samples", type=int, default=10)
     ap.add_argument("--threads", type=int,
@@ -276,7 +277,12 @@ def main() -> None:
     ap.add_argument("--ngl", type=int, default=0,
                     help="llama-server's -ngl (99 on a GPU; the daemon places by itself)")
     args = ap.parse_args()
-    model = args.model or local_file(load_registry().get("gemma-3-270m"))
+    for model in args.model or [local_file(load_registry().get("gemma-3-270m"))]:
+        bench_model(model, args)
+
+
+def bench_model(model: Path, args: argparse.Namespace) -> None:
+    """One model: its own daemon (and llama-server), every figure printed."""
     threads = os.cpu_count() or 1
     home = Path(tempfile.mkdtemp(prefix="ecb", dir="/tmp"))
     models = home / "models.toml"
