@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -166,3 +167,20 @@ def cancel_mid_stream(c: SyncClient, model: str, request_id: str,
                 c.cancel(request_id)
         last = event
     return last
+
+
+def require_executor(name: str, required_by: str, missing: str, skip: str) -> Any:
+    """The executor ``name`` from discovery. Without it: fail when the environment
+    variable ``required_by`` is 1 (the job that must run these tests), else skip."""
+    import os
+
+    import pytest
+
+    from everycycle.engine import executors as ex
+
+    found = {e.name: e for e in ex.discover()}
+    if name not in found:
+        if os.environ.get(required_by) == "1":
+            pytest.fail(f"{missing} (executors: {sorted(found)})")
+        pytest.skip(skip)
+    return found[name]

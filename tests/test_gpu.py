@@ -6,13 +6,12 @@ Skipped where this llama.cpp build has no CUDA device; with EVERYCYCLE_REQUIRE_G
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import SpawnDaemon
-from daemonhelp import cancel_mid_stream, greedy_ids
+from daemonhelp import cancel_mid_stream, greedy_ids, require_executor
 
 from everycycle.client import SyncClient
 from everycycle.engine import executors as ex
@@ -23,12 +22,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def cuda() -> ex.Executor:
-    found = {e.name: e for e in ex.discover()}
-    if "cuda" not in found:
-        if os.environ.get("EVERYCYCLE_REQUIRE_GPU") == "1":
-            pytest.fail(f"no CUDA executor (executors: {sorted(found)})")
-        pytest.skip("no CUDA executor in this llama.cpp build: bench/gpu_check.sh runs these")
-    return found["cuda"]
+    executor: ex.Executor = require_executor(
+        "cuda", "EVERYCYCLE_REQUIRE_GPU", "no CUDA executor",
+        "no CUDA executor in this llama.cpp build: bench/gpu_check.sh runs these")
+    return executor
 
 
 @pytest.fixture

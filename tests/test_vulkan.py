@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SpawnDaemon
-from daemonhelp import EC, cancel_mid_stream, greedy_ids
+from daemonhelp import EC, cancel_mid_stream, greedy_ids, require_executor
 from tinymodel import write_tiny_gguf
 
 from everycycle.client import SyncClient
@@ -29,14 +29,13 @@ pytestmark = pytest.mark.vulkan
 
 @pytest.fixture(scope="module")
 def vulkan() -> ex.Executor:
-    found = {e.name: e for e in ex.discover()}
-    if "vulkan" not in found:
-        if os.environ.get("EVERYCYCLE_REQUIRE_VULKAN") == "1":
-            pytest.fail("the Vulkan job needs a Vulkan executor, and discovery found none "
-                        f"(executors: {sorted(found)}); is GGML_VK_VISIBLE_DEVICES=0 set?")
-        pytest.skip("no Vulkan executor in this llama.cpp build: the Vulkan job "
-                    "(.ci/run, .ci/vulkan-venv) runs these")
-    return found["vulkan"]
+    executor: ex.Executor = require_executor(
+        "vulkan", "EVERYCYCLE_REQUIRE_VULKAN",
+        "the Vulkan job needs a Vulkan executor, and discovery found none; "
+        "is GGML_VK_VISIBLE_DEVICES=0 set?",
+        "no Vulkan executor in this llama.cpp build: the Vulkan job (.ci/run, "
+        ".ci/vulkan-venv) runs these")
+    return executor
 
 
 @pytest.fixture(scope="module")
