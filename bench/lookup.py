@@ -122,8 +122,9 @@ def main() -> None:
     toml = home / "models.toml"
     toml.write_text("".join(f'[models.{n}]\npath = "{p}"\ncontext = 4096\nparallel = 1\n'
                             for n, p in paths.items()))
-    daemon = subprocess.Popen([sys.executable, "-m", "everycycle", "daemon", "--models",
-                               str(toml)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = (home / "daemon.log").open("wb")  # kept: what the daemon said, if it fails
+    daemon = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "everycycle", "daemon", "--models",
+                               str(toml)], stdout=subprocess.DEVNULL, stderr=log)
     sock = home / "run" / "everycycle.sock"
     spec_types = ["none", "ngram-simple", "ngram-mod", "ngram-map-k"]
     print(f"greedy, one stream, {args.n} tokens at most, {threads} threads, "

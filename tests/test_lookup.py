@@ -36,50 +36,79 @@ def test_drafts_come_from_the_last_ngram_seen_before() -> None:
     lk.append(7)  # ... 5 6 7: seen at the start, followed by 8 9 1
     assert lk.draft(3) == [8, 9, 1]
     assert lk.draft(1) == [8]
+    assert lk.draft(0) == []
+    assert lk.rate == 0.5  # an even start
     lk.verified(3, 3)
-    assert lk.k == 6
+    assert lk.rate > 0.8
     lk.verified(6, 1)
-    assert lk.k == 2 and (lk.drafted, lk.accepted) == (9, 4)
-    for _ in range(20):
-        lk.verified(lk.k, lk.k)
-    assert lk.k == MAX_DRAFT
+    assert 0.5 < lk.rate < 0.8 and (lk.drafted, lk.accepted) == (9, 4)
+    for _ in range(4):
+        lk.verified(4, 0)  # the text stopped copying: the rate falls within a few drafts
+    assert lk.rate < 0.4
+
+
+def test_the_length_comes_from_the_cost_and_the_rate() -> None:
+    lk = PromptLookup([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3])
+    asked: list[tuple[float, int]] = []
+
+    def length(rate: float, available: int) -> int:
+        asked.append((rate, available))
+        return 2
+
+    assert lk.propose(10, length) == [4, 5]
+    assert asked == [(0.5, 8)]  # 4 5 6 7 8 1 2 3 is all there is
+    assert lk.propose(3, length) == [4, 5]
+    assert asked[-1] == (0.5, 3)
+    assert lk.propose(100, lambda rate, available: available) == [4, 5, 6, 7, 8, 1, 2, 3]
 
 
 def test_a_draft_that_does_not_pay_is_predicted_and_checked_for_free() -> None:
     lk = PromptLookup([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
-    assert lk.propose(10, threshold=0.4) == [4, 5, 6, 7]  # an even start: 0.5 > 0.4
     lk.verified(4, 0)
     lk.verified(1, 0)
-    assert lk.rate < 0.5 and lk.k == 1
-    assert lk.propose(10, threshold=0.5) == []  # predicted instead: [4]
+    low = lk.rate
+    never = lambda rate, available: 0
+    assert lk.propose(10, never) == []  # predicted instead: 4 5 6 7 1 2 3
+    assert lk.propose(10, lambda r, a: a) == []  # still checking that prediction
     assert lk.drafted == 5  # predictions are not drafts
     for t in (4, 5, 6, 7, 1, 2, 3):  # the text copies: each prediction comes true
         lk.append(t)
-        lk.propose(10, threshold=0.5)
-    assert lk.rate > 0.5
-    assert lk.propose(10, threshold=0.5) != []  # worth verifying again
+        lk.propose(10, never)
+    assert lk.rate > max(low, 0.8) and lk.drafted == 5
     lk2 = PromptLookup([1, 2, 3, 4, 1, 2, 3])
-    lk2.verified(3, 0)
-    assert lk2.propose(10, threshold=0.9) == []  # predicts [4]
-    lk2.append(9)  # wrong: the prediction settles as 0 of 1
-    assert lk2.rate < 0.3 and lk2.drafted == 3
+    assert lk2.propose(10, never) == []  # predicts 4 1 2 3
+    lk2.append(9)  # wrong at once: the prediction settles as 0 of 4
+    assert lk2.rate < 0.5 and lk2.drafted == 0
+    assert lk2.propose(10, lambda r, a: a) == []  # 2 3 9: never seen
 
 
-def test_step_cost_fits_the_row_price_and_says_when_drafts_pay() -> None:
-    cost = StepCost.fit([(1, 1.5), (4, 3.0), (8, 5.0), (1, 1.5)])  # 1 + 0.5·rows
-    assert cost.ratio == pytest.approx(0.5)
-    # break-even: a row costs a third of a one-row step; then half the headroom above
-    assert cost.threshold(1) == pytest.approx(1 / 3 + (1 - 1 / 3) / 2)
-    assert cost.threshold(8) > 1  # rows are dear and shared by 8: never draft
-    assert cost.threshold(2) == pytest.approx(0.5 + 0.5 / 2)  # break-even 1/2: allowed
-    for _ in range(50):
-        cost.observe(8, 9.0)  # one row count says nothing about the price of a row
-    assert cost.ratio == pytest.approx(0.5)
-    for i in range(1000):  # a GPU: rows are free
-        cost.observe(8 + i % 6, 2.0)
-    assert cost.ratio == pytest.approx(0.0, abs=1e-6)
-    assert cost.threshold(8) == pytest.approx(0.5)
-    assert StepCost.fit([(1, 1.0), (1, 1.1)]).ratio == 1.0  # cannot tell: rows are dear
+def test_step_cost_by_row_count() -> None:
+    ms = 1e-3
+    cost = StepCost.fit([(1, 15 * ms), (1, 14 * ms), (1, 90 * ms), (2, 25 * ms),
+                         (4, 33 * ms), (8, 57 * ms)])
+    assert cost.estimate(1) == pytest.approx(15 * ms)  # a median: 90 ms was noise
+    assert cost.estimate(3) == pytest.approx(29 * ms)  # between the row counts seen
+    assert cost.estimate(12) == pytest.approx(81 * ms)  # the slope from 4 to 8 rows
+    # A CPU (rows nearly as dear as a step): a draft pays only on text that copies.
+    assert cost.draft_len(1, 1.0, 0.5, 10) == 0
+    assert 2 <= cost.draft_len(1, 1.0, 0.9, 10) <= 6
+    assert cost.draft_len(8, 8.0, 0.9, 10) == 0  # a row is worth an eighth of a step
+    # Blocks: 4 rows cost less than 3 (repacked kernels); then a draft of 3 wins.
+    for _ in range(5):
+        cost.observe(3, 45 * ms)
+    assert cost.draft_len(1, 1.0, 0.8, 3) == 3
+    # A GPU: the step takes as long for 1 row as for 17; drafts are long.
+    gpu = StepCost.fit([(1, 5 * ms), (4, 5 * ms), (8, 5.1 * ms), (17, 5.2 * ms)])
+    assert gpu.draft_len(1, 1.0, 0.9, 16) == 16
+    assert gpu.draft_len(1, 1.0, 0.5, 16) >= 4  # the tail of a long draft adds little
+    assert gpu.draft_len(8, 8.0, 0.5, 16) >= 4
+    assert StepCost().draft_len(1, 1.0, 0.99, 16) == 0  # nothing measured: no drafts
+    one = StepCost.fit([(1, 10 * ms)])  # one row count: assume rows cost as much
+    assert one.estimate(3) == pytest.approx(30 * ms)
+    for i in range(5000):  # a long-running engine: the table grows only as asked
+        one.observe(1 + i % 9, 10 * ms)
+        one.draft_len(1 + i % 9, 1.0, 0.9, 16)
+    assert len(one._table) <= 128
 
 
 class Oracle(PromptLookup):
@@ -99,13 +128,13 @@ class Oracle(PromptLookup):
         if hasattr(self, "prompt"):
             self.generated.append(token)
 
-    def worth(self, threshold: float) -> bool:
-        return True  # always verify: these tests are about verification
+    def propose(self, limit: int, length: Callable[[float, int], int]) -> list[int]:
+        return self.draft(min(limit, MAX_DRAFT))  # always verify: these tests are about it
 
     def draft(self, limit: int) -> list[int]:
         want = self.expected.get(self.prompt, [])
         pos = len(self.generated)
-        out = list(want[pos:pos + min(self.k, limit)])
+        out = list(want[pos:pos + limit])
         for i in range(len(out)):
             self.made += 1
             if self.spoil and self.made % self.spoil == 0:

@@ -3,47 +3,58 @@ earlier in the prompt or the text generated so far, and proposing what followed 
 
 Pure bookkeeping (no llama.cpp): the runner verifies every draft with the model itself
 in the same batch, so a wrong guess costs a few batch rows and never changes the
-output. The draft length adapts per sequence: it grows while drafts are accepted
-whole and shrinks to what was accepted.
+output.
 
-A draft is only worth its rows where the rows are cheap next to the step. On a GPU a
-step costs about the same for 1 row or 20; on a CPU each row costs nearly as much as
-the step's fixed part, and with several sequences decoding at once a wrong draft
-slows every one of them. ``StepCost`` fits a step's time as ``c0 + c1·rows`` and says
-what fraction of drafted tokens must be accepted to pay for them; a sequence whose
-recent acceptance rate is below that only *predicts* its draft and checks it against
-the tokens it then generates (free), so that it starts drafting again as soon as its
-text starts to copy.
+How long a draft should be depends on two things, both measured, never assumed:
+- how well this sequence copies: the chance that a drafted token is right given that
+  the ones before it were (``PromptLookup.rate``, from its recent drafts);
+- what a batch row costs (``StepCost``: the engine's step time by row count). On a GPU
+  a step costs about the same for 1 row or 30; on a CPU each row costs nearly as much
+  as a one-row step, and some kernels work in blocks of rows (gemma-3's Q4_K on
+  ggml-cpu: 4 rows cost less than 3).
+``StepCost.draft_len`` picks the length that gives the most expected tokens per second
+of the step; none at all where no length beats not drafting. A sequence that does not
+draft still *predicts* its draft and checks it against the tokens it then generates
+(free), so its rate stays current and it starts drafting as soon as its text copies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections import deque
+from collections.abc import Callable, Sequence
 
 NGRAM = 3
-MAX_DRAFT = 10
-RATE_DECAY = 0.8
-"""How fast a sequence forgets old drafts' outcomes (per draft, verified or predicted)."""
+MAX_DRAFT = 16
+DECAY = 0.9
+"""Per drafted token: how fast a sequence forgets how well its older drafts did."""
+
+
+def expected_accepted(rate: float, length: int) -> float:
+    """The expected number of draft tokens accepted from a draft of ``length`` whose
+    tokens are each right with probability ``rate`` given the ones before were."""
+    total, p = 0.0, 1.0
+    for _ in range(length):
+        p *= rate
+        total += p
+    return total
 
 
 class PromptLookup:
     """One sequence's n-gram index: the most recent continuation of each n-gram."""
 
-    __slots__ = ("_hits", "_index", "_predicted", "_tokens", "_weight_accepted",
-                 "_weight_drafted", "accepted", "drafted", "k")
+    __slots__ = ("_hits", "_index", "_predicted", "_right", "_tokens", "_tried",
+                 "accepted", "drafted")
 
     def __init__(self, tokens: Sequence[int]) -> None:
         self._tokens: list[int] = []
         self._index: dict[tuple[int, ...], int] = {}
-        self.k = 4
-        """The longest draft to propose next."""
         self.drafted = 0
         """Draft tokens verified in a batch, and those the model confirmed."""
         self.accepted = 0
-        # The recent acceptance rate (verified and predicted drafts), from an even
-        # start: where rows are cheap a sequence drafts from its first step; where
-        # they are dear its first drafts are predictions, which cost nothing.
-        self._weight_accepted, self._weight_drafted = 1.0, 2.0
+        # Drafted tokens tried (each one after an accepted one) and right, decayed: an
+        # even start, weighing one token, so the first draft or prediction decides.
+        self._right, self._tried = 0.5, 1.0
         self._predicted: list[int] = []
         """A draft not verified (not worth its rows), checked against what follows."""
         self._hits = 0
@@ -52,8 +63,9 @@ class PromptLookup:
 
     @property
     def rate(self) -> float:
-        """The fraction of recently drafted tokens that were (or would have been) right."""
-        return self._weight_accepted / self._weight_drafted
+        """The chance that a drafted token is right given the ones before it were, from
+        recent drafts (verified and predicted)."""
+        return self._right / self._tried
 
     def append(self, token: int) -> None:
         """``token`` is now the sequence's last (prompt, or generated and accepted)."""
@@ -72,28 +84,27 @@ class PromptLookup:
             self._learn(len(predicted), self._hits)
 
     def draft(self, limit: int) -> list[int]:
-        """Up to ``min(k, limit)`` tokens that followed the last n-gram before; [] if none."""
+        """Up to ``limit`` tokens that followed the last n-gram before; [] if none."""
         toks = self._tokens
-        k = min(self.k, limit)
-        if k <= 0 or len(toks) < NGRAM:
+        if limit <= 0 or len(toks) < NGRAM:
             return []
         start = self._index.get(tuple(toks[-NGRAM:]))
         if start is None:
             return []
-        return toks[start:start + k]
+        return toks[start:start + limit]
 
-    def worth(self, threshold: float) -> bool:
-        """Whether drafts pay here: the acceptance rate beats ``threshold``."""
-        return self.rate > threshold
-
-    def propose(self, limit: int, threshold: float) -> list[int]:
-        """A draft to verify in this step, or []: none found, or one not worth its rows
-        at ``threshold`` (StepCost.threshold), which is then predicted instead."""
+    def propose(self, limit: int, length: Callable[[float, int], int]) -> list[int]:
+        """A draft to verify in this step, or []. ``length(rate, available)`` says how
+        many of the available draft tokens are worth their rows (StepCost.draft_len);
+        a draft not worth any is predicted instead."""
         if self._predicted:
             return []  # still checking a prediction
-        draft = self.draft(limit)
-        if not draft or self.worth(threshold):
-            return draft
+        draft = self.draft(min(limit, MAX_DRAFT))
+        if not draft:
+            return []
+        n = length(self.rate, len(draft))
+        if n > 0:
+            return draft[:n]
         self._predicted, self._hits = draft, 0
         return []
 
@@ -104,85 +115,96 @@ class PromptLookup:
         self._learn(drafted, accepted)
 
     def _learn(self, drafted: int, accepted: int) -> None:
-        self._weight_accepted = RATE_DECAY * self._weight_accepted + accepted
-        self._weight_drafted = RATE_DECAY * self._weight_drafted + drafted
-        if accepted == drafted:
-            self.k = min(MAX_DRAFT, self.k + 2)
-        else:
-            self.k = max(1, accepted + 1)
+        keep = DECAY ** accepted  # each right token: one more try, one more right
+        gained = (1.0 - keep) / (1.0 - DECAY)
+        self._right = keep * self._right + gained
+        self._tried = keep * self._tried + gained
+        if accepted < drafted:  # and the first wrong one: one more try
+            self._right *= DECAY
+            self._tried = DECAY * self._tried + 1.0
 
 
 class StepCost:
-    """A decode step's time as ``c0 + c1·rows``: the ratio ``c1/c0`` from a probe at
-    load, refitted from the engine's own steps once their row counts vary (least
-    squares, older steps forgotten)."""
+    """A decode step's time by its row count: the median of the last few steps seen
+    with that many rows (the load probe's, then the engine's own), interpolated
+    between row counts seen and extended past the largest at the last known slope."""
 
-    DECAY = 0.995
-    MIN_SPREAD = 1.0
-    """The row-count variance (rows²) below which the steps say nothing about c1."""
+    KEEP = 5
+    """Steps remembered per row count (a median of them: one slow step is noise)."""
+    MARGIN = 0.05
+    """How much more a draft must promise than no draft (the estimates are noisy)."""
 
-    def __init__(self, ratio: float) -> None:
-        self.ratio = max(0.0, ratio)
-        """c1/c0: the cost of one more row, in units of the step's fixed cost."""
-        self._w = self._n = self._t = self._nn = self._nt = 0.0
+    def __init__(self) -> None:
+        self._seen: dict[int, deque[float]] = {}
+        self._table: list[float] = []
+        """Seconds for a step of ``i`` rows at index ``i`` (index 0 unused)."""
+        self._stale = 0
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, float]]) -> StepCost:
-        """From (rows, seconds) probe samples; a ratio of 1 (rows are dear) if they
-        cannot tell."""
-        cost = cls(1.0)
+        """From (rows, seconds) probe samples."""
+        cost = cls()
         for rows, seconds in samples:
-            cost._add(rows, seconds, 1.0)
-        fitted = cost._ratio()
-        cost.ratio = fitted if fitted is not None else 1.0
-        cost._w = cost._n = cost._t = cost._nn = cost._nt = 0.0
+            cost.observe(rows, seconds)
         return cost
 
     def observe(self, rows: int, seconds: float) -> None:
         """A step of ``rows`` rows (all with logits, no prompt) took ``seconds``."""
-        self._add(rows, seconds, self.DECAY)
-        fitted = self._ratio()
-        if fitted is not None:
-            self.ratio = fitted
+        seen = self._seen.get(rows)
+        if seen is None:
+            seen = self._seen[rows] = deque(maxlen=self.KEEP)
+            self._stale = self.KEEP  # a new row count: rebuild at once
+        seen.append(seconds)
+        self._stale += 1
 
-    def _add(self, rows: int, seconds: float, decay: float) -> None:
-        self._w = decay * self._w + 1.0
-        self._n = decay * self._n + rows
-        self._t = decay * self._t + seconds
-        self._nn = decay * self._nn + rows * rows
-        self._nt = decay * self._nt + rows * seconds
+    def estimate(self, rows: int) -> float | None:
+        """The expected seconds for a step of ``rows`` rows; None before any step."""
+        if self._stale >= self.KEEP or len(self._table) <= rows:
+            self._rebuild(rows)
+        return self._table[rows] if self._table else None
 
-    def _ratio(self) -> float | None:
-        if self._w <= 0:
-            return None
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        spread = self._nn / self._w - mean_n * mean_n
-        if spread < self.MIN_SPREAD:
-            return None
-        c1 = max(0.0, (self._nt / self._w - mean_n * mean_t) / spread)
-        c0 = mean_t - c1 * mean_n
-        if c0 <= 0:
-            return 1e9 if c1 > 0 else 0.0  # all cost is per row: drafts never pay
-        return c1 / c0
+    def draft_len(self, rows: int, tokens: float, rate: float, available: int) -> int:
+        """How many draft tokens to add to a step that already has ``rows`` rows and
+        is expected to yield ``tokens`` tokens: the length with the most expected tokens
+        per second, each draft token right with probability ``rate`` given the ones
+        before it were; 0 if none beats no draft by MARGIN."""
+        base = self.estimate(rows + available)  # makes the table long enough
+        if base is None:
+            return 0
+        table = self._table
+        best_len, best = 0, tokens / table[rows] * (1.0 + self.MARGIN)
+        gain, p = 0.0, 1.0
+        for d in range(1, available + 1):
+            p *= rate
+            gain += p
+            speed = (tokens + gain) / table[rows + d]
+            if speed > best:
+                best_len, best = d, speed
+        return best_len
 
-    MARGIN = 0.5
-    """The share of the headroom above break-even that a draft must also clear."""
-
-    def threshold(self, slots: int) -> float:
-        """The acceptance rate that drafting must beat with ``slots`` sequences each
-        taking one row per step.
-
-        Break-even is ``slots·c1 / (c0 + slots·c1)``: one more row costs c1, and an
-        accepted token saves the per-token share of a step, (c0 + c1·slots)/slots.
-        Near break-even the gain is small and the risk is not (a noisy cost
-        estimate), so a draft must clear break-even by half of what is left above it.
-        And where rows are dear (break-even above one half: a CPU) and other sequences
-        share the step, a draft mostly moves time from them to this one: their steps
-        get slower, and a sequence that finishes early does not make them finish any
-        sooner. Then there is no draft at all (a threshold above 1).
-        """
-        per_row = slots * self.ratio
-        even = per_row / (1.0 + per_row)
-        if slots > 1 and even > 0.5:
-            return 2.0
-        return even + self.MARGIN * (1.0 - even)
+    def _rebuild(self, rows: int) -> None:
+        self._stale = 0
+        if not self._seen:
+            return
+        xs = sorted(self._seen)
+        ys = [sorted(self._seen[x])[len(self._seen[x]) // 2] for x in xs]
+        size = len(self._table) or 65
+        while size <= max(rows, xs[-1]):  # grown only as far as asked (doubling)
+            size *= 2
+        if len(xs) > 1:
+            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+        else:
+            slope = ys[0] / xs[0]  # one row count seen: assume every row costs as much
+        table = [0.0] * size
+        for n in range(1, size):
+            i = bisect.bisect_left(xs, n)
+            if i < len(xs) and xs[i] == n:
+                table[n] = ys[i]
+            elif i == 0:  # fewer rows than any seen: no cheaper than the smallest
+                table[n] = ys[0]
+            elif i == len(xs):
+                table[n] = ys[-1] + slope * (n - xs[-1])
+            else:
+                x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+                table[n] = y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+        self._table = table

@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from ..errors import EverycycleError, InternalError, InvalidRequestError
 from ..protocol import Format, Message
-from .lookup import PromptLookup, StepCost
+from .lookup import PromptLookup, StepCost, expected_accepted
 from .memory import kv_type_id
 
 log = logging.getLogger(__name__)
@@ -207,8 +208,8 @@ class Runner:
         self.lookup_drafted = 0
         """Prompt-lookup draft tokens proposed, and those the model confirmed."""
         self.lookup_accepted = 0
-        self._cost = StepCost(1.0)
-        """What a batch row costs next to a step: whether drafts pay (set at load)."""
+        self._cost = StepCost()
+        """A step's time by row count: how long a draft pays (probed at load)."""
         cparams = L.llama_context_default_params()
         cparams.n_ctx = context * parallel
         cparams.n_batch = n_batch
@@ -501,8 +502,8 @@ class Runner:
     # ------------------------------------------------------------------ engine thread
 
     def _batch_is_exact(self) -> bool:
-        """Decode a few tokens one at a time, then as one batch (as a draft is verified),
-        and compare the logits bit for bit. (Some llama.cpp kernels round differently for
+        """Decode a few tokens one at a time, then as one batch and as two (as drafts
+        are verified), and compare the logits bit for bit. (Some llama.cpp kernels round differently for
         several rows than for one: gemma-3 Q4_K_M on ggml-cpu does.)"""
         L = self._L
         toks = self._tokenize("The quick brown fox jumps over the lazy dog again and again",
@@ -535,12 +536,16 @@ class Runner:
         try:
             alone = run([prompt] + [[t] for t in tail])
             together = run([prompt, tail])
+            pairs = run([prompt, tail[:2], tail[2:]])
         except InternalError:
             return False
         finally:
             L.llama_memory_seq_rm(self._mem, 0, -1, -1)
-        self._cost = StepCost.fit(timed[1:])  # the first decode also allocates
-        return all(np.array_equal(a, b) for a, b in zip(alone, together, strict=True))
+        # The timings (every row with logits, as a draft's) seed the step cost by row
+        # count; the first decode also allocates.
+        self._cost = StepCost.fit(timed[1:])
+        return all(np.array_equal(a, b) and np.array_equal(a, c)
+                   for a, b, c in zip(alone, together, pairs, strict=True))
 
     def _start(self, job: Job) -> None:
         """Put ``job`` in the free slot whose cached tokens share the longest prefix."""
@@ -697,15 +702,17 @@ class Runner:
                     s.n_past += 1
                     rows.append((s, n))
                     n += 1
-            threshold = self._cost.threshold(len(rows))
+            expected = float(len(rows))  # the tokens this step should yield
             for s, _ in rows:  # prompt-lookup drafts after every slot has its row
                 if s.lookup is None:
                     continue
                 assert s.job is not None
                 room = min(self._n_batch - n, self.n_ctx_slot - s.n_past,
                            s.job.max_tokens - s.job.n_generated - 1)
-                s.draft = s.lookup.propose(room, threshold)
+                s.draft = s.lookup.propose(room, partial(self._cost.draft_len, n, expected))
                 s.draft_row = n
+                if s.draft:
+                    expected += expected_accepted(s.lookup.rate, len(s.draft))
                 for tok in s.draft:
                     self._put(batch, n, tok, s.n_past, s.seq, True)
                     s.cached.append(tok)
