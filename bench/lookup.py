@@ -5,7 +5,8 @@ For each model and task, one greedy stream (one slot, 2 threads): our daemon wit
 `speculative` off and on (checking the two outputs are identical), then llama-server
 from the same vendored llama.cpp with `--spec-type none`, `ngram-simple`, `ngram-mod`
 and `ngram-map-k`, each streamed and timed here from the first token to the last, as
-ours (its tokens counted by its own `timings`). Rounds alternate; best shown.
+ours (its tokens counted by its own `timings`). Rounds alternate; medians shown, and
+ours against the best of llama-server's n-gram types.
 
     .venv/bin/python bench/lookup.py --llama-server PATH [-n 200] [--rounds 2]
 """
@@ -25,6 +26,7 @@ import importlib.util
 import json
 import os
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -104,6 +106,12 @@ def theirs(port: int, model: str, text: str, n: int) -> tuple[float, int, int]:
     return rate, int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0))
 
 
+def lookup_counts(c: SyncClient, model: str) -> tuple[int, int]:
+    """The model's drafted tokens accepted and drafted so far, from the fleet view."""
+    m = next(m for m in c.describe_fleet().loaded_models if m.name == model)
+    return m.lookup_accepted, m.lookup_drafted
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-server", type=Path)
@@ -128,9 +136,10 @@ def main() -> None:
     sock = home / "run" / "everycycle.sock"
     spec_types = ["none", "ngram-simple", "ngram-mod", "ngram-map-k"]
     print(f"greedy, one stream, {args.n} tokens at most, {threads} threads, "
-          f"{args.rounds} alternating rounds (best shown); tok/s")
+          f"{args.rounds} alternating rounds (medians); tok/s; 'ours' is the drafted "
+          f"tokens accepted with lookup on, 'on/best' ours against the best n-gram type")
     header = (f"{'model':14} {'task':12} {'off':>7} {'on':>7} {'on/off':>7} {'same':>5}"
-              + "".join(f" {t:>13}" for t in spec_types) + f" {'on/best':>8}")
+              f" {'ours':>9}" + "".join(f" {t:>13}" for t in spec_types) + f" {'on/best':>8}")
     print(header)
     try:
         while not sock.exists():
@@ -140,6 +149,7 @@ def main() -> None:
                 results: dict[str, dict[str, list[float]]] = {}
                 same: dict[str, bool] = {}
                 drafts: dict[str, str] = {}
+                accepted: dict[str, tuple[int, int]] = {}
                 for task in tasks:
                     results[task] = {k: [] for k in ["off", "on", *spec_types]}
                     same[task] = True
@@ -151,7 +161,12 @@ def main() -> None:
                         # between cache and batch, which would muddle the comparison).
                         ours(c, name, text, 1, False)
                         r_off, ids_off = ours(c, name, text, args.n, False)
+                        before = lookup_counts(c, name)
                         r_on, ids_on = ours(c, name, text, args.n, True)
+                        after = lookup_counts(c, name)
+                        took = accepted.get(task, (0, 0))
+                        accepted[task] = (took[0] + after[0] - before[0],
+                                          took[1] + after[1] - before[1])
                         results[task]["off"].append(r_off)
                         results[task]["on"].append(r_on)
                         same[task] = same[task] and ids_off == ids_on
@@ -166,20 +181,18 @@ def main() -> None:
                                     if spec == "ngram-simple":
                                         drafts[task] = f"{da}/{dn}"
                 for task in tasks:
-                    r = {k: max(v) if v else float("nan") for k, v in results[task].items()}
-                    best = max((r[s] for s in spec_types if results[task][s]),
+                    r = {k: statistics.median(v) if v else float("nan")
+                         for k, v in results[task].items()}
+                    best = max((r[s] for s in spec_types[1:] if results[task][s]),
                                default=float("nan"))
+                    mine = "{}/{}".format(*accepted[task])
                     print(f"{name:14} {task:12} {r['off']:7.1f} {r['on']:7.1f} "
                           f"{r['on'] / r['off']:7.2f} {'yes' if same[task] else 'NO':>5}"
-                          + "".join(f" {r[s]:13.1f}" for s in spec_types)
+                          f" {mine:>9}" + "".join(f" {r[s]:13.1f}" for s in spec_types)
                           + f" {r['on'] / best:8.2f}")
                 if drafts:
                     print("  llama-server ngram-simple drafts accepted/drafted: "
                           + ", ".join(f"{t} {d}" for t, d in drafts.items()))
-                snap = c.describe_fleet()
-                m = next(m for m in snap.loaded_models if m.name == name)
-                print(f"  everycycle lookup drafts accepted/drafted: {m.lookup_accepted}/"
-                      f"{m.lookup_drafted}")
     finally:
         daemon.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):

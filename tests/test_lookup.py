@@ -47,6 +47,15 @@ def test_drafts_come_from_the_last_ngram_seen_before() -> None:
     assert lk.rate < 0.4
 
 
+def test_the_draft_follows_the_place_whose_earlier_text_matches_best() -> None:
+    # 1 2 3 was followed by 4 4 (after 7 8) and later by 5 5 (after 9); the text now
+    # ends 7 8 1 2 3, so the draft is 4 4, not the latest continuation.
+    lk = PromptLookup([7, 8, 1, 2, 3, 4, 4, 9, 1, 2, 3, 5, 5, 7, 8, 1, 2, 3])
+    assert lk.draft(2) == [4, 4]
+    lk2 = PromptLookup([0, 1, 2, 3, 4, 0, 1, 2, 3, 5, 6, 1, 2, 3])
+    assert lk2.draft(1) == [5]  # neither matches further back: the latest
+
+
 def test_the_length_comes_from_the_cost_and_the_rate() -> None:
     lk = PromptLookup([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3])
     asked: list[tuple[float, int]] = []

@@ -26,6 +26,10 @@ from collections.abc import Callable, Sequence
 
 NGRAM = 3
 MAX_DRAFT = 16
+CANDIDATES = 8
+"""Earlier places of an n-gram kept: the draft follows the one whose preceding text
+matches the sequence's furthest back (up to CONTEXT tokens more)."""
+CONTEXT = 16
 DECAY = 0.9
 """Per drafted token: how fast a sequence forgets how well its older drafts did."""
 
@@ -41,14 +45,15 @@ def expected_accepted(rate: float, length: int) -> float:
 
 
 class PromptLookup:
-    """One sequence's n-gram index: the most recent continuation of each n-gram."""
+    """One sequence's n-gram index: where each n-gram was followed by something, its
+    last CANDIDATES places."""
 
     __slots__ = ("_hits", "_index", "_predicted", "_right", "_tokens", "_tried",
                  "accepted", "drafted")
 
     def __init__(self, tokens: Sequence[int]) -> None:
         self._tokens: list[int] = []
-        self._index: dict[tuple[int, ...], int] = {}
+        self._index: dict[tuple[int, ...], list[int]] = {}
         self.drafted = 0
         """Draft tokens verified in a batch, and those the model confirmed."""
         self.accepted = 0
@@ -73,7 +78,14 @@ class PromptLookup:
         toks.append(token)
         n = len(toks)
         if n > NGRAM:  # the n-gram ending just before this token now has a continuation
-            self._index[tuple(toks[n - 1 - NGRAM:n - 1])] = n - 1
+            key = tuple(toks[n - 1 - NGRAM:n - 1])
+            seen = self._index.get(key)
+            if seen is None:
+                self._index[key] = [n - 1]
+            else:
+                seen.append(n - 1)
+                if len(seen) > CANDIDATES:
+                    del seen[0]
         predicted = self._predicted
         if predicted:
             if token == predicted[self._hits]:
@@ -88,9 +100,18 @@ class PromptLookup:
         toks = self._tokens
         if limit <= 0 or len(toks) < NGRAM:
             return []
-        start = self._index.get(tuple(toks[-NGRAM:]))
-        if start is None:
+        starts = self._index.get(tuple(toks[-NGRAM:]))
+        if starts is None:
             return []
+        start = starts[-1]
+        if len(starts) > 1:  # where more of the text before matches, the latest on a tie
+            end, best = len(toks) - NGRAM, -1
+            for at in reversed(starts):
+                m, i, j = 0, at - NGRAM - 1, end - 1
+                while m < CONTEXT and i >= 0 and toks[i] == toks[j]:
+                    m, i, j = m + 1, i - 1, j - 1
+                if m > best:
+                    start, best = at, m
         return toks[start:start + limit]
 
     def propose(self, limit: int, length: Callable[[float, int], int]) -> list[int]:
