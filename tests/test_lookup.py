@@ -317,3 +317,26 @@ def test_lookup_is_on_by_default_only_where_batches_are_exact() -> None:
         found[name] = r.lookup_exact
         r.close()
     assert found == {"smollm2-135m": True, "gemma-3-270m": False}
+
+
+@pytest.mark.shipped
+def test_the_default_model_drafts_a_story_that_repeats_itself() -> None:
+    """The real drafter and the real step cost, end to end on SmolLM2 (exact batches):
+    a story that soon repeats itself is drafted and mostly accepted; the output is
+    token for token the one without lookup."""
+    from everycycle.models.registry import load_registry, local_file
+
+    path = local_file(load_registry().get("smollm2-135m"))
+    outs = []
+    for lookup in (False, True):
+        got = Collect()
+        r = Runner(path, context=1024, parallel=1, notify=got)
+        try:
+            tokens = r.tokenize("Write a short story about a robot who learns to paint.")
+            outs.append(got.run(r, Job(tokens=tokens, max_tokens=200, sampling=GREEDY,
+                                       lookup=lookup)))
+            drafted, accepted = r.lookup_drafted, r.lookup_accepted
+        finally:
+            r.close()
+    assert outs[0] == outs[1]
+    assert drafted > 0 and accepted >= 0.8 * drafted
