@@ -503,8 +503,9 @@ class Runner:
 
     def _batch_is_exact(self) -> bool:
         """Decode a few tokens one at a time, then as one batch and as two (as drafts
-        are verified), and compare the logits bit for bit. (Some llama.cpp kernels round differently for
-        several rows than for one: gemma-3 Q4_K_M on ggml-cpu does.)"""
+        are verified), and compare the logits bit for bit. (Some llama.cpp kernels
+        round differently for several rows than for one: gemma-3 Q4_K_M on ggml-cpu
+        does.)"""
         L = self._L
         toks = self._tokenize("The quick brown fox jumps over the lazy dog again and again",
                               special=False)[:12]
