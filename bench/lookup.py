@@ -5,8 +5,9 @@ For each model and task, one greedy stream (one slot, 2 threads): our daemon wit
 `speculative` off and on (checking the two outputs are identical), then llama-server
 from the same vendored llama.cpp with `--spec-type none`, `ngram-simple`, `ngram-mod`
 and `ngram-map-k`, each streamed and timed here from the first token to the last, as
-ours (its tokens counted by its own `timings`). Rounds alternate; medians shown, and
-ours against the best of llama-server's n-gram types.
+ours (its tokens counted by its own `timings`). The four llama-servers run side by
+side, so each task is timed on every engine back to back; medians over rounds are shown,
+and ours against the best of llama-server's n-gram types.
 
     .venv/bin/python bench/lookup.py --llama-server PATH [-n 200] [--rounds 2]
 """
@@ -154,32 +155,35 @@ def main() -> None:
                     results[task] = {k: [] for k in ["off", "on", *spec_types]}
                     same[task] = True
                 ours(c, name, "warm up", 4, False)
-                for _ in range(args.rounds):
-                    for task, text in tasks.items():
-                        # The same cache state for both runs: the prompt already cached
-                        # (llama.cpp's floats depend a little on how a prompt is split
-                        # between cache and batch, which would muddle the comparison).
-                        ours(c, name, text, 1, False)
-                        r_off, ids_off = ours(c, name, text, args.n, False)
-                        before = lookup_counts(c, name)
-                        r_on, ids_on = ours(c, name, text, args.n, True)
-                        after = lookup_counts(c, name)
-                        took = accepted.get(task, (0, 0))
-                        accepted[task] = (took[0] + after[0] - before[0],
-                                          took[1] + after[1] - before[1])
-                        results[task]["off"].append(r_off)
-                        results[task]["on"].append(r_on)
-                        same[task] = same[task] and ids_off == ids_on
-                    if args.llama_server:
-                        for spec in spec_types:
-                            extra = ("--spec-type", spec) if spec != "none" else ()
-                            with load.llama_server_process(args.llama_server, paths[name], 1,
-                                                           threads, extra=extra) as (port, _):
-                                for task, text in tasks.items():
-                                    rate, dn, da = theirs(port, name, text, args.n)
-                                    results[task][spec].append(rate)
-                                    if spec == "ngram-simple":
-                                        drafts[task] = f"{da}/{dn}"
+                with contextlib.ExitStack() as servers:
+                    # One llama-server per n-gram type, all up at once (idle ones sleep):
+                    # each task is timed on every engine back to back, so the machine's
+                    # drift over minutes does not land on one side.
+                    ports = {spec: servers.enter_context(load.llama_server_process(
+                        args.llama_server, paths[name], 1, threads,
+                        extra=("--spec-type", spec) if spec != "none" else ()))[0]
+                        for spec in (spec_types if args.llama_server else [])}
+                    for _ in range(args.rounds):
+                        for task, text in tasks.items():
+                            # The same cache state for both runs: the prompt already
+                            # cached (llama.cpp's floats depend a little on how a prompt
+                            # is split between cache and batch).
+                            ours(c, name, text, 1, False)
+                            r_off, ids_off = ours(c, name, text, args.n, False)
+                            before = lookup_counts(c, name)
+                            r_on, ids_on = ours(c, name, text, args.n, True)
+                            after = lookup_counts(c, name)
+                            took = accepted.get(task, (0, 0))
+                            accepted[task] = (took[0] + after[0] - before[0],
+                                              took[1] + after[1] - before[1])
+                            results[task]["off"].append(r_off)
+                            results[task]["on"].append(r_on)
+                            same[task] = same[task] and ids_off == ids_on
+                            for spec, port in ports.items():
+                                rate, dn, da = theirs(port, name, text, args.n)
+                                results[task][spec].append(rate)
+                                if spec == "ngram-simple":
+                                    drafts[task] = f"{da}/{dn}"
                 for task in tasks:
                     r = {k: statistics.median(v) if v else float("nan")
                          for k, v in results[task].items()}
