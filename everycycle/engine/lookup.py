@@ -189,8 +189,7 @@ class StepCost:
         is expected to yield ``tokens`` tokens: the length with the most expected tokens
         per second, each draft token right with probability ``rate`` given the ones
         before it were; 0 if none beats no draft by MARGIN."""
-        base = self.estimate(rows + available)  # makes the table long enough
-        if base is None:
+        if self.estimate(rows + available) is None:  # (also makes the table long enough)
             return 0
         table = self._table
         best_len, best = 0, tokens / table[rows] * (1.0 + self.MARGIN)
