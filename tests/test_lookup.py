@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from everycycle.client import SyncClient
-from everycycle.engine.lookup import MAX_DRAFT, PromptLookup, StepCost
+from everycycle.engine.lookup import MAX_DRAFT, PromptLookup, StepCost, expected_accepted
 from everycycle.engine.runner import Job, Output, Runner, Sampling
 from everycycle.protocol import Format, Tokens
 
@@ -92,6 +92,8 @@ def test_a_draft_that_does_not_pay_is_predicted_and_checked_for_free() -> None:
 
 
 def test_step_cost_by_row_count() -> None:
+    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_accepted(1.0, 4) == 4.0 and expected_accepted(0.0, 5) == 0.0
     ms = 1e-3
     cost = StepCost.fit([(1, 15 * ms), (1, 14 * ms), (1, 90 * ms), (2, 25 * ms),
                          (4, 33 * ms), (8, 57 * ms)])

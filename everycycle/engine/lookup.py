@@ -37,11 +37,9 @@ DECAY = 0.9
 def expected_accepted(rate: float, length: int) -> float:
     """The expected number of draft tokens accepted from a draft of ``length`` whose
     tokens are each right with probability ``rate`` given the ones before were."""
-    total, p = 0.0, 1.0
-    for _ in range(length):
-        p *= rate
-        total += p
-    return total
+    if rate >= 1.0:
+        return float(length)
+    return rate * (1.0 - rate ** length) / (1.0 - rate)  # rate + rate² + … + rate^length
 
 
 class PromptLookup:
