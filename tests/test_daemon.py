@@ -63,15 +63,17 @@ async def test_generate_streams_accepted_then_tokens_then_one_terminal(models_fi
 
 async def test_queue_positions_for_four_requests_on_one_slot(models_file: Path) -> None:
     async with running_daemon(models_file), Raw.open() as c:
-        for i in range(4):
+        # q0 runs until cancelled, so all three others are queued behind it whatever
+        # the timing (a short q0 can finish on the tiny model before q3 is admitted).
+        await c.send(long_gen("q0"))
+        for i in range(1, 4):
             await c.send(long_gen(f"q{i}", max_tokens=30))
-        first = [await c.next() for _ in range(4)]
-        accepted = [e for e in first if isinstance(e, Accepted)]
-        assert [(a.request_id, a.queue_position) for a in accepted][:1] == [("q0", 0)]
+        firsts = {rid: await c.next_for(rid) for rid in ("q0", "q1", "q2", "q3")}
+        assert firsts == {f"q{i}": Accepted(f"q{i}", i) for i in range(4)}
+        await c.send(b'{"Cancel":{"request_id":"c","target":"q0"}}')
         positions: dict[str, list[int]] = {}
         for rid in ("q0", "q1", "q2", "q3"):
-            evs = [e for e in first if getattr(e, "request_id", "") == rid]
-            evs += await c.until_terminal(rid)
+            evs = [firsts[rid], *await c.until_terminal(rid)]
             positions[rid] = [e.queue_position for e in evs if isinstance(e, Accepted)]
         assert positions["q0"] == [0]
         assert positions["q1"] == [1, 0]
