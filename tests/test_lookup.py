@@ -23,7 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from everycycle.client import SyncClient
-from everycycle.engine.lookup import MAX_DRAFT, PromptLookup, StepCost, expected_accepted
+from everycycle.engine.lookup import (
+    MAX_DRAFT,
+    History,
+    PromptLookup,
+    StepCost,
+    expected_accepted,
+)
 from everycycle.engine.runner import Job, Output, Runner, Sampling
 from everycycle.protocol import Format, Tokens
 
@@ -54,6 +60,43 @@ def test_the_draft_follows_the_place_whose_earlier_text_matches_best() -> None:
     assert lk.draft(2) == [4, 4]
     lk2 = PromptLookup([0, 1, 2, 3, 4, 0, 1, 2, 3, 5, 6, 1, 2, 3])
     assert lk2.draft(1) == [5]  # neither matches further back: the latest
+
+
+def test_drafts_from_an_earlier_sequence_where_it_matches_better() -> None:
+    history = History()
+    prompt = list(range(100, 130))
+    answer = [7, 3, 9, 4, 8, 2, 6, 5, 1, 11, 12, 13]
+    history.add([*prompt, *answer], len(prompt))
+    # The same request again: its own text never had what follows its prompt's end;
+    # the earlier one, with the same text before, was followed by its answer.
+    lk = PromptLookup(prompt, history)
+    assert lk.draft(4) == [7, 3, 9, 4]
+    for t in answer[:3]:
+        lk.append(t)
+    assert lk.draft(4) == [4, 8, 2, 6]
+    assert lk.draft(100) == answer[3:]  # up to where that sequence ended
+    # Another request sharing only the answer's start: too little matches to trust it.
+    other = PromptLookup([1, 2, 3, *answer[:3]], history)
+    assert other.draft(4) == []
+    # Its own text, matching further back than the earlier sequence, wins.
+    own = PromptLookup([*prompt, 7, 3, 9, 0, *prompt, 7, 3, 9], history)
+    assert own.draft(2) == [0, 100]
+
+
+def test_history_keeps_the_latest_tokens_only() -> None:
+    class Small(History):
+        LIMIT = 200
+
+    history = Small()
+    for i in range(30):
+        history.add([1000 + i] * 20 + list(range(i * 100, i * 100 + 20)), 20)
+    assert len(history._tokens) <= Small.LIMIT
+    late = PromptLookup([1029] * 20 + [2900, 2901, 2902], history)
+    assert late.draft(3) == [2903, 2904, 2905]
+    early = PromptLookup([1000] * 20 + [0, 1, 2], history)
+    assert early.draft(3) == []  # dropped
+    assert all(at < len(history._tokens) for places in history._index.values()
+               for at in places)
 
 
 def test_the_length_comes_from_the_cost_and_the_rate() -> None:
@@ -155,7 +198,7 @@ class Oracle(PromptLookup):
     expected: ClassVar[dict[tuple[int, ...], list[int]]] = {}
     spoil = 0
 
-    def __init__(self, tokens: Sequence[int]) -> None:
+    def __init__(self, tokens: Sequence[int], history: History | None = None) -> None:
         super().__init__(tokens)
         self.prompt = tuple(tokens)
         self.generated: list[int] = []
@@ -262,6 +305,28 @@ def test_greedy_output_is_identical_with_and_without_lookup(
         assert b.lookup_drafted > 0  # drafts were really made and checked
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("prompt", ["a prompt the model never saw", "x é x ✓ the"])
+def test_a_request_asked_again_drafts_its_earlier_answer(tiny_gguf: Path, prompt: str
+                                                         ) -> None:
+    got = Collect()
+    runner = Runner(tiny_gguf, context=256, parallel=1, notify=got, n_threads=1)
+    try:
+        tokens = runner.tokenize(prompt, Format.RAW)
+        first = got.run(runner, Job(tokens=tokens, max_tokens=80, sampling=GREEDY,
+                                    lookup=True))
+        assert first[2] == "length"
+        before = (runner.lookup_drafted, runner.lookup_accepted)
+        assert before == (0, 0)  # this random model's text never repeats itself
+        again = got.run(runner, Job(tokens=tokens, max_tokens=80, sampling=GREEDY,
+                                    lookup=True))
+        assert again == first
+        # Drafted from the first answer: most of its 79 tokens after the first.
+        assert runner.lookup_accepted >= 60
+        assert runner.lookup_accepted >= 0.9 * runner.lookup_drafted
+    finally:
+        runner.close()
 
 
 def test_drafts_were_accepted_and_rejected(

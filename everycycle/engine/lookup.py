@@ -46,10 +46,21 @@ class PromptLookup:
     """One sequence's n-gram index: where each n-gram was followed by something, its
     last CANDIDATES places."""
 
-    __slots__ = ("_hits", "_index", "_predicted", "_right", "_tokens", "_tried",
-                 "accepted", "drafted")
+    __slots__ = (
+        "_history",
+        "_hits",
+        "_index",
+        "_predicted",
+        "_right",
+        "_tokens",
+        "_tried",
+        "accepted",
+        "drafted",
+    )
 
-    def __init__(self, tokens: Sequence[int]) -> None:
+    def __init__(self, tokens: Sequence[int], history: History | None = None) -> None:
+        self._history = history
+        """Earlier sequences of the same model, drafted from where they match better."""
         self._tokens: list[int] = []
         self._index: dict[tuple[int, ...], list[int]] = {}
         self.drafted = 0
@@ -99,18 +110,14 @@ class PromptLookup:
         if limit <= 0 or len(toks) < NGRAM:
             return []
         starts = self._index.get(tuple(toks[-NGRAM:]))
-        if starts is None:
-            return []
-        start = starts[-1]
-        if len(starts) > 1:  # where more of the text before matches, the latest on a tie
-            end, best = len(toks) - NGRAM, -1
-            for at in reversed(starts):
-                m, i, j = 0, at - NGRAM - 1, end - 1
-                while m < CONTEXT and i >= 0 and toks[i] == toks[j]:
-                    m, i, j = m + 1, i - 1, j - 1
-                if m > best:
-                    start, best = at, m
-        return toks[start:start + limit]
+        start, best = _best_place(toks, toks, starts) if starts else (-1, -1)
+        if self._history is not None and best < CONTEXT:
+            # An earlier sequence whose text before matches further back (say, the same
+            # request's answer last time) is the better guess.
+            earlier = self._history.draft(toks, limit, best + 1)
+            if earlier:
+                return earlier
+        return toks[start:start + limit] if starts else []
 
     def propose(self, limit: int, length: Callable[[float, int], int]) -> list[int]:
         """A draft to verify in this step, or []. ``length(rate, available)`` says how
@@ -141,6 +148,80 @@ class PromptLookup:
         if accepted < drafted:  # and the first wrong one: one more try
             self._right *= DECAY
             self._tried = DECAY * self._tried + 1.0
+
+
+def _best_place(source: Sequence[int], toks: Sequence[int], starts: Sequence[int]
+                ) -> tuple[int, int]:
+    """Of the places ``starts`` in ``source`` that followed ``toks``'s last n-gram, the
+    one whose preceding text matches ``toks`` furthest back (up to CONTEXT tokens), the
+    latest on a tie; and how far it matches."""
+    start, best, end = starts[-1], -1, len(toks) - NGRAM
+    for at in reversed(starts):
+        m, i, j = 0, at - NGRAM - 1, end - 1
+        while m < CONTEXT and i >= 0 and j >= 0 and source[i] == toks[j]:
+            m, i, j = m + 1, i - 1, j - 1
+        if m > best:
+            start, best = at, m
+    return start, best
+
+
+class History:
+    """One model's recent finished sequences (each answer with the end of its prompt),
+    for drafts across requests: a request asked again, an answer regenerated, a file an
+    agent writes out once more. llama-server's ngram-mod keeps such a memory too.
+
+    Only the engine thread uses it. Drafts from it are verified like any other, so it
+    changes speed, never output."""
+
+    LIMIT = 1 << 16
+    """Tokens kept; past it, the older half is dropped."""
+    PROMPT_TAIL = CONTEXT + NGRAM
+    """Prompt tokens kept before each answer: enough to match the answer's start."""
+    MIN_CONTEXT = 8
+    """Tokens that must match before the n-gram too: another request's text is a
+    guess only where it agrees at length."""
+
+    def __init__(self) -> None:
+        self._tokens: list[int] = []
+        self._index: dict[tuple[int, ...], list[int]] = {}
+
+    def add(self, tokens: Sequence[int], prompt: int) -> None:
+        """A finished sequence: ``tokens``, of which the first ``prompt`` were its prompt."""
+        if len(tokens) <= prompt:
+            return
+        if len(self._tokens) + len(tokens) > self.LIMIT:
+            kept = self._tokens[len(self._tokens) // 2:]
+            self._tokens, self._index = [], {}
+            self._extend(kept)
+        self._extend([-1, *tokens[max(0, prompt - self.PROMPT_TAIL):]])
+
+    def _extend(self, tokens: Sequence[int]) -> None:
+        toks, index = self._tokens, self._index
+        for token in tokens:
+            toks.append(token)
+            n = len(toks)
+            if n > NGRAM:
+                key = tuple(toks[n - 1 - NGRAM:n - 1])
+                seen = index.get(key)
+                if seen is None:
+                    index[key] = [n - 1]
+                else:
+                    seen.append(n - 1)
+                    if len(seen) > CANDIDATES:
+                        del seen[0]
+
+    def draft(self, toks: Sequence[int], limit: int, better: int) -> list[int]:
+        """Up to ``limit`` tokens that followed ``toks``'s last n-gram in an earlier
+        sequence whose text before matches at least ``better`` and MIN_CONTEXT tokens
+        further back; [] if none."""
+        starts = self._index.get(tuple(toks[-NGRAM:]))
+        if not starts:
+            return []
+        start, best = _best_place(self._tokens, toks, starts)
+        if best < max(better, self.MIN_CONTEXT):
+            return []
+        draft = self._tokens[start:start + limit]
+        return draft[:draft.index(-1)] if -1 in draft else draft
 
 
 class StepCost:

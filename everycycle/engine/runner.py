@@ -35,7 +35,7 @@ import numpy as np
 
 from ..errors import EverycycleError, InternalError, InvalidRequestError
 from ..protocol import Format, Message
-from .lookup import PromptLookup, StepCost, expected_accepted
+from .lookup import History, PromptLookup, StepCost, expected_accepted
 from .memory import kv_type_id
 
 log = logging.getLogger(__name__)
@@ -210,6 +210,8 @@ class Runner:
         self.lookup_accepted = 0
         self._cost = StepCost()
         """A step's time by row count: how long a draft pays (probed at load)."""
+        self._history = History()
+        """Recent finished sequences, for prompt-lookup drafts across requests."""
         cparams = L.llama_context_default_params()
         cparams.n_ctx = context * parallel
         cparams.n_batch = n_batch
@@ -573,7 +575,7 @@ class Runner:
             slot.sampler = None
         else:
             slot.sampler = self._make_sampler(job.sampling)
-        slot.lookup = (self.lookup_type(job.tokens)
+        slot.lookup = (self.lookup_type(job.tokens, self._history)
                        if job.lookup and greedy and job.sampling.grammar is None else None)
         slot.draft = []
         slot.todo = list(job.tokens[reuse:])
@@ -588,6 +590,7 @@ class Runner:
         assert job is not None
         text, ids = "", []
         if reason not in ("cancelled", "error"):
+            self._history.add(slot.cached, job.n_prompt)
             text = slot.held_text + slot.decoder.decode(b"", True)
             ids = slot.held_ids
             if reason != "stop" and job.stop:
