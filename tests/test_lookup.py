@@ -108,10 +108,13 @@ def test_the_length_comes_from_the_cost_and_the_rate() -> None:
         return 2
 
     assert lk.propose(10, length) == [4, 5]
-    assert asked == [(0.5, 8)]  # 4 5 6 7 8 1 2 3 is all there is
+    assert asked == [(0.5, 10)]
     assert lk.propose(3, length) == [4, 5]
     assert asked[-1] == (0.5, 3)
-    assert lk.propose(100, lambda rate, available: available) == [4, 5, 6, 7, 8, 1, 2, 3]
+    # Past the end the text repeats itself: 4 5 6 7 8 1 2 3, then again, up to MAX_DRAFT.
+    assert lk.propose(100, lambda rate, available: available) == [4, 5, 6, 7, 8, 1, 2, 3] * 2
+    loop = PromptLookup([9, 1, 2, 3, 1, 2, 3])
+    assert loop.draft(7) == [1, 2, 3, 1, 2, 3, 1]
 
 
 def test_a_draft_that_does_not_pay_is_predicted_and_checked_for_free() -> None:
@@ -120,13 +123,17 @@ def test_a_draft_that_does_not_pay_is_predicted_and_checked_for_free() -> None:
     lk.verified(1, 0)
     low = lk.rate
     never = lambda rate, available: 0
-    assert lk.propose(10, never) == []  # predicted instead: 4 5 6 7 1 2 3
-    assert lk.propose(10, lambda r, a: a) == []  # still checking that prediction
+    assert lk.propose(10, never) == []  # predicted instead: 4 5 6 7 1 2 3 ...
     assert lk.drafted == 5  # predictions are not drafts
-    for t in (4, 5, 6, 7, 1, 2, 3):  # the text copies: each prediction comes true
+    rates = []
+    for t in (4, 5, 6):  # the text copies: the prediction comes true, token by token
         lk.append(t)
-        lk.propose(10, never)
-    assert lk.rate > max(low, 0.8) and lk.drafted == 5
+        rates.append(lk.rate)
+        assert lk.propose(10, never) == []
+    assert low < rates[0] < rates[1] < rates[2] and lk.drafted == 5
+    # Once the rate says a draft pays, the sequence drafts at once, mid-prediction.
+    pays = lambda rate, available: available if rate >= rates[-1] else 0
+    assert lk.propose(4, pays) == [7, 1, 2, 3]
     lk2 = PromptLookup([1, 2, 3, 4, 1, 2, 3])
     assert lk2.propose(10, never) == []  # predicts 4 1 2 3
     lk2.append(9)  # wrong at once: the prediction settles as 0 of 4

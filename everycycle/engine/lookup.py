@@ -96,13 +96,15 @@ class PromptLookup:
                 if len(seen) > CANDIDATES:
                     del seen[0]
         predicted = self._predicted
-        if predicted:
+        if predicted:  # checked token by token: the rate is current at every step
             if token == predicted[self._hits]:
                 self._hits += 1
+                self._learn(1, 1)
                 if self._hits < len(predicted):
                     return
+            else:
+                self._learn(1, 0)
             self._predicted = []
-            self._learn(len(predicted), self._hits)
 
     def draft(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens that followed the last n-gram before; [] if none."""
@@ -117,21 +119,30 @@ class PromptLookup:
             earlier = self._history.draft(toks, limit, best + 1)
             if earlier:
                 return earlier
-        return toks[start:start + limit] if starts else []
+        if not starts:
+            return []
+        # Past the sequence's end, the text goes on repeating itself (a loop, a table):
+        # the token at start + i is then the draft's own, one period back.
+        draft = toks[start:start + limit]
+        period = len(toks) - start
+        while len(draft) < limit:
+            draft.append(draft[len(draft) - period])
+        return draft
 
     def propose(self, limit: int, length: Callable[[float, int], int]) -> list[int]:
         """A draft to verify in this step, or []. ``length(rate, available)`` says how
         many of the available draft tokens are worth their rows (StepCost.draft_len);
-        a draft not worth any is predicted instead."""
-        if self._predicted:
-            return []  # still checking a prediction
+        a draft not worth any is predicted instead, and checked against the tokens
+        that follow (free) until it fails, ends, or the rate makes a draft pay."""
         draft = self.draft(min(limit, MAX_DRAFT))
         if not draft:
             return []
         n = length(self.rate, len(draft))
         if n > 0:
+            self._predicted = []  # (what it got right is learnt already)
             return draft[:n]
-        self._predicted, self._hits = draft, 0
+        if not self._predicted:
+            self._predicted, self._hits = draft, 0
         return []
 
     def verified(self, drafted: int, accepted: int) -> None:
