@@ -590,7 +590,8 @@ class Runner:
         assert job is not None
         text, ids = "", []
         if reason not in ("cancelled", "error"):
-            self._history.add(slot.cached, job.n_prompt)
+            if slot.lookup is not None:  # (a model with lookup off keeps no history)
+                self._history.add(slot.cached, job.n_prompt)
             text = slot.held_text + slot.decoder.decode(b"", True)
             ids = slot.held_ids
             if reason != "stop" and job.stop:
