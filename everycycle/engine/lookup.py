@@ -184,8 +184,8 @@ class History:
     Only the engine thread uses it. Drafts from it are verified like any other, so it
     changes speed, never output."""
 
-    LIMIT = 1 << 16
-    """Tokens kept; past it, the older half is dropped."""
+    LIMIT = 1 << 15
+    """Tokens kept (about 8 MB with the index); past it, the older half is dropped."""
     PROMPT_TAIL = CONTEXT + NGRAM
     """Prompt tokens kept before each answer: enough to match the answer's start."""
     MIN_CONTEXT = 8
