@@ -32,6 +32,10 @@ matches the sequence's furthest back (up to CONTEXT tokens more)."""
 CONTEXT = 16
 DECAY = 0.9
 """Per drafted token: how fast a sequence forgets how well its older drafts did."""
+SURVIVE = 4
+"""Tokens a prediction must get right before the sequence may draft in its midst: two
+or three common words in a row are no sign that the text copies (SmolLM2 explaining
+code: 4% slower without this wait, on bench/lookup.py's "rename var")."""
 
 
 def expected_accepted(rate: float, length: int) -> float:
@@ -137,6 +141,8 @@ class PromptLookup:
         draft = self.draft(min(limit, MAX_DRAFT))
         if not draft:
             return []
+        if self._predicted and self._hits < SURVIVE:
+            return []  # a prediction must come true a few tokens before it can turn
         n = length(self.rate, len(draft))
         if n > 0:
             self._predicted = []  # (what it got right is learnt already)
@@ -238,29 +244,17 @@ class History:
 class StepCost:
     """A decode step's time by its row count: the median of the last few steps seen
     with that many rows (the load probe's, then the engine's own), interpolated
-    between row counts seen and extended past the largest.
-
-    Drafts are chosen on a hopeful copy of the table: a row count seen fewer than KEEP
-    times may cost up to HOPE less than its estimate. Each row count is thus tried (and
-    measured) until it is known, so one slow step, or a guess from the neighbours,
-    never rules out the length that is in fact cheapest (gemma-3's Q4_K on ggml-cpu
-    runs rows in blocks of 4: 16 rows cost less than 13). Trying is bounded: KEEP
-    steps per row count, ever."""
+    between row counts seen and extended past the largest."""
 
     KEEP = 5
     """Steps remembered per row count (a median of them: one slow step is noise)."""
     MARGIN = 0.05
     """How much more a draft must promise than no draft (the estimates are noisy)."""
-    HOPE = 0.15
-    """How much cheaper than estimated a row count never seen might be (less for one
-    seen some times, none once seen KEEP times)."""
 
     def __init__(self) -> None:
         self._seen: dict[int, deque[float]] = {}
         self._table: list[float] = []
         """Seconds for a step of ``i`` rows at index ``i`` (index 0 unused)."""
-        self._hope: list[float] = []
-        """The same, less what a row count not yet known might save."""
         self._stale = 0
 
     @classmethod
@@ -276,8 +270,7 @@ class StepCost:
         seen = self._seen.get(rows)
         if seen is None:
             seen = self._seen[rows] = deque(maxlen=self.KEEP)
-        if len(seen) < self.KEEP:
-            self._stale = self.KEEP  # a row count becoming known: rebuild at once
+            self._stale = self.KEEP  # a new row count: rebuild at once
         seen.append(seconds)
         self._stale += 1
 
@@ -290,17 +283,17 @@ class StepCost:
     def draft_len(self, rows: int, tokens: float, rate: float, available: int) -> int:
         """How many draft tokens to add to a step that already has ``rows`` rows and
         is expected to yield ``tokens`` tokens: the length with the most expected tokens
-        per second (hopeful), each draft token right with probability ``rate`` given
-        the ones before it were; 0 if none beats no draft by MARGIN."""
+        per second, each draft token right with probability ``rate`` given the ones
+        before it were; 0 if none beats no draft by MARGIN."""
         if self.estimate(rows + available) is None:  # (also makes the table long enough)
             return 0
-        hope = self._hope
-        best_len, best = 0, tokens / hope[rows] * (1.0 + self.MARGIN)
+        table = self._table
+        best_len, best = 0, tokens / table[rows] * (1.0 + self.MARGIN)
         gain, p = 0.0, 1.0
         for d in range(1, available + 1):
             p *= rate
             gain += p
-            speed = (tokens + gain) / hope[rows + d]
+            speed = (tokens + gain) / table[rows + d]
             if speed > best:
                 best_len, best = d, speed
         return best_len
@@ -321,13 +314,10 @@ class StepCost:
         per_row = min((y / x for x, y in zip(xs, ys, strict=True) if x > 1),
                       default=ys[0] / xs[0])
         table = [0.0] * size
-        hope = [0.0] * size
         for n in range(1, size):
             i = bisect.bisect_left(xs, n)
             if i < len(xs) and xs[i] == n:
                 table[n] = ys[i]
-                hope[n] = ys[i] * (1.0 - self.HOPE * (self.KEEP - len(self._seen[n]))
-                                   / self.KEEP)
                 continue
             if i == 0:  # fewer rows than any seen: no cheaper than the smallest
                 table[n] = ys[0]
@@ -338,5 +328,4 @@ class StepCost:
             else:
                 x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
                 table[n] = y0 + (y1 - y0) * (n - x0) / (x1 - x0)
-            hope[n] = table[n] * (1.0 - self.HOPE)
-        self._table, self._hope = table, hope
+        self._table = table
