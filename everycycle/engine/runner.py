@@ -540,12 +540,15 @@ class Runner:
             alone = run([prompt] + [[t] for t in tail])
             together = run([prompt, tail])
             pairs = run([prompt, tail[:2], tail[2:]])
+            if min(self._n_batch, self.n_ctx_slot) > 16:
+                run([(toks * 3)[:16]])  # (timed only: a full draft's rows)
         except InternalError:
             return False
         finally:
             L.llama_memory_seq_rm(self._mem, 0, -1, -1)
         # The timings (every row with logits, as a draft's) seed the step cost by row
-        # count; the first decode also allocates.
+        # count: 1, 2, 4, 8 and 16 rows (kernels in blocks of rows make 16 cheaper than
+        # a guess from 8 says: gemma-3's Q4_K on ggml-cpu). The first decode allocates.
         self._cost = StepCost.fit(timed[1:])
         return all(np.array_equal(a, b) and np.array_equal(a, c)
                    for a, b, c in zip(alone, together, pairs, strict=True))
