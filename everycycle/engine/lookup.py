@@ -1,5 +1,6 @@
 """Prompt-lookup drafts: guess the next tokens by finding the sequence's last n-gram
-earlier in the prompt or the text generated so far, and proposing what followed it.
+earlier in the prompt or the text generated so far (or, where it matches further back,
+in one of the model's recent answers: ``History``), and proposing what followed it.
 
 Pure bookkeeping (no llama.cpp): the runner verifies every draft with the model itself
 in the same batch, so a wrong guess costs a few batch rows and never changes the
@@ -15,7 +16,8 @@ How long a draft should be depends on two things, both measured, never assumed:
 ``StepCost.draft_len`` picks the length that gives the most expected tokens per second
 of the step; none at all where no length beats not drafting. A sequence that does not
 draft still *predicts* its draft and checks it against the tokens it then generates
-(free), so its rate stays current and it starts drafting as soon as its text copies.
+(free), so its rate stays current and, once a prediction has come true for SURVIVE
+tokens, it drafts as soon as a draft pays.
 """
 
 from __future__ import annotations
