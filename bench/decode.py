@@ -22,13 +22,15 @@ from pathlib import Path
 
 import llama_cpp as L
 
-from everycycle.engine.runner import Job, Runner, Sampling, _backend_init
+from everycycle.engine.jobs import Job, Sampling
+from everycycle.engine.llamalog import backend_init
+from everycycle.engine.runner import Runner
 from everycycle.models.registry import load_registry, local_file
 from everycycle.protocol import Format
 
 
 def raw_loop(path: Path, prompt: list[int], n: int, threads: int) -> float:
-    _backend_init()
+    backend_init()
     mp = L.llama_model_default_params()
     mp.n_gpu_layers = 0
     model = L.llama_model_load_from_file(str(path).encode(), mp)

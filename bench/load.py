@@ -30,7 +30,9 @@ from typing import Any
 
 import anyio
 
+from everycycle import paths
 from everycycle.client import BaseClient, connect, embedded
+from everycycle.engine import cpukernels
 from everycycle.models.registry import load_registry, local_file
 from everycycle.protocol import Format, Tokens
 
@@ -142,14 +144,18 @@ def llama_server(binary: Path, model: Path, k: int, threads: int, *, ctx: int = 
 @contextlib.contextmanager
 def llama_server_process(binary: Path, model: Path, k: int, threads: int, *, ctx: int = 4096,
                          extra: Sequence[str] = ()) -> Iterator[tuple[int, int]]:
-    """A llama-server with -np K slots of ``ctx`` tokens; yields (port, pid) once healthy."""
+    """A llama-server with -np K slots of ``ctx`` tokens; yields (port, pid) once healthy.
+
+    Like for like: where our engines load without the CPU's extra buffer types (the
+    probe saw them fault, or EVERYCYCLE_CPU_EXTRA=off), so does it (``--no-repack``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    repack = () if cpukernels.decide(paths.state_dir()).extra else ("--no-repack",)
     proc = subprocess.Popen(
         [str(binary), "-m", str(model), "-np", str(k), "-c", str(ctx * k), "-t", str(threads),
          "-tb", str(threads), "--port", str(port), "--host", "127.0.0.1", "-ngl", "0",
-         *extra],
+         *repack, *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
@@ -315,7 +321,9 @@ def bench_model(model: Path, args: argparse.Namespace) -> None:
         daemon.wait(60)
     print(f"model {model.name}, {args.k} streams x {args.n} tokens, daemon threads "
           f"{args.threads or 'default'}, llama-server -t {args.server_threads or threads}, "
-          f"{args.rounds} alternating rounds (best of each shown)")
+          f"{args.rounds} alternating rounds (best of each shown); our prompt lookup "
+          f"{'off' if args.no_lookup else 'on where batches are exact'}; CPU extra kernels "
+          f"{'on' if cpukernels.decide(paths.state_dir()).extra else 'off (both sides)'}")
     best = max(ours, key=lambda r: r.rate)
     print(best.line("everycycle"))
     if theirs:

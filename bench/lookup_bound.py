@@ -19,8 +19,9 @@ import sys
 import threading
 from pathlib import Path
 
+from everycycle.engine.jobs import Job, Output, Sampling
 from everycycle.engine.lookup import MAX_DRAFT, PromptLookup
-from everycycle.engine.runner import Job, Output, Runner, Sampling
+from everycycle.engine.runner import Runner
 from everycycle.models.registry import load_registry, local_file
 from everycycle.protocol import Format
 

@@ -221,6 +221,17 @@ class LoadedModel:
     """When the model will be unloaded for being idle; absent: never, or busy now."""
     keep_alive_ms: int | None = field(default=None, metadata={"skip_none": True})
     """How long it stays loaded once idle (-1: always)."""
+    engine_pid: int | None = field(default=None, metadata={"skip_none": True})
+    """The process id of its engine process (absent in embedded mode)."""
+    engine_rss: int | None = field(default=None, metadata={"skip_none": True})
+    """Its engine process's resident memory, in bytes."""
+    engine_restarts: int | None = field(default=None, metadata={"skip_none": True})
+    """How many times its engine was restarted after dying."""
+    engine_exit: str | None = field(default=None, metadata={"skip_none": True})
+    """How its engine last died, e.g. ``SIGILL (illegal instruction)``."""
+    state: str | None = field(default=None, metadata={"skip_none": True})
+    """``restarting`` while its engine restarts, ``failed`` after a crash loop (until
+    ``Load``); absent while it serves."""
 
     def __post_init__(self) -> None:
         _check_text(self)
@@ -228,7 +239,8 @@ class LoadedModel:
             _check_range(name, getattr(self, name), 0, _U32_MAX)
         _check_range("unload_in_ms", self.unload_in_ms, 0, 2**63 - 1)
         _check_range("keep_alive_ms", self.keep_alive_ms, -1, 2**63 - 1)
-        for name in ("weights_bytes", "kv_bytes"):
+        for name in ("weights_bytes", "kv_bytes", "engine_pid", "engine_rss",
+                     "engine_restarts"):
             _check_range(name, getattr(self, name), 0, 2**63 - 1)
 
 
@@ -261,6 +273,8 @@ class FleetSnapshot:
     """Active requests per principal; present when more than one principal is active."""
     rpc: bool | None = field(default=None, metadata={"skip_none": True})
     """Whether the daemon's llama.cpp has the RPC backend (remote executors)."""
+    cpu_kernels: str | None = field(default=None, metadata={"skip_none": True})
+    """Why the CPU's extra kernels (AMX, repacked weights) are off, when they are."""
 
     def __post_init__(self) -> None:
         _check_text(self)

@@ -13,11 +13,35 @@ import pytest
 from daemonhelp import daemon_process
 from tinymodel import write_tiny_gguf
 
+from everycycle import paths
+from everycycle.engine import cpukernels
+
 SpawnDaemon = Callable[..., subprocess.Popen[bytes]]
 
 
+@pytest.fixture(scope="session")
+def cpu_verdict() -> bytes:
+    """This machine's CPU-kernel verdict, probed for real once per session (a child
+    process decodes through the CPU's extra buffer types, as the daemon's first load
+    does) and given to every test's private state dir: what a user's daemon finds in
+    its cache after the first start, without a probe per test."""
+    with tempfile.TemporaryDirectory(prefix="ecprobe", dir="/tmp") as d:
+        old = os.environ.get("EVERYCYCLE_HOME")
+        os.environ["EVERYCYCLE_HOME"] = d
+        try:
+            verdict = cpukernels.decide(paths.state_dir())
+            assert verdict.source in ("probe", "override"), verdict
+            found = paths.state_dir() / cpukernels.CACHE_NAME
+            return found.read_bytes() if found.exists() else b""
+        finally:
+            if old is None:
+                del os.environ["EVERYCYCLE_HOME"]
+            else:
+                os.environ["EVERYCYCLE_HOME"] = old
+
+
 @pytest.fixture(autouse=True)
-def _private_paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def _private_paths(monkeypatch: pytest.MonkeyPatch, cpu_verdict: bytes) -> Iterator[Path]:
     """Point every everycycle location at a short temp dir (AF_UNIX paths are short)."""
     with tempfile.TemporaryDirectory(prefix="ec", dir="/tmp") as d:
         home = Path(d)
@@ -25,6 +49,10 @@ def _private_paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         monkeypatch.delenv("EVERYCYCLE_SOCKET", raising=False)
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         monkeypatch.setenv("HF_HOME", str(home / "hf"))
+        if cpu_verdict:
+            state = paths.state_dir()
+            state.mkdir(mode=0o700, parents=True, exist_ok=True)
+            (state / cpukernels.CACHE_NAME).write_bytes(cpu_verdict)
         yield home
 
 

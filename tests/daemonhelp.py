@@ -43,10 +43,14 @@ def answers(sock: Path | None = None) -> bool:
 
 @contextlib.contextmanager
 def daemon_process(*args: str, sock: Path | None = None, env: dict[str, str] | None = None,
-                   ) -> Iterator[subprocess.Popen[bytes]]:
-    """``everycycle daemon ARGS`` as a process, answering on its socket; SIGTERM at exit."""
+                   stderr: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """``everycycle daemon ARGS`` as a process, answering on its socket; SIGTERM at exit.
+    With ``stderr``, what it (and its engine processes) write there goes to that file."""
     cmd = [*EC, "daemon", *args] + (["--socket", str(sock)] if sock else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    err = stderr.open("ab") if stderr is not None else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+    if stderr is not None:
+        err.close()  # type: ignore[union-attr]
     try:
         def up() -> bool:
             assert proc.poll() is None, f"the daemon exited with {proc.returncode}"

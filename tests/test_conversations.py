@@ -14,6 +14,7 @@ from daemonhelp import Raw, running_daemon
 from everycycle import paths
 from everycycle.client import connect
 from everycycle.daemon.supervisor import Limits
+from everycycle.engine.runner import Runner
 from everycycle.errors import ErrorKind, RequestFailedError
 from everycycle.protocol import (
     Accepted,
@@ -40,7 +41,8 @@ def rss_kib() -> int:
     raise AssertionError("no VmRSS")
 
 
-async def test_messages_are_rendered_with_the_chat_template(models_file: Path) -> None:
+async def test_messages_are_rendered_with_the_chat_template(models_file: Path,
+                                                           tiny_gguf: Path) -> None:
     turns = convo(("system", "be brief"), ("user", "hello"), ("assistant", "hi"),
                   ("user", "again"))
     async with running_daemon(models_file, audit_prompts=True) as daemon, connect() as client:
@@ -48,10 +50,15 @@ async def test_messages_are_rendered_with_the_chat_template(models_file: Path) -
                                                    temperature=0.0)]
         assert events[0] == Accepted(events[0].request_id, 0)  # type: ignore[union-attr]
         assert isinstance(events[-1], Tokens) and events[-1].finished
-        runner = daemon.supervisor._models["tiny"].runner
-        # the same tokens as the template applied by hand
-        rendered = runner._render_chat(tuple((m.role.value.encode(), m.content) for m in turns))
-        assert "<start_of_turn>user" in rendered and rendered.count("<start_of_turn>") == 4
+        assert daemon.supervisor._models["tiny"].engine.pid is not None
+    # the template, applied by hand to the same turns in this process
+    runner = Runner(tiny_gguf, context=256, parallel=1, notify=lambda batch: None)
+    try:
+        rendered = runner.vocab.render_chat(
+            tuple((m.role.value.encode(), m.content) for m in turns))
+    finally:
+        runner.close()
+    assert "<start_of_turn>user" in rendered and rendered.count("<start_of_turn>") == 4
     record = json.loads(paths.audit_file().read_text().splitlines()[-1])
     assert record["prompt"] == [[m.role.value, m.content] for m in turns]
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from enginehelp import Collector
 
-from everycycle.engine.runner import Job, Output, Runner, Sampling
+from everycycle.engine.jobs import Job, Output, Sampling
+from everycycle.engine.runner import Runner
 from everycycle.errors import InvalidRequestError
 from everycycle.protocol import Format
 
@@ -237,9 +238,9 @@ class _Watched(Runner):
 
     threads: list[str]
 
-    def _batch_is_exact(self) -> bool:
+    def _probe(self) -> bool:
         type(self).threads.append(threading.current_thread().name)
-        return super()._batch_is_exact()
+        return super()._probe()
 
     def _embed(self, jobs: list[Job], out: list[tuple[Job, Output]]) -> None:
         type(self).threads.append(threading.current_thread().name)

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from everycycle.client import SyncClient
+from everycycle.engine.jobs import Job, Output, Sampling
 from everycycle.engine.lookup import (
     MAX_DRAFT,
     History,
@@ -30,7 +31,7 @@ from everycycle.engine.lookup import (
     StepCost,
     expected_accepted,
 )
-from everycycle.engine.runner import Job, Output, Runner, Sampling
+from everycycle.engine.runner import Runner
 from everycycle.protocol import Format, Tokens
 
 GREEDY = Sampling(temperature=0.0, repeat_penalty=1.0)
@@ -235,6 +236,9 @@ class Collect:
     def __init__(self) -> None:
         self.outputs: dict[int, list[Output]] = {}
         self.done: dict[int, threading.Event] = {}
+        self.jobs: list[Job] = []
+        """Every job run, kept alive: outputs are keyed by id(job), which a job made
+        after another was freed could reuse."""
 
     def __call__(self, batch: list[tuple[Job, Output]]) -> None:
         for job, out in batch:
@@ -244,6 +248,7 @@ class Collect:
 
     def run(self, runner: Runner, job: Job, cancel_after: int | None = None
             ) -> tuple[list[int], str, str | None]:
+        self.jobs.append(job)
         self.done[id(job)] = threading.Event()
         runner.submit(job)
         if cancel_after is not None:

@@ -13,8 +13,9 @@ from enginehelp import Collector
 from tinymodel import write_tiny_gguf
 
 from everycycle.client import connect
+from everycycle.engine.jobs import Job, Sampling
 from everycycle.engine.memory import KV_CACHE_TYPES, plan
-from everycycle.engine.runner import Job, Runner, Sampling
+from everycycle.engine.runner import Runner
 from everycycle.errors import ConfigError
 from everycycle.models import registry
 from everycycle.models.registry import load_registry

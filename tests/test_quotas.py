@@ -369,11 +369,13 @@ async def test_fleet_and_metrics_show_principals(served: Daemon) -> None:
     store = KeyStore()
     k = store.add("k", KeyLimits(requests_per_minute=1))
     async with tcp(served, k) as ck, connect() as local:
-        held = ck.generate("tiny4", "x", max_tokens=4000, temperature=1.0, request_id="held")
+        # "tiny": one slot of 8192 tokens, so "held" runs for seconds and "mine" waits
+        # queued behind it (tiny4's 512-token slots can end before `fleet` has started).
+        held = ck.generate("tiny", "x", max_tokens=8000, temperature=1.0, request_id="held")
         await held.__anext__()
         snap = await local.describe_fleet()
         assert snap.principals is None  # one principal: nothing to tell apart
-        other = local.generate("tiny4", "x", max_tokens=4000, temperature=1.0,
+        other = local.generate("tiny", "x", max_tokens=8000, temperature=1.0,
                                request_id="mine")
         await other.__anext__()
         snap = await local.describe_fleet()
@@ -386,8 +388,8 @@ async def test_fleet_and_metrics_show_principals(served: Daemon) -> None:
             [*EC, "fleet"], capture_output=True, text=True, timeout=60, check=False,
             env={**os.environ, "COLUMNS": "120"}))
         assert "active requests: 2 (k 1, local 1)" in out.stderr, out.stderr
-        await local.cancel("mine")
-        await local.cancel("held")
+        await local.cancel_if_active("mine")
+        await local.cancel_if_active("held")
         [e async for e in other]
         [e async for e in held]
 

@@ -48,9 +48,13 @@ def models_cmd(
         return
     from rich.console import Console
 
+    from .. import paths
+    from ..engine import cpukernels
     from .render import models_view
 
-    Console(stderr=not sys.stdout.isatty()).print(models_view(rows))
+    kernels = cpukernels.cached(paths.state_dir())  # (never probes: the daemon does)
+    Console(stderr=not sys.stdout.isatty()).print(
+        models_view(rows, note=kernels.note if kernels else None))
 
 
 @models_app.command("add")

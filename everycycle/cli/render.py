@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import FleetSnapshot
+from ..protocol import FleetSnapshot, LoadedModel
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -52,6 +52,24 @@ def _idle_unload(unload_in_ms: int | None, keep_alive_ms: int | None) -> str:
     return f"{_duration(keep_alive_ms)} idle"
 
 
+def _engine_line(m: LoadedModel) -> str:
+    """``engine smollm2-135m: pid 4242, 180 MiB; restarted 2x, last SIGILL (...)``."""
+    parts = []
+    if m.state == "failed":
+        parts.append(f"FAILED (`everycycle load {m.name}` tries again)")
+    elif m.state == "restarting":
+        parts.append("restarting")
+    elif m.engine_pid is not None:
+        parts.append(f"pid {m.engine_pid}" + (f", {_mib(m.engine_rss)}" if m.engine_rss else ""))
+    else:
+        return ""
+    if m.engine_restarts:
+        parts.append(f"restarted {m.engine_restarts}x")
+    if m.engine_exit:
+        parts.append(f"last died: {m.engine_exit}")
+    return f"engine {m.name}: " + "; ".join(parts)
+
+
 def fleet_view(snapshot: FleetSnapshot) -> Group:
     """Tables of executors, loaded models and request counts."""
     from rich.console import Group
@@ -89,6 +107,9 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
     elif any(m.device_layers is not None for m in snapshot.loaded_models):
         models.caption = "executor (layers on its devices / layers)"
     footer = f"active requests: {snapshot.active_requests}"
+    engines = [_engine_line(m) for m in snapshot.loaded_models]
+    if any(engines):
+        footer = "\n".join(e for e in engines if e) + "\n" + footer
     lookups = []
     for m in snapshot.loaded_models:
         if m.lookup_drafted:
@@ -105,6 +126,8 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
         footer += f"   daemon memory (RSS): {_mib(snapshot.daemon_rss)}"
     if snapshot.http:
         footer += f"\nHTTP API: {snapshot.http}/v1"
+    if snapshot.cpu_kernels:
+        footer += f"\n{snapshot.cpu_kernels}"
     return Group(ex, models, footer)
 
 
@@ -120,8 +143,9 @@ def local_executors_view(executors: Iterable[Any]) -> Table:
     return table
 
 
-def models_view(rows: Sequence[dict[str, Any]]) -> Table:
-    """The registry, one row per model (the rows ``everycycle models --json`` prints)."""
+def models_view(rows: Sequence[dict[str, Any]], note: str | None = None) -> Table:
+    """The registry, one row per model (the rows ``everycycle models --json`` prints);
+    ``note``: a line on how models load here (the CPU kernels' verdict)."""
     from rich.table import Table
 
     table = Table(title="models", title_justify="left")
@@ -133,7 +157,7 @@ def models_view(rows: Sequence[dict[str, Any]]) -> Table:
         table.add_row(f"{r['name']}{mark}", r["kind"], r["source"], r["revision"] or "-",
                       "yes" if r["available"] else "no", f"{r['context']} x {r['parallel']}",
                       _weights_kv(r.get("weights_bytes"), r.get("kv_bytes")))
-    table.caption = "* the default model"
+    table.caption = "* the default model" + (f"\n{note}" if note else "")
     return table
 
 

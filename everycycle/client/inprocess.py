@@ -65,7 +65,9 @@ async def embedded(models_file: Path | None = None) -> AsyncIterator[EmbeddedCli
     from ..daemon.supervisor import Supervisor
     from ..models.registry import load_registry
 
-    supervisor = Supervisor(load_registry(models_file))
+    # In this process, as a library call would: no daemon to protect, and no engine
+    # process to start (remote models still get one: ggml-rpc aborts its process).
+    supervisor = Supervisor(load_registry(models_file), isolate=False)
     with unwrap_groups():
         async with anyio.create_task_group() as tg:
             await tg.start(supervisor.run)

@@ -18,7 +18,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -73,7 +73,13 @@ class _Fleet(Collector):
             loaded.add_metric([name], count)
         active = GaugeMetricFamily("everycycle_active_requests",
                                    "Requests running or queued.", value=snap.active_requests)
-        yield from (queued, busy, slots, loaded, active, drafted, accepted)
+        deaths = CounterMetricFamily(
+            "everycycle_engine_deaths",
+            "Engine processes that died unasked, by model and cause (SIGILL, SIGKILL, exit, ...).",
+            labels=["model", "cause"])
+        for (model, cause), count in sorted(self._supervisor.engine_deaths.items()):
+            deaths.add_metric([model, cause], count)
+        yield from (queued, busy, slots, loaded, active, drafted, accepted, deaths)
 
 
 class Metrics:

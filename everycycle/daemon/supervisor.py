@@ -21,8 +21,9 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,11 +31,13 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
+from .. import paths
+from ..engine import cpukernels
 from ..engine import executors as ex
+from ..engine.contract import Engine, LoadOptions
 from ..engine.grammar import schema_to_gbnf
+from ..engine.jobs import EMBED_MAX_TOKENS, Job, Output, Sampling
 from ..engine.memory import plan
-from ..engine.runner import EMBED_MAX_TOKENS, Job, Output, Runner, Sampling
-from ..engine.worker import IsolatedRunner
 from ..errors import (
     ErrorKind,
     EverycycleError,
@@ -103,8 +106,8 @@ def _device_layers(model: _Model) -> tuple[int | None, int | None]:
     offload = model.placement.offload if model.placement else None
     if offload is None:
         return None, None
-    if model.runner.offloaded is not None:
-        on, total = model.runner.offloaded  # the output head counts as a layer there
+    if model.engine.offloaded is not None:
+        on, total = model.engine.offloaded  # the output head counts as a layer there
         return min(on, total - 1), total - 1
     return offload.gpu_layers, offload.n_layer
 
@@ -184,8 +187,11 @@ class _Active:
 @dataclass(eq=False)
 class _Model:
     spec: ModelSpec
-    runner: Runner | IsolatedRunner
+    engine: Engine
     executor: str
+    path: Path
+    options: LoadOptions
+    """How its engine was loaded (a restart loads it the same way)."""
     placement: ex.Placement | None = None
     running: set[_Active] = field(default_factory=set)
     queue: list[_Active] = field(default_factory=list)
@@ -195,6 +201,27 @@ class _Model:
     """When it was loaded, or a request of it began or ended (monotonic)."""
     admitting: int = 0
     """Requests between admission and a slot or the queue: never unload under them."""
+    restarts: int = 0
+    """Times its engine was started again after dying."""
+    deaths: list[float] = field(default_factory=list)
+    """When its engine died (monotonic), within the crash window."""
+    last_exit: str | None = None
+    """How its engine last died: ``SIGILL (illegal instruction)``, ..."""
+    failed: str | None = None
+    """Set after a crash loop: why its requests are refused until ``load``."""
+    up: anyio.Event | None = None
+    """Set while its engine restarts: waiters wait for it."""
+
+    @property
+    def serving(self) -> bool:
+        return self.failed is None and self.up is None and self.engine.dead is None
+
+
+@dataclass(frozen=True, slots=True)
+class _Died:
+    """An engine process ended unasked (after its jobs' errors, on the same handoff)."""
+
+    engine: Engine
 
 
 class Supervisor:
@@ -210,8 +237,15 @@ class Supervisor:
         on_shutdown: Callable[[], None] | None = None,
         keep_alive: float = DEFAULT_KEEP_ALIVE,
         rpc: Sequence[str] = (),
+        isolate: bool = True,
     ) -> None:
         self.registry = registry
+        self.isolate = isolate
+        """Each model in an engine process of its own (the daemon); off: in this process
+        (embedded mode), but for remote models."""
+        self.engine_deaths: dict[tuple[str, str], int] = {}
+        """Engine processes that died unasked, by (model, cause: SIGILL, exit, ...)."""
+        self.cpu_kernels: cpukernels.Verdict | None = None
         self.rpc_hosts = tuple(dict.fromkeys([*rpc, *registry.rpc]))
         """Remote executors' RPC servers (--rpc and models.toml)."""
         self._remote: dict[str, list[ex.Executor] | str] = {}
@@ -232,7 +266,9 @@ class Supervisor:
         self._active: dict[str, _Active] = {}
         self._executors: list[ex.Executor] = []
         self._tg: anyio.abc.TaskGroup | None = None
-        self._outputs: Handoff[list[tuple[Job, Output]]] = Handoff()
+        self._outputs: Handoff[list[tuple[Job, Output]] | _Died] = Handoff()
+        self._deaths: deque[Engine] = deque()
+        self._deaths_due: anyio.Event | None = None
         self.hostname = socket.gethostname()
         self.http_address: str | None = None
         self.closing = False
@@ -245,6 +281,9 @@ class Supervisor:
                   ) -> None:
         """Serve until cancelled; then cancel every request and unload every model."""
         self._executors = await anyio.to_thread.run_sync(ex.discover)
+        # Whether the CPU runs its extra kernels, before any model loads (a probe in a
+        # child process the first time on this machine and build; then cached).
+        self.cpu_kernels = await anyio.to_thread.run_sync(cpukernels.decide, paths.state_dir())
         from ..engine import rpc
 
         self._rpc_available = await anyio.to_thread.run_sync(rpc.available)
@@ -253,12 +292,14 @@ class Supervisor:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._pump)
+                tg.start_soon(self._watch_deaths)
                 tg.start_soon(self._reap_idle)
                 if self.rpc_hosts:
                     tg.start_soon(self._watch_remote)
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
+            self._tg = None
             with anyio.CancelScope(shield=True):
                 await self.close()
 
@@ -298,7 +339,8 @@ class Supervisor:
                 self._cancel(target, f"cancelled by request {request.request_id}")
                 peer.emit(Done(rid))
             elif isinstance(request, Load):
-                model = await self._ensure_loaded(request.model, peer, request.executor)
+                model = await self._ensure_loaded(request.model, peer, request.executor,
+                                                  retry_failed=True)
                 self._touch(model, request.keep_alive_ms)
                 peer.emit(Done(rid))
             elif isinstance(request, Unload):
@@ -417,7 +459,7 @@ class Supervisor:
         self._touch(model, req.keep_alive_ms)
         model.admitting += 1  # (no await since it was found: the reaper cannot have it)
         try:
-            job = await anyio.to_thread.run_sync(self._job, model, req, active)
+            job = await self._job_on(model, req, active)
         finally:
             model.admitting -= 1
         if active.cancel_reason is None and self._models.get(model.spec.name) is not model:
@@ -429,7 +471,7 @@ class Supervisor:
         active.job = job
         active.n_prompt = (sum(len(t) for t in job.embed_inputs) if job.embed_inputs is not None
                            else len(job.tokens))
-        if model.queue or len(model.running) >= model.runner.parallel:
+        if model.queue or len(model.running) >= model.engine.parallel or not model.serving:
             if len(model.queue) >= self.limits.max_queue:
                 raise RejectedError(f"queue full ({len(model.queue)} waiting)")
             model.queue.append(active)
@@ -439,13 +481,12 @@ class Supervisor:
             self._start(model, active)
 
     @staticmethod
-    def _job(model: _Model, req: Generate | Embed, active: _Active) -> Job:
+    def _job(model: _Model, runner: Engine, req: Generate | Embed, active: _Active) -> Job:
         """The engine Job for ``req`` (on a worker thread: tokenizing, compiling a grammar).
 
         Raises InvalidRequestError for what cannot run: too long a prompt or input, a
         schema or grammar that does not compile.
         """
-        runner = model.runner
         if isinstance(req, Embed):
             inputs = [runner.tokenize(text, Format.RAW) for text in req.input]
             for i, tokens in enumerate(inputs):
@@ -482,14 +523,41 @@ class Supervisor:
         model.running.add(active)
         active.peer.emit(Accepted(active.req.request_id, 0))
         try:
-            model.runner.submit(active.job)
+            model.engine.submit(active.job)
         except EverycycleError as exc:  # e.g. the engine thread died: this request ends here
             self._finish(active, Error(active.req.request_id, exc.kind, exc.message))
 
+    async def _job_on(self, model: _Model, req: Generate | Embed, active: _Active) -> Job:
+        """``_job`` on the model's engine once it serves; again on the restarted engine
+        when it died meanwhile."""
+        for attempt in range(3):
+            await self._serving(model)
+            engine = model.engine
+            try:
+                return await anyio.to_thread.run_sync(self._job, model, engine, req, active)
+            except InternalError:
+                if engine.dead is None or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _serving(self, model: _Model) -> None:
+        """Return once ``model``'s engine serves. Raises InternalError when the model
+        failed, RequestCancelledError when it was unloaded meanwhile."""
+        while True:
+            if self._models.get(model.spec.name) is not model:
+                raise RequestCancelledError(f"model '{model.spec.name}' unloaded")
+            if model.failed is not None:
+                raise InternalError(model.failed)
+            if model.up is None:
+                return
+            await model.up.wait()
+
     def _advance(self, model: _Model) -> None:
         """Start queued requests in freed slots, then tell the rest their new positions."""
+        if not model.serving:
+            return  # they wait for the restarted engine
         moved = False
-        while model.queue and len(model.running) < model.runner.parallel:
+        while model.queue and len(model.running) < model.engine.parallel:
             self._start(model, model.queue.pop(0))
             moved = True
         if moved:
@@ -506,7 +574,8 @@ class Supervisor:
     @staticmethod
     def _idle_left(model: _Model, now: float) -> float | None:
         """Seconds until ``model`` is unloaded for being idle; None: busy, or never."""
-        if model.running or model.queue or model.admitting or model.keep_alive < 0:
+        if (model.running or model.queue or model.admitting or model.keep_alive < 0
+                or not model.serving):
             return None
         return model.last_used + model.keep_alive - now
 
@@ -574,7 +643,7 @@ class Supervisor:
         for endpoint in self.rpc_hosts:
             found = self._remote.get(endpoint)
             using = self._host_in_use(endpoint)
-            dead = using is not None and using.runner.dead
+            dead = using is not None and using.engine.dead
             if isinstance(found, list):
                 rows.extend(ExecutorSummary(e.name, e.vendor, len(e.devices), e.memory_total,
                                             e.memory_free,
@@ -607,7 +676,7 @@ class Supervisor:
         model = active.home
         if active.state == "running":
             if model is not None and active.job is not None:
-                model.runner.cancel(active.job, reason)
+                model.engine.cancel(active.job, reason)
         elif active.state == "queued" and model is not None:
             model.queue.remove(active)
             self._finish(active, Error(rid, ErrorKind.CANCELLED, reason))
@@ -689,9 +758,106 @@ class Supervisor:
         """Runs on a decode thread: queue the step's outputs for the event loop (never blocks)."""
         self._outputs.put(batch)
 
+    def _engine_gone(self, engine: Engine) -> None:
+        """Runs on an engine proxy's reader thread once its process died unasked."""
+        self._outputs.put(_Died(engine))
+
     async def _pump(self) -> None:
-        """Deliver the engines' step outputs on the event loop, in order."""
-        await self._outputs.serve(self._on_outputs)
+        """Deliver the engines' step outputs (and deaths) on the event loop, in order."""
+        await self._outputs.serve(self._on_item)
+
+    def _on_item(self, item: list[tuple[Job, Output]] | _Died) -> None:
+        if isinstance(item, _Died):
+            # (Runs as a bare event-loop callback: a task does the rest.)
+            self._deaths.append(item.engine)
+            if self._deaths_due is not None:
+                self._deaths_due.set()
+        else:
+            self._on_outputs(item)
+
+    async def _watch_deaths(self) -> None:
+        while True:
+            self._deaths_due = anyio.Event()
+            while self._deaths:
+                self._on_death(self._deaths.popleft())
+            await self._deaths_due.wait()
+
+    CRASH_WINDOW_S = 60.0
+    CRASH_LIMIT = 3
+    """This many engine deaths within the window, and the model is marked failed."""
+    RESTART_BACKOFF_S = 0.25
+    """The first restart's delay; it doubles with each death in the window."""
+
+    def _on_death(self, engine: Engine) -> None:
+        """A model's engine process died: its running requests have had their errors;
+        restart it with backoff (its queue waits), or after a crash loop mark it failed."""
+        model = next((m for m in self._models.values() if m.engine is engine), None)
+        if model is None or self._tg is None:
+            return  # unloaded meanwhile, or the supervisor has stopped
+        name = model.spec.name
+        cause = getattr(engine, "exit_cause", None) or "ended"
+        key = (name, cause.split(" ", 1)[0].rstrip(","))
+        self.engine_deaths[key] = self.engine_deaths.get(key, 0) + 1
+        model.last_exit = cause
+        message = engine.dead or f"engine for {name} died: {cause}"
+        log.error("%s", message)
+        for active in list(model.running):  # (their errors normally came first)
+            self._finish(active, Error(active.req.request_id, ErrorKind.INTERNAL, message))
+        if model.placement is not None and model.placement.executor.remote:
+            # Its host went away: the next request loads it again, or fails naming it.
+            self._fail_queue(model, message)
+            return
+        self._count_death(model, cause)
+
+    def _count_death(self, model: _Model, cause: str) -> None:
+        now = time.monotonic()
+        model.deaths = [t for t in model.deaths if now - t < self.CRASH_WINDOW_S] + [now]
+        name = model.spec.name
+        if len(model.deaths) >= self.CRASH_LIMIT:
+            model.failed = (f"model '{name}' failed: its engine died {len(model.deaths)} times "
+                            f"in {self.CRASH_WINDOW_S:g} s (last: {cause}); "
+                            f"`everycycle load {name}` tries again")
+            log.error("%s", model.failed)
+            self._fail_queue(model, model.failed)
+            if model.up is not None:
+                model.up.set()
+                model.up = None
+            return
+        if self.closing or self._tg is None:
+            return
+        if model.up is None:
+            model.up = anyio.Event()
+        delay = self.RESTART_BACKOFF_S * 2 ** (len(model.deaths) - 1)
+        self._tg.start_soon(self._restart, model, delay)
+
+    def _fail_queue(self, model: _Model, message: str) -> None:
+        for active in list(model.queue):
+            model.queue.remove(active)
+            self._finish(active, Error(active.req.request_id, ErrorKind.INTERNAL, message))
+
+    async def _restart(self, model: _Model, delay: float) -> None:
+        await anyio.sleep(delay)
+        name = model.spec.name
+        if self._models.get(name) is not model or model.failed is not None:
+            return
+        log.info("restarting the engine for %s", name)
+        try:
+            engine = await anyio.to_thread.run_sync(self._spawn, model.spec, model.path,
+                                                    model.options)
+        except EverycycleError as exc:
+            if self._models.get(name) is model and model.failed is None:
+                model.last_exit = exc.message
+                self._count_death(model, exc.message)
+            return
+        if self._models.get(name) is not model or model.failed is not None:
+            await anyio.to_thread.run_sync(engine.close)
+            return
+        model.engine = engine
+        model.restarts += 1
+        up, model.up = model.up, None
+        if up is not None:
+            up.set()
+        self._advance(model)
 
     def _count(self, active: _Active, event: Tokens) -> None:
         """Count the ids a client is sent: what usage, quotas and the audit log charge."""
@@ -757,14 +923,20 @@ class Supervisor:
         return self.registry.get(name)
 
     async def _ensure_loaded(self, name: str, peer: Peer, executor: str | None,
-                             *, allow_load: bool = True) -> _Model:
+                             *, allow_load: bool = True, retry_failed: bool = False) -> _Model:
         spec = self._spec_for(name, peer)
         model = self._models.get(spec.name)
-        if model is not None and model.runner.dead:
+        remote = model.placement.executor.remote if model and model.placement else None
+        if model is not None and model.engine.dead and remote and model.failed is None:
             # Its remote host went away: load it again (or fail, naming the host).
-            assert model.placement is not None and model.placement.executor.remote
-            self._remote[model.placement.executor.remote] = str(model.runner.dead)
-            await self._unload(spec.name, str(model.runner.dead))
+            self._remote[remote] = str(model.engine.dead)
+            await self._unload(spec.name, str(model.engine.dead))
+            model = None
+        if model is not None and model.failed is not None:
+            if not retry_failed:
+                raise InternalError(model.failed)
+            log.info("loading %s again after it failed", spec.name)
+            await self._unload(spec.name, model.failed)  # `load` clears the failed state
             model = None
         if model is not None:
             if executor is not None and executor != model.executor:
@@ -798,46 +970,64 @@ class Supervisor:
         placement = ex.place(wanted, self._all_executors(), need, max_layers=spec.gpu_layers)
         offload = placement.offload
         remote = placement.executor.remote
+        kernels = cpukernels.decide(paths.state_dir())
+        common = LoadOptions(context=spec.context, parallel=spec.parallel,
+                             n_threads=spec.threads, kv_cache_type=spec.kv_cache_type,
+                             extra_bufts=kernels.extra)
+        if remote is not None:
+            holder = self._host_in_use(remote)
+            if holder is not None:
+                raise RejectedError(
+                    f"RPC host {remote} is serving model '{holder.spec.name}'; a ggml RPC "
+                    "server serves one model at a time: unload that one first")
+            assert offload is not None
+            device = int(placement.executor.name.rpartition("/")[2])
+            options = replace(common, rpc_endpoints=(remote,), device_indices=(device,),
+                              n_gpu_layers=offload.n_gpu_layers)
+        else:
+            options = replace(common, executor=placement.executor.name,
+                              device_indices=(tuple(placement.device_indices)
+                                              if offload is not None else ()),
+                              n_gpu_layers=offload.n_gpu_layers if offload else 0,
+                              tensor_split=tuple(offload.split) if offload else ())
         try:
-            runner: Runner | IsolatedRunner
-            if remote is not None:
-                holder = self._host_in_use(remote)
-                if holder is not None:
-                    raise RejectedError(
-                        f"RPC host {remote} is serving model '{holder.spec.name}'; a ggml RPC "
-                        "server serves one model at a time: unload that one first")
-                assert offload is not None
-                try:
-                    runner = IsolatedRunner(path, endpoint=remote, device_index=int(
-                        placement.executor.name.rpartition("/")[2]), notify=self._notify,
-                        context=spec.context, parallel=spec.parallel,
-                        n_gpu_layers=offload.n_gpu_layers, kv_cache_type=spec.kv_cache_type)
-                except InternalError as exc:  # the host went away: fleet says so
-                    self._remote[remote] = exc.message
-                    raise
-            else:
-                devices = (ex.device_handles(placement.executor.name, placement.device_indices)
-                           if offload is not None else [])
-                runner = Runner(path, context=spec.context, parallel=spec.parallel,
-                                notify=self._notify, gpu_devices=devices,
-                                n_gpu_layers=offload.n_gpu_layers if offload else 0,
-                                tensor_split=offload.split if offload else (),
-                                n_threads=spec.threads, kv_cache_type=spec.kv_cache_type)
+            engine = self._spawn(spec, path, options)
+        except InternalError as exc:
+            if remote is not None:  # the host went away: fleet says so
+                self._remote[remote] = exc.message
+            raise
+        keep = spec.keep_alive if spec.keep_alive is not None else self.keep_alive
+        return _Model(spec=spec, engine=engine, executor=placement.name, path=path,
+                      options=options, placement=placement, keep_alive=keep)
+
+    def _spawn(self, spec: ModelSpec, path: Path, options: LoadOptions) -> Engine:
+        """An engine for ``spec``: a process of its own (the daemon; and a remote model
+        anywhere, since ggml-rpc aborts the process that loses its server), else a
+        Runner in this process (embedded mode). Blocking: run it on a worker thread."""
+        try:
+            if self.isolate or options.rpc_endpoints:
+                from ..engine.process import EngineProcess
+
+                return EngineProcess(path, options, notify=self._notify, label=spec.name,
+                                     on_death=self._engine_gone)
+            from ..engine.runner import Runner
+
+            return Runner.load(path, options, self._notify)
         except EverycycleError:
             raise
         except Exception as exc:
             raise InternalError(f"loading {spec.name} failed: {exc}") from exc
-        keep = spec.keep_alive if spec.keep_alive is not None else self.keep_alive
-        return _Model(spec=spec, runner=runner, executor=placement.name, placement=placement,
-                      keep_alive=keep)
 
     async def _unload(self, name: str, reason: str) -> None:
         model = self._models.pop(name, None)
         if model is None:
             return
+        if model.up is not None:  # restarting: its waiters learn it is gone
+            model.up.set()
+            model.up = None
         for active in list(model.queue) + list(model.running):
             self._cancel(active, reason)
-        await anyio.to_thread.run_sync(model.runner.close)
+        await anyio.to_thread.run_sync(model.engine.close)
         # Running jobs end through the engine's cancelled outputs; any not delivered yet
         # end here (a late output for them is then ignored).
         for active in list(model.running):
@@ -860,6 +1050,7 @@ class Supervisor:
             daemon_rss=_rss_bytes(),
             principals=self._principal_loads(),
             rpc=self._rpc_available,
+            cpu_kernels=self.cpu_kernels.note if self.cpu_kernels else None,
         )
 
     def _loaded(self, m: _Model) -> LoadedModel:
@@ -868,18 +1059,24 @@ class Supervisor:
             name=m.spec.name,
             revision=m.spec.revision,
             assigned_executor=m.executor,
-            slots=m.runner.parallel,
+            slots=m.engine.parallel,
             busy=len(m.running),
             queued=len(m.queue),
-            weights_bytes=m.runner.weights_bytes,
-            kv_bytes=m.runner.kv_bytes,
+            weights_bytes=m.engine.weights_bytes,
+            kv_bytes=m.engine.kv_bytes,
             device_layers=device_layers,
             total_layers=total_layers,
             unload_in_ms=self._unload_in_ms(m),
-            lookup=m.spec.speculative and m.runner.lookup_exact,
-            lookup_drafted=m.runner.lookup_drafted,
-            lookup_accepted=m.runner.lookup_accepted,
+            lookup=m.spec.speculative and m.engine.lookup_exact,
+            lookup_drafted=m.engine.lookup_drafted,
+            lookup_accepted=m.engine.lookup_accepted,
             keep_alive_ms=-1 if m.keep_alive < 0 else int(m.keep_alive * 1000),
+            engine_pid=m.engine.pid if m.engine.dead is None else None,
+            engine_rss=m.engine.rss(),
+            engine_restarts=m.restarts or None,
+            engine_exit=m.last_exit,
+            state=("failed" if m.failed is not None else "restarting" if m.up is not None
+                   else None),
         )
 
     def _principal_loads(self) -> tuple[PrincipalLoad, ...] | None:

@@ -4,7 +4,7 @@ ggml-rpc ends the whole process (GGML_ABORT) when a server cannot be reached or 
 away, and a registered server is asked for its memory whenever devices are listed.
 So the daemon never registers one itself: probing a host (``probe``, run through
 ``python -m everycycle.engine.rpc probe ENDPOINT`` by ``probe_in_child``) and running
-a model on it (``worker.py``) happen in child processes, where an abort costs only
+a model on it (an engine process, ``process.py``) happen in child processes, where an abort costs only
 that child. The RPC protocol has no authentication: whoever reaches a server's port
 can use its devices and read what they hold.
 """

@@ -2,30 +2,30 @@
 
 llama.cpp's low-level API through llama-cpp-python, with llama.cpp's own sampler
 chain. One ``Runner`` owns one ``llama_model`` and ``llama_context`` and a worker
-thread; every call into the context happens on that thread. Each step puts the
-pending work of every active slot (prefill chunks and one token per decoding slot)
-into one ``llama_batch``, runs one ``llama_decode``, samples each slot with its own
-chain, and hands that step's outputs to ``notify`` in one call. Requests enter free
-slots and leave between steps, so a cancel takes effect within one step. A slot
-keeps its KV cells after a request ends; a new request sharing a prefix with them
-only prefills the rest.
+thread; every call into the context happens on that thread. Each step admits pending
+jobs into free slots (``_admit``), puts the pending work of every active slot —
+prefill chunks, one token per decoding slot, prompt-lookup drafts — into one
+``llama_batch`` (``_build``), runs one ``llama_decode``, samples each slot with its
+own chain (``_sample``), and hands that step's outputs to ``notify`` in one call.
+Requests leave between steps, so a cancel takes effect within one step. A slot keeps
+its KV cells after a request ends; a new request sharing a prefix with them only
+prefills the rest.
 
+The Runner satisfies the ``Engine`` contract (contract.py): the daemon runs one inside
+an engine process of its own (process.py); embedded mode runs one in its own process.
 The engine knows nothing of sockets or event loops: ``notify`` is a plain callable.
 """
 
 from __future__ import annotations
 
 import codecs
-import contextlib
 import ctypes
 import logging
 import os
-import re
-import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -35,65 +35,18 @@ import numpy as np
 
 from ..errors import EverycycleError, InternalError, InvalidRequestError
 from ..protocol import Format, Message
+from .contract import LoadOptions, Notify
+from .jobs import EMBED_MAX_TOKENS, Job, Output, common_prefix, stop_split
+from .llamalog import backend_init, log_capture
 from .lookup import History, PromptLookup, StepCost, expected_accepted
 from .memory import kv_type_id
+from .probes import batch_probe, put
+from .sampling import Samplers
+from .vocab import Vocab
 
 log = logging.getLogger(__name__)
 
-_DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
-EMBED_MAX_TOKENS = 2048
-"""The longest input an embedding request may hold, in tokens."""
-_PENALTY_LAST_N = 64
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """Sampling settings; llama-server's defaults. ``temperature == 0`` is greedy."""
-
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    seed: int | None = None
-    grammar: str | None = None
-    """A GBNF grammar (root rule ``root``) every output must follow."""
-
-
-@dataclass(frozen=True, slots=True)
-class Output:
-    """What one step produced for one job: a chunk, and whether it ended the job."""
-
-    text: str
-    ids: tuple[int, ...]
-    finished: bool = False
-    reason: str | None = None
-    """``eos``, ``length``, ``stop``, ``context``, ``embedded``, ``cancelled`` or ``error``
-    when finished."""
-    error: EverycycleError | None = None
-    embeddings: list[list[float]] | None = None
-    """An embedding job's vectors (reason ``embedded``)."""
-
-
-@dataclass(eq=False)
-class Job:
-    """One generation: prompt tokens in, Outputs out through the runner's ``notify``."""
-
-    tokens: Sequence[int]
-    max_tokens: int
-    sampling: Sampling = field(default_factory=Sampling)
-    stop: Sequence[str] = ()
-    tag: Any = None
-    """Opaque to the engine: whatever the caller uses to route outputs."""
-    embed_inputs: Sequence[Sequence[int]] | None = None
-    """Set for an embedding job: the token sequences to embed (no generation)."""
-    lookup: bool = True
-    """Prompt-lookup drafts, verified in the batch (greedy jobs without a grammar)."""
-    # Filled in by the runner, read by callers once the job finished:
-    n_prompt: int = 0
-    n_reused: int = 0
-    n_generated: int = 0
-    _cancel_reason: str | None = None
+__all__ = ["EMBED_MAX_TOKENS", "Job", "Output", "Runner"]
 
 
 @dataclass(eq=False)
@@ -116,35 +69,6 @@ class _Slot:
     draft_row: int = 0
 
 
-Notify = Callable[[list[tuple[Job, Output]]], None]
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def _stop_split(text: str, stops: Sequence[str]) -> tuple[int | None, int]:
-    """(index of the first stop string in text or None, length of a held-back tail)."""
-    first: int | None = None
-    for s in stops:
-        i = text.find(s)
-        if i >= 0 and (first is None or i < first):
-            first = i
-    if first is not None:
-        return first, 0
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
-                break
-    return None, hold
-
-
 class Runner:
     """A model loaded on an executor, with ``parallel`` slots and a decode thread.
 
@@ -153,9 +77,31 @@ class Runner:
     """
 
     dead: str | None = None
-    """Why it can no longer serve; always None here (a worker's IsolatedRunner can die)."""
+    """Why it can no longer serve; always None in-process."""
+    pid: int | None = None
     lookup_type: type[PromptLookup] = PromptLookup
     """What drafts tokens for greedy jobs (tests put an oracle here)."""
+
+    @classmethod
+    def load(cls, path: Path, options: LoadOptions, notify: Notify) -> Runner:
+        """A Runner for ``options``: RPC servers registered, devices looked up here."""
+        from . import executors as ex
+
+        backend_init()
+        devices: list[int] = []
+        if options.rpc_endpoints:
+            from . import rpc
+
+            for i, endpoint in enumerate(options.rpc_endpoints):
+                handles = rpc.register(endpoint)
+                if i == 0:
+                    devices = [handles[options.device_indices[0]]]
+        elif options.device_indices:
+            devices = ex.device_handles(options.executor, options.device_indices)
+        return cls(path, context=options.context, parallel=options.parallel, notify=notify,
+                   gpu_devices=devices, n_gpu_layers=options.n_gpu_layers,
+                   tensor_split=options.tensor_split, n_threads=options.n_threads,
+                   kv_cache_type=options.kv_cache_type, extra_bufts=options.extra_bufts)
 
     def __init__(
         self,
@@ -170,6 +116,7 @@ class Runner:
         n_threads: int | None = None,
         n_batch: int = 512,
         kv_cache_type: str = "f16",
+        extra_bufts: bool = True,
     ) -> None:
         import llama_cpp as L
 
@@ -178,7 +125,7 @@ class Runner:
         self.parallel = parallel
         self._notify = notify
         self._n_batch = n_batch
-        _backend_init()
+        backend_init()
         mparams = L.llama_model_default_params()
         # Pin the model to the executor's devices: a NULL-terminated list (empty = CPU).
         self._devices = (ctypes.c_void_p * (len(gpu_devices) + 1))(*gpu_devices, None)
@@ -187,21 +134,25 @@ class Runner:
         # too); the rest stay on the CPU.
         mparams.n_gpu_layers = (0 if not gpu_devices else 999 if n_gpu_layers is None
                                 else n_gpu_layers)
+        # The CPU's extra buffer types (AMX, repacked weights): only where a child
+        # process showed they run on this CPU (cpukernels.py).
+        mparams.use_extra_bufts = extra_bufts
         if tensor_split and len(gpu_devices) > 1:
             size = max(len(tensor_split), int(L.llama_max_devices()))
             self._split = (ctypes.c_float * size)(*tensor_split)
             mparams.tensor_split = ctypes.cast(self._split, ctypes.POINTER(ctypes.c_float))
         if not path.is_file():
             raise InvalidRequestError(f"{path} is not a file")
-        with _log_capture() as loading:
+        with log_capture() as loading:
             model = L.llama_model_load_from_file(str(path).encode(), mparams)
         self.offloaded = loading.offloaded
         """(layers on the devices, layers + output head), as llama.cpp reported them."""
         if not model:
             raise InvalidRequestError(f"llama.cpp could not load {path} (not a valid GGUF?)")
         self._model = model
-        self._vocab = L.llama_model_get_vocab(model)
-        self._n_vocab = L.llama_vocab_n_tokens(self._vocab)
+        self.vocab = Vocab(L, model)
+        self._n_vocab = self.vocab.n_vocab
+        self._samplers = Samplers(L, self.vocab.handle, self._n_vocab)
         threads = n_threads or max(1, os.cpu_count() or 1)
         self._threads = threads
         self._embedder: Any = None
@@ -229,7 +180,7 @@ class Runner:
         cparams.type_v = kv_type
         if kv_cache_type != "f16":  # a quantized V cache needs flash attention
             cparams.flash_attn_type = 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED
-        with _log_capture() as reported:
+        with log_capture() as reported:
             ctx = L.llama_init_from_model(model, cparams)
         self.kv_bytes = reported.kv_bytes
         """The KV cache's size as llama.cpp reports it when creating the context."""
@@ -249,12 +200,6 @@ class Runner:
         # Guards the model against use from other threads (tokenize) while close() frees it.
         self._life = threading.Lock()
         self._freed = False
-        # Reused by greedy decoding under a grammar (_grammar_greedy).
-        self._all_candidates = np.zeros(self._n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"),
-                                                              ("p", "<f4")])
-        self._one_candidate = _OneCandidate(L)
-        self._template_raw = False
-        self._template = self._chat_template()
         self.lookup_exact = False
         """Whether this model, on this build and device, gives each token the same logits
         in a multi-row batch as alone: then prompt-lookup drafts change nothing but speed,
@@ -270,7 +215,7 @@ class Runner:
     @property
     def has_chat_template(self) -> bool:
         """True when the GGUF carries a chat template llama.cpp can render."""
-        return self._template is not None
+        return self.vocab.template is not None
 
     def tokenize(self, prompt: str, fmt: Format | None = None) -> list[int]:
         """Prompt to tokens: the chat template unless ``fmt`` is RAW or the model has none.
@@ -280,9 +225,10 @@ class Runner:
         """
         with self._life:
             self._check_alive()
-            if fmt is not Format.RAW and self._template is not None:
-                return self._tokenize(self._render_chat(((b"user", prompt),)), special=True)
-            return self._tokenize(prompt, special=False)
+            if fmt is not Format.RAW and self.vocab.template is not None:
+                return self.vocab.tokenize(self.vocab.render_chat(((b"user", prompt),)),
+                                           special=True)
+            return self.vocab.tokenize(prompt, special=False)
 
     def tokenize_chat(self, messages: Sequence[Message]) -> list[int]:
         """A conversation to tokens through the model's chat template, ready for the
@@ -290,30 +236,19 @@ class Runner:
         llama.cpp can render, InternalError once the model is unloaded."""
         with self._life:
             self._check_alive()
-            if self._template is None:
-                why = ("has a chat template llama.cpp cannot render" if self._template_raw
+            if self.vocab.template is None:
+                why = ("has a chat template llama.cpp cannot render" if self.vocab.template_raw
                        else "has no chat template")
                 raise InvalidRequestError(
                     f"{self.path.name} {why}: send a `prompt` with format raw instead of "
                     "`messages`"
                 )
             turns = tuple((m.role.value.encode(), m.content) for m in messages)
-            return self._tokenize(self._render_chat(turns), special=True)
+            return self.vocab.tokenize(self.vocab.render_chat(turns), special=True)
 
     def _check_alive(self) -> None:
         if self._freed:
             raise InternalError("the model is unloaded")
-
-    def _tokenize(self, text: str, *, special: bool) -> list[int]:
-        L = self._L
-        data = text.encode("utf-8")
-        n_max = len(data) + 8
-        buf = (L.llama_token * n_max)()
-        n = L.llama_tokenize(self._vocab, data, len(data), buf, n_max, True, special)
-        if n < 0:
-            buf = (L.llama_token * -n)()
-            n = L.llama_tokenize(self._vocab, data, len(data), buf, -n, True, special)
-        return list(buf[:n])
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` as the stream renders it (invalid UTF-8 replaced).
@@ -322,7 +257,19 @@ class Runner:
         """
         with self._life:
             self._check_alive()
-            return b"".join(self._piece(t) for t in ids).decode("utf-8", "replace")
+            return b"".join(self.vocab.piece(t) for t in ids).decode("utf-8", "replace")
+
+    def check_grammar(self, gbnf: str) -> None:
+        """Compile ``gbnf`` once to refuse a broken grammar before anything is queued.
+
+        Safe from any thread. Raises InvalidRequestError saying where it is broken.
+        """
+        with self._life:
+            self._check_alive()
+            self._samplers.check(gbnf)
+
+    def rss(self) -> int | None:
+        return None
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; it starts in the next free slot. Raises InvalidRequestError
@@ -370,195 +317,182 @@ class Runner:
             L.llama_free(self._ctx)
             L.llama_model_free(self._model)
 
-    # ------------------------------------------------------------------ helpers
-
-    def _chat_template(self) -> bytes | None:
-        """The GGUF's chat template if llama.cpp can render it (probed once)."""
-        L = self._L
-        tmpl = L.llama_model_chat_template(self._model, None)
-        self._template_raw = bool(tmpl)
-        if not tmpl:
-            return None
-        probe = self._apply(tmpl, ((b"user", "x"),))
-        return tmpl if probe is not None else None
-
-    def _apply(self, tmpl: bytes, turns: Sequence[tuple[bytes, str]]) -> str | None:
-        L = self._L
-        contents = [content.encode("utf-8") for _, content in turns]
-        msgs = (L.llama_chat_message * len(turns))()
-        for i, ((role, _), content) in enumerate(zip(turns, contents, strict=True)):
-            msgs[i].role = role
-            msgs[i].content = content
-        size = 2 * sum(len(c) for c in contents) + 256 * len(turns) + 256
-        buf = ctypes.create_string_buffer(size)
-        n = L.llama_chat_apply_template(tmpl, msgs, len(turns), True, buf, size)
-        if n < 0:
-            return None
-        if n > size:
-            buf = ctypes.create_string_buffer(n)
-            n = L.llama_chat_apply_template(tmpl, msgs, len(turns), True, buf, n)
-        return buf.raw[:n].decode("utf-8", "replace")
-
-    def _render_chat(self, turns: Sequence[tuple[bytes, str]]) -> str:
-        assert self._template is not None
-        out = self._apply(self._template, turns)
-        if out is None:
-            raise InvalidRequestError("the model's chat template cannot render this conversation")
-        return out
-
-    def _piece(self, token: int) -> bytes:
-        L = self._L
-        buf = ctypes.create_string_buffer(64)
-        n = L.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = L.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
-        return buf.raw[:n]
-
-    def _make_sampler(self, s: Sampling) -> Any:
-        """llama.cpp's sampler chain for ``s``; None for plain greedy decoding.
-
-        Plain greedy (temperature 0, no penalty) is an argmax over the logits, which is
-        what llama.cpp's greedy sampler computes, without building a candidate array
-        over the whole vocabulary (262k entries for Gemma) for every token.
-        """
-        L = self._L
-        if s.temperature <= 0.0 and s.repeat_penalty == 1.0 and s.grammar is None:
-            return None
-        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        if s.grammar is not None:  # first: it masks what the grammar does not allow
-            L.llama_sampler_chain_add(chain, self._grammar_sampler(s.grammar))
-        if s.repeat_penalty != 1.0:
-            L.llama_sampler_chain_add(
-                chain,
-                L.llama_sampler_init_penalties(
-                    self._n_vocab, _PENALTY_LAST_N, s.repeat_penalty, 0.0, 0.0
-                ),
-            )
-        if s.temperature <= 0.0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
-            return chain
-        if s.top_k > 0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(s.top_k))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(s.top_p, 1))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(s.min_p, 1))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(s.temperature))
-        seed = _DEFAULT_SEED if s.seed is None else s.seed
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
-        return chain
-
-    def _grammar_sampler(self, gbnf: str) -> Any:
-        """llama.cpp's grammar sampler for ``gbnf`` (root rule ``root``).
-
-        Raises InvalidRequestError with llama.cpp's own parse error, which says where.
-        """
-        with _log_capture() as captured, _stderr_text() as printed:
-            sampler = self._L.llama_sampler_init_grammar(self._vocab, gbnf.encode("utf-8"),
-                                                         b"root")
-        if not sampler:
-            # llama.cpp prints where the parse failed straight to stderr, then logs a
-            # generic error; the first says where.
-            where = [ln.strip() for ln in printed.text.splitlines() if "error" in ln]
-            detail = "; ".join(where or captured.errors) or "llama.cpp could not parse it"
-            raise InvalidRequestError(f"grammar: {detail}")
-        return sampler
-
-    def _grammar_greedy(self, grammar: Any, logits: np.ndarray, tok: int) -> int:
-        """The argmax among the tokens ``grammar`` allows (``tok``, the plain argmax, when
-        it allows that one), accepted into the grammar's state. Engine thread only."""
-        L = self._L
-        if not self._grammar_allows(grammar, tok):
-            every = self._all_candidates
-            every["id"] = np.arange(self._n_vocab, dtype=np.int32)
-            every["logit"] = logits
-            every["p"] = 0.0
-            arr = L.llama_token_data_array(
-                data=every.ctypes.data_as(ctypes.POINTER(L.llama_token_data)),
-                size=self._n_vocab, selected=-1, sorted=False)
-            L.llama_sampler_apply(grammar, ctypes.byref(arr))
-            best = int(every["logit"].argmax())
-            if not np.isfinite(every["logit"][best]):
-                # Accepting a token the grammar refuses aborts the process: end the job.
-                raise InvalidRequestError("the grammar allows no next token")
-            tok = int(every["id"][best])
-        L.llama_sampler_accept(grammar, tok)
-        return tok
-
-    def _grammar_allows(self, grammar: Any, tok: int) -> bool:
-        """Whether ``grammar``, in its current state, allows ``tok`` next."""
-        one = self._one_candidate
-        one.data[0].id, one.data[0].logit, one.data[0].p = tok, 0.0, 0.0
-        one.array.size, one.array.selected, one.array.sorted = 1, -1, False
-        self._L.llama_sampler_apply(grammar, ctypes.byref(one.array))
-        return bool(np.isfinite(one.data[0].logit))
-
-    def check_grammar(self, gbnf: str) -> None:
-        """Compile ``gbnf`` once to refuse a broken grammar before anything is queued.
-
-        Safe from any thread. Raises InvalidRequestError saying where it is broken.
-        """
-        with self._life:
-            self._check_alive()
-            self._L.llama_sampler_free(self._grammar_sampler(gbnf))
-
     # ------------------------------------------------------------------ engine thread
 
-    def _batch_is_exact(self) -> bool:
-        """Decode a few tokens one at a time, then as one batch and as two (as drafts
-        are verified), and compare the logits bit for bit. (Some llama.cpp kernels
-        round differently for several rows than for one: gemma-3 Q4_K_M on ggml-cpu
-        does.)"""
-        L = self._L
-        toks = self._tokenize("The quick brown fox jumps over the lazy dog again and again",
-                              special=False)[:12]
-        if len(toks) < 6 or self._n_batch < len(toks):
-            return False
-        prompt, tail = toks[:-4], toks[-4:]
-        batch = self._batch
-
-        timed: list[tuple[int, float]] = []
-
-        def run(groups: list[list[int]]) -> list[np.ndarray]:
-            L.llama_memory_seq_rm(self._mem, 0, -1, -1)
-            pos = 0
-            got: list[np.ndarray] = []
-            for group in groups:
-                for i, tok in enumerate(group):
-                    self._put(batch, i, tok, pos + i, 0, True)
-                batch.n_tokens = len(group)
-                started = time.perf_counter()
-                if L.llama_decode(self._ctx, batch) != 0:
-                    raise InternalError("llama_decode failed while loading")
-                timed.append((len(group), time.perf_counter() - started))
-                got.extend(np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, i),
-                                                 shape=(self._n_vocab,)).copy()
-                           for i in range(len(group)))
-                pos += len(group)
-            return got[len(prompt) - 1:]
-
+    def _run(self, probed: threading.Event) -> None:
+        # Every llama_decode of this context runs on this thread, the load-time probe
+        # too. OpenMP keeps a thread pool per calling thread: a decode on another thread
+        # would leave a second pool, and with more OpenMP threads than cores libgomp
+        # stops spinning at its barriers and sleeps at every one (SmolLM2 on 2 cores:
+        # ~150 futex sleeps per token, 25% slower).
         try:
-            alone = run([prompt] + [[t] for t in tail])
-            together = run([prompt, tail])
-            pairs = run([prompt, tail[:2], tail[2:]])
-            if min(self._n_batch, self.n_ctx_slot) > 16:
-                run([(toks * 3)[:16]])  # (timed only: a full draft's rows)
-        except InternalError:
-            return False
+            self.lookup_exact = self._probe()
+        except Exception:
+            log.exception("probing batched decoding failed for %s", self.path)
         finally:
-            L.llama_memory_seq_rm(self._mem, 0, -1, -1)
-        # The timings (every row with logits, as a draft's) seed the step cost by row
-        # count: 1, 2, 4, 8 and 16 rows (kernels in blocks of rows make 16 cheaper than
-        # a guess from 8 says: gemma-3's Q4_K on ggml-cpu). The first decode allocates.
-        self._cost = StepCost.fit(timed[1:])
-        return all(np.array_equal(a, b) and np.array_equal(a, c)
-                   for a, b, c in zip(alone, together, pairs, strict=True))
+            probed.set()
+        try:
+            self._loop()
+        except BaseException as exc:  # the thread must report, never vanish silently
+            log.exception("engine thread for %s failed", self.path)
+            err = InternalError(f"engine failed: {exc}")
+            with self._cond:
+                self._closing = True
+                jobs = [s.job for s in self._slots if s.job] + list(self._pending)
+                self._pending.clear()
+            self._safe_notify([(j, Output("", (), True, "error", err)) for j in jobs])
+
+    def _probe(self) -> bool:
+        """Whether batches are bit-exact here; times steps by row count meanwhile."""
+        toks = self.vocab.tokenize(
+            "The quick brown fox jumps over the lazy dog again and again", special=False)
+        exact, self._cost = batch_probe(
+            self._L, self._ctx, self._mem, self._batch, n_vocab=self._n_vocab,
+            n_batch=self._n_batch, n_ctx_slot=self.n_ctx_slot, toks=toks)
+        return exact
+
+    def _safe_notify(self, outputs: list[tuple[Job, Output]]) -> None:
+        if not outputs:
+            return
+        try:
+            self._notify(outputs)
+        except Exception:
+            log.exception("notify failed; %d outputs dropped", len(outputs))
+
+    def _loop(self) -> None:
+        while True:
+            out: list[tuple[Job, Output]] = []
+            embeds = self._admit(out)
+            if embeds is None:  # closing
+                self._safe_notify(out)
+                return
+            if embeds:
+                self._embed(embeds, out)
+            active = [s for s in self._slots if s.job is not None]
+            n, rows, prefill = self._build(active)
+            if n == 0:
+                self._safe_notify(out)
+                continue
+            self._batch.n_tokens = n
+            started = time.perf_counter()
+            rc = self._L.llama_decode(self._ctx, self._batch)
+            if rc != 0:
+                err = InternalError(f"llama_decode returned {rc}")
+                for s in active:
+                    self._finish(s, out, "error", err)
+                self._safe_notify(out)
+                continue
+            if not prefill:
+                self._cost.observe(n, time.perf_counter() - started)
+            self._sample(rows, out)
+            self._safe_notify(out)
+
+    def _admit(self, out: list[tuple[Job, Output]]) -> list[Job] | None:
+        """Wait for work; end cancelled jobs; start pending jobs in free slots. Returns
+        the embedding jobs to run this step, or None when the runner is closing."""
+        with self._cond:
+            while not (self._closing or self._pending or any(s.job for s in self._slots)):
+                self._cond.wait()
+            if self._closing:
+                for s in self._slots:
+                    if s.job is not None:
+                        self._finish(s, out, "cancelled")
+                for job in self._pending:
+                    out.append((job, Output("", (), True, "cancelled")))
+                self._pending.clear()
+                return None
+            for s in self._slots:
+                if s.job is not None and s.job._cancel_reason is not None:
+                    self._finish(s, out, "cancelled")
+            kept: deque[Job] = deque()
+            embeds: list[Job] = []
+            for job in self._pending:
+                if job._cancel_reason is not None:
+                    out.append((job, Output("", (), True, "cancelled")))
+                elif job.embed_inputs is not None:
+                    embeds.append(job)  # needs no slot: its own context
+                else:
+                    kept.append(job)
+            self._pending = kept
+            while self._pending and any(s.job is None for s in self._slots):
+                self._start(self._pending.popleft())
+            return embeds
+
+    def _build(self, active: list[_Slot]) -> tuple[int, list[tuple[_Slot, int]], bool]:
+        """Fill the batch: a token per decoding slot first, then drafts, then prefill
+        chunks. Returns (rows, the slots whose logits come from which row, whether any
+        prefill is in it)."""
+        batch = self._batch
+        n = 0
+        rows: list[tuple[_Slot, int]] = []
+        for s in active:
+            if not s.todo:
+                put(batch, n, s.last, s.n_past, s.seq, True)
+                s.cached.append(s.last)
+                s.n_past += 1
+                rows.append((s, n))
+                n += 1
+        expected = float(len(rows))  # the tokens this step should yield
+        for s, _ in rows:  # prompt-lookup drafts after every slot has its row
+            if s.lookup is None:
+                continue
+            assert s.job is not None
+            room = min(self._n_batch - n, self.n_ctx_slot - s.n_past,
+                       s.job.max_tokens - s.job.n_generated - 1)
+            s.draft = s.lookup.propose(room, partial(self._cost.draft_len, n, expected))
+            s.draft_row = n
+            if s.draft:
+                expected += expected_accepted(s.lookup.rate, len(s.draft))
+            for tok in s.draft:
+                put(batch, n, tok, s.n_past, s.seq, True)
+                s.cached.append(tok)
+                s.n_past += 1
+                n += 1
+        prefill = False
+        for s in active:
+            if not s.todo or n >= self._n_batch:
+                continue
+            prefill = True
+            take = s.todo[: self._n_batch - n]
+            del s.todo[: len(take)]
+            for j, tok in enumerate(take):
+                last = not s.todo and j == len(take) - 1
+                put(batch, n, tok, s.n_past, s.seq, last)
+                s.cached.append(tok)
+                s.n_past += 1
+                if last:
+                    rows.append((s, n))
+                n += 1
+        return n, rows, prefill
+
+    def _sample(self, rows: list[tuple[_Slot, int]], out: list[tuple[Job, Output]]) -> None:
+        """Each slot's next token from its row (or its draft verified)."""
+        L = self._L
+        for s, row in rows:
+            assert s.job is not None
+            if s.draft:
+                self._verify(s, row, out)
+                continue
+            if s.sampler is None:
+                logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, row),
+                                               shape=(self._n_vocab,))
+                tok = int(logits.argmax())
+                if s.grammar is not None:
+                    try:
+                        tok = self._samplers.grammar_greedy(s.grammar, logits, tok)
+                    except InvalidRequestError as exc:
+                        self._finish(s, out, "error", exc)
+                        continue
+            else:
+                tok = L.llama_sampler_sample(s.sampler, self._ctx, row)
+            self._take(s, tok, s.n_past, out)
 
     def _start(self, job: Job) -> None:
         """Put ``job`` in the free slot whose cached tokens share the longest prefix."""
         L = self._L
         free = [s for s in self._slots if s.job is None]
-        slot = max(free, key=lambda s: _common_prefix(s.cached, job.tokens))
-        reuse = _common_prefix(slot.cached, job.tokens)
+        slot = max(free, key=lambda s: common_prefix(s.cached, job.tokens))
+        reuse = common_prefix(slot.cached, job.tokens)
         reuse = min(reuse, len(job.tokens) - 1)  # at least one token to get logits from
         if reuse > 0 and self._n_swa > 0:
             # A sliding-window layer has dropped the cells before its window: the
@@ -574,10 +508,10 @@ class Runner:
         if greedy and job.sampling.grammar is not None:
             # Greedy under a grammar, as llama-server does it: take the argmax, and mask
             # the whole vocabulary only when the grammar refuses that token.
-            slot.grammar = self._grammar_sampler(job.sampling.grammar)
+            slot.grammar = self._samplers.grammar(job.sampling.grammar)
             slot.sampler = None
         else:
-            slot.sampler = self._make_sampler(job.sampling)
+            slot.sampler = self._samplers.chain(job.sampling)
         slot.lookup = (self.lookup_type(job.tokens, self._history)
                        if job.lookup and greedy and job.sampling.grammar is None else None)
         slot.draft = []
@@ -598,13 +532,12 @@ class Runner:
             text = slot.held_text + slot.decoder.decode(b"", True)
             ids = slot.held_ids
             if reason != "stop" and job.stop:
-                cut, _ = _stop_split(text, job.stop)
+                cut, _ = stop_split(text, job.stop)
                 if cut is not None:
                     text, reason = text[:cut], "stop"
         out.append((job, Output(text, tuple(ids), True, reason, error)))
         for sampler in (slot.sampler, slot.grammar):
-            if sampler is not None:
-                self._L.llama_sampler_free(sampler)
+            self._samplers.free(sampler)
         slot.sampler = slot.grammar = None
         slot.job = None
         slot.todo = []
@@ -617,12 +550,12 @@ class Runner:
         job = slot.job
         assert job is not None
         slot.held_ids.append(token)
-        slot.held_text += slot.decoder.decode(self._piece(token))
+        slot.held_text += slot.decoder.decode(self.vocab.piece(token))
         if slot.decoder.getstate()[0]:
             return False  # a character is split across tokens: wait for the rest
         text = slot.held_text
         if job.stop:
-            cut, hold = _stop_split(text, job.stop)
+            cut, hold = stop_split(text, job.stop)
             if cut is not None:
                 slot.held_text = text[:cut]
                 return True
@@ -634,154 +567,12 @@ class Runner:
         slot.held_text, slot.held_ids = "", []
         return False
 
-    def _run(self, probed: threading.Event) -> None:
-        # Every llama_decode of this context runs on this thread, the load-time probe
-        # too. OpenMP keeps a thread pool per calling thread: a decode on another thread
-        # would leave a second pool, and with more OpenMP threads than cores libgomp
-        # stops spinning at its barriers and sleeps at every one (SmolLM2 on 2 cores:
-        # ~150 futex sleeps per token, 25% slower).
-        try:
-            self.lookup_exact = self._batch_is_exact()
-        except Exception:
-            log.exception("probing batched decoding failed for %s", self.path)
-        finally:
-            probed.set()
-        try:
-            self._loop()
-        except BaseException as exc:  # the thread must report, never vanish silently
-            log.exception("engine thread for %s failed", self.path)
-            err = InternalError(f"engine failed: {exc}")
-            with self._cond:
-                self._closing = True
-                jobs = [s.job for s in self._slots if s.job] + list(self._pending)
-                self._pending.clear()
-            self._safe_notify([(j, Output("", (), True, "error", err)) for j in jobs])
-
-    def _safe_notify(self, outputs: list[tuple[Job, Output]]) -> None:
-        if not outputs:
-            return
-        try:
-            self._notify(outputs)
-        except Exception:
-            log.exception("notify failed; %d outputs dropped", len(outputs))
-
-    def _loop(self) -> None:
-        L = self._L
-        batch = self._batch
-        while True:
-            out: list[tuple[Job, Output]] = []
-            with self._cond:
-                while not (self._closing or self._pending or any(s.job for s in self._slots)):
-                    self._cond.wait()
-                if self._closing:
-                    for s in self._slots:
-                        if s.job is not None:
-                            self._finish(s, out, "cancelled")
-                    for job in self._pending:
-                        out.append((job, Output("", (), True, "cancelled")))
-                    self._pending.clear()
-                    self._safe_notify(out)
-                    return
-                for s in self._slots:
-                    if s.job is not None and s.job._cancel_reason is not None:
-                        self._finish(s, out, "cancelled")
-                kept: deque[Job] = deque()
-                embeds: list[Job] = []
-                for job in self._pending:
-                    if job._cancel_reason is not None:
-                        out.append((job, Output("", (), True, "cancelled")))
-                    elif job.embed_inputs is not None:
-                        embeds.append(job)  # needs no slot: its own context
-                    else:
-                        kept.append(job)
-                self._pending = kept
-                while self._pending and any(s.job is None for s in self._slots):
-                    self._start(self._pending.popleft())
-            if embeds:
-                self._embed(embeds, out)
-            # Build one batch: a token per decoding slot first, then prefill chunks.
-            n = 0
-            rows: list[tuple[_Slot, int]] = []  # slots whose logits come from batch row i
-            active = [s for s in self._slots if s.job is not None]
-            for s in active:
-                if not s.todo:
-                    self._put(batch, n, s.last, s.n_past, s.seq, True)
-                    s.cached.append(s.last)
-                    s.n_past += 1
-                    rows.append((s, n))
-                    n += 1
-            expected = float(len(rows))  # the tokens this step should yield
-            for s, _ in rows:  # prompt-lookup drafts after every slot has its row
-                if s.lookup is None:
-                    continue
-                assert s.job is not None
-                room = min(self._n_batch - n, self.n_ctx_slot - s.n_past,
-                           s.job.max_tokens - s.job.n_generated - 1)
-                s.draft = s.lookup.propose(room, partial(self._cost.draft_len, n, expected))
-                s.draft_row = n
-                if s.draft:
-                    expected += expected_accepted(s.lookup.rate, len(s.draft))
-                for tok in s.draft:
-                    self._put(batch, n, tok, s.n_past, s.seq, True)
-                    s.cached.append(tok)
-                    s.n_past += 1
-                    n += 1
-            prefill = False
-            for s in active:
-                if not s.todo or n >= self._n_batch:
-                    continue
-                prefill = True
-                take = s.todo[: self._n_batch - n]
-                del s.todo[: len(take)]
-                for j, tok in enumerate(take):
-                    last = not s.todo and j == len(take) - 1
-                    self._put(batch, n, tok, s.n_past, s.seq, last)
-                    s.cached.append(tok)
-                    s.n_past += 1
-                    if last:
-                        rows.append((s, n))
-                    n += 1
-            if n == 0:
-                self._safe_notify(out)
-                continue
-            batch.n_tokens = n
-            started = time.perf_counter()
-            rc = L.llama_decode(self._ctx, batch)
-            if rc == 0 and not prefill:
-                self._cost.observe(n, time.perf_counter() - started)
-            if rc != 0:
-                err = InternalError(f"llama_decode returned {rc}")
-                for s in active:
-                    self._finish(s, out, "error", err)
-                self._safe_notify(out)
-                continue
-            for s, row in rows:
-                running = s.job
-                assert running is not None
-                if s.draft:
-                    self._verify(s, row, out)
-                    continue
-                if s.sampler is None:
-                    logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, row),
-                                                   shape=(self._n_vocab,))
-                    tok = int(logits.argmax())
-                    if s.grammar is not None:
-                        try:
-                            tok = self._grammar_greedy(s.grammar, logits, tok)
-                        except InvalidRequestError as exc:
-                            self._finish(s, out, "error", exc)
-                            continue
-                else:
-                    tok = L.llama_sampler_sample(s.sampler, self._ctx, row)
-                self._take(s, tok, s.n_past, out)
-            self._safe_notify(out)
-
     def _take(self, s: _Slot, tok: int, n_past: int, out: list[tuple[Job, Output]]) -> bool:
         """Handle one generated token, sampled with ``n_past`` tokens in the slot's cache;
         True if it ended the job."""
         running = s.job
         assert running is not None
-        if self._L.llama_vocab_is_eog(self._vocab, tok):
+        if self.vocab.is_eog(tok):
             self._finish(s, out, "eos")
             return True
         running.n_generated += 1
@@ -852,108 +643,3 @@ class Runner:
             n = len(job.embed_inputs or ())
             out.append((job, Output("", (), True, "embedded", embeddings=vectors[i:i + n])))
             i += n
-
-    @staticmethod
-    def _put(batch: Any, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
-        batch.token[i] = token
-        batch.pos[i] = pos
-        batch.n_seq_id[i] = 1
-        batch.seq_id[i][0] = seq
-        batch.logits[i] = logits
-
-
-_backend_lock = threading.Lock()
-_backend_state: dict[str, Any] = {}
-
-
-class _OneCandidate:
-    """A one-token llama_token_data_array, to ask a grammar about one token."""
-
-    def __init__(self, L: Any) -> None:
-        self.data = (L.llama_token_data * 1)()
-        self.array = L.llama_token_data_array(data=self.data, size=1, selected=-1,
-                                              sorted=False)
-
-
-@dataclass
-class _Captured:
-    kv_bytes: int = 0
-    errors: list[str] = field(default_factory=list)
-    offloaded: tuple[int, int] | None = None
-    """(layers on devices, layers) as llama.cpp reports loading a model (the output
-    head counts as a layer there)."""
-
-
-_KV_SIZE = re.compile(rb"^llama_kv_cache: size = +([0-9.]+) MiB")
-_OFFLOADED = re.compile(rb"offloaded (\d+)/(\d+) layers to GPU")
-_capture_lock = threading.Lock()
-_capturing: list[_Captured] = []
-
-
-@contextlib.contextmanager
-def _log_capture() -> Iterator[_Captured]:
-    """Collect what llama.cpp reports while a call runs: the KV cache it allocates and
-    its error lines (a grammar's parse error). One capture at a time, process-wide."""
-    captured = _Captured()
-    with _capture_lock:
-        _capturing.append(captured)
-        try:
-            yield captured
-        finally:
-            _capturing.clear()
-
-
-@dataclass
-class _Printed:
-    text: str = ""
-
-
-@contextlib.contextmanager
-def _stderr_text() -> Iterator[_Printed]:
-    """What C code writes to fd 2 meanwhile, kept off the user's terminal. Only around
-    short calls, under the capture lock."""
-    import tempfile
-
-    printed = _Printed()
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield printed
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            printed.text = sink.read().decode("utf-8", "replace")
-
-
-def _quiet_log(level: int, text: bytes, user_data: Any) -> None:
-    """llama.cpp's log, routed to ``logging`` (it must never reach stdout)."""
-    if text and _capturing:
-        if level == 2:  # GGML_LOG_LEVEL_INFO
-            m = _KV_SIZE.match(text)
-            if m:
-                _capturing[0].kv_bytes += int(float(m.group(1)) * (1 << 20))
-            m = _OFFLOADED.search(text)
-            if m:
-                _capturing[0].offloaded = (int(m.group(1)), int(m.group(2)))
-        elif level == 4:  # GGML_LOG_LEVEL_ERROR
-            _capturing[0].errors.append(text.decode("utf-8", "replace").strip())
-    if level == 4 and text:  # GGML_LOG_LEVEL_ERROR
-        log.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
-    elif level == 3 and text:  # GGML_LOG_LEVEL_WARN: model quirks, not the user's concern
-        log.debug("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
-
-
-def _backend_init() -> None:
-    """Once per process: route llama.cpp's log and initialise its backends."""
-    with _backend_lock:
-        if _backend_state:
-            return
-        import llama_cpp as L
-
-        callback = L.llama_log_callback(_quiet_log)
-        _backend_state["log"] = callback  # keep the ctypes callback alive
-        L.llama_log_set(callback, ctypes.c_void_p(0))
-        L.llama_backend_init()

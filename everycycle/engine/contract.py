@@ -1,0 +1,182 @@
+"""The engine contract: what the supervisor may ask of a loaded model, and the typed
+messages that carry it to an engine process and back.
+
+Two classes satisfy ``Engine``: ``Runner`` (llama.cpp in this process: inside an
+engine process, and in embedded mode) and ``EngineProcess`` (the daemon's proxy for a
+Runner in a child process of its own). The supervisor depends on this Protocol only.
+Messages are NamedTuples: typed, and as cheap to pickle as the tuples they replace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+from ..errors import ErrorKind, EverycycleError
+from ..protocol import Format, Message
+from .jobs import Job, Output, Sampling
+
+Notify = Callable[[list[tuple[Job, Output]]], None]
+"""Called on an engine's own thread with one step's outputs (must not block)."""
+
+
+class Engine(Protocol):
+    """A model resident on an executor, decoding for ``parallel`` slots."""
+
+    parallel: int
+    n_ctx_slot: int
+    """Tokens one slot holds."""
+    weights_bytes: int
+    kv_bytes: int
+    offloaded: tuple[int, int] | None
+    """(layers on the devices, layers + output head), as llama.cpp reported them."""
+    lookup_exact: bool
+    """Whether a multi-row batch gives each token the logits it gets alone."""
+    lookup_drafted: int
+    lookup_accepted: int
+    dead: str | None
+    """Why it can no longer serve (its process died, its RPC host went away); None while
+    it serves."""
+    pid: int | None
+    """The engine process's id; None in-process."""
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; outputs come through ``notify``. Raises InvalidRequestError
+        when it cannot fit, InternalError when the engine is gone."""
+
+    def cancel(self, job: Job, reason: str) -> None:
+        """Ask ``job`` to stop; it ends ``cancelled`` within one decode step."""
+
+    def tokenize(self, prompt: str, fmt: Format | None = None) -> list[int]: ...
+
+    def tokenize_chat(self, messages: Sequence[Message]) -> list[int]: ...
+
+    def check_grammar(self, gbnf: str) -> None:
+        """Raise InvalidRequestError, saying where, for a grammar llama.cpp refuses."""
+
+    def rss(self) -> int | None:
+        """The engine process's resident memory in bytes (None: unknown, or in-process)."""
+
+    def close(self) -> None:
+        """Stop (running jobs end cancelled) and free everything. Idempotent."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    """Everything an engine needs to load a model, picklable (it crosses to the child)."""
+
+    context: int
+    parallel: int
+    executor: str = "cpu"
+    """The ggml backend of the devices below ("cpu": no devices)."""
+    device_indices: tuple[int, ...] = ()
+    """Indices into the executor's GPU devices; empty on the CPU."""
+    n_gpu_layers: int | None = 0
+    tensor_split: tuple[float, ...] = ()
+    n_threads: int | None = None
+    kv_cache_type: str = "f16"
+    extra_bufts: bool = True
+    """Let llama.cpp use the CPU's extra buffer types (AMX, repacked weights)."""
+    rpc_endpoints: tuple[str, ...] = ()
+    """RPC servers to register first; the model goes on device ``device_indices[0]`` of
+    the first."""
+
+
+# ---------------------------------------------------------------------- the pipe
+
+
+class WireError(NamedTuple):
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> WireError:
+        if isinstance(exc, EverycycleError):
+            return cls(exc.kind.value, exc.message)
+        return cls(ErrorKind.INTERNAL.value, f"{type(exc).__name__}: {exc}")
+
+    def exception(self) -> EverycycleError:
+        return EverycycleError(self.message, kind=ErrorKind(self.kind))
+
+
+# Daemon -> engine process.
+
+class SubmitJob(NamedTuple):
+    jid: int
+    tokens: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop: tuple[str, ...]
+    embed_inputs: Sequence[Sequence[int]] | None
+    lookup: bool
+
+
+class CancelJob(NamedTuple):
+    jid: int
+    reason: str
+
+
+class Call(NamedTuple):
+    """A synchronous question (tokenize, tokenize_chat, check_grammar)."""
+
+    cid: int
+    method: str
+    args: tuple[Any, ...]
+
+
+class CloseEngine(NamedTuple):
+    pass
+
+
+# Engine process -> daemon.
+
+class EngineInfo(NamedTuple):
+    pid: int
+    parallel: int
+    n_ctx_slot: int
+    weights_bytes: int
+    kv_bytes: int
+    offloaded: tuple[int, int] | None
+    lookup_exact: bool
+
+
+class Ready(NamedTuple):
+    info: EngineInfo
+
+
+class LoadFailed(NamedTuple):
+    error: WireError
+
+
+class JobOutput(NamedTuple):
+    jid: int
+    text: str
+    ids: tuple[int, ...]
+    finished: bool
+    reason: str | None
+    error: WireError | None
+    embeddings: list[list[float]] | None
+    n_prompt: int
+    n_reused: int
+    n_generated: int
+
+
+class Outputs(NamedTuple):
+    items: list[JobOutput]
+    lookup_drafted: int
+    lookup_accepted: int
+
+
+class Returned(NamedTuple):
+    cid: int
+    value: Any
+    error: WireError | None
+
+
+class Closed(NamedTuple):
+    pass
+
+
+CALLS = frozenset({"tokenize", "tokenize_chat", "check_grammar"})
+"""The methods a ``Call`` may name."""

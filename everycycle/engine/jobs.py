@@ -1,0 +1,90 @@
+"""What flows through an engine: a Job (prompt tokens, sampling, stop strings) in,
+Outputs (chunks of text with their ids, then a finish reason) out, and the rules for
+stop strings and held-back text that every engine applies the same way."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import EverycycleError
+
+EMBED_MAX_TOKENS = 2048
+"""The longest input an embedding request may hold, in tokens."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling settings; llama-server's defaults. ``temperature == 0`` is greedy."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int | None = None
+    grammar: str | None = None
+    """A GBNF grammar (root rule ``root``) every output must follow."""
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """What one step produced for one job: a chunk, and whether it ended the job."""
+
+    text: str
+    ids: tuple[int, ...]
+    finished: bool = False
+    reason: str | None = None
+    """``eos``, ``length``, ``stop``, ``context``, ``embedded``, ``cancelled`` or ``error``
+    when finished."""
+    error: EverycycleError | None = None
+    embeddings: list[list[float]] | None = None
+    """An embedding job's vectors (reason ``embedded``)."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation: prompt tokens in, Outputs out through the runner's ``notify``."""
+
+    tokens: Sequence[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: Sequence[str] = ()
+    tag: Any = None
+    """Opaque to the engine: whatever the caller uses to route outputs."""
+    embed_inputs: Sequence[Sequence[int]] | None = None
+    """Set for an embedding job: the token sequences to embed (no generation)."""
+    lookup: bool = True
+    """Prompt-lookup drafts, verified in the batch (greedy jobs without a grammar)."""
+    # Filled in by the runner, read by callers once the job finished:
+    n_prompt: int = 0
+    n_reused: int = 0
+    n_generated: int = 0
+    _cancel_reason: str | None = None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def stop_split(text: str, stops: Sequence[str]) -> tuple[int | None, int]:
+    """(index of the first stop string in text or None, length of a held-back tail)."""
+    first: int | None = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (first is None or i < first):
+            first = i
+    if first is not None:
+        return first, 0
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return None, hold

@@ -1,0 +1,392 @@
+"""One engine process per loaded model: a Runner in a child process, and its proxy.
+
+A native fault in llama.cpp (SIGILL from CPU kernels this CPU cannot run, a
+``GGML_ABORT``, a CUDA error, the OOM killer, ggml-rpc losing its server) ends the
+process it happens in. So the daemon never loads a model itself: each model's Runner
+lives in a child process, and ``EngineProcess`` stands in for it in the daemon,
+satisfying the same ``Engine`` contract over a pipe of typed messages (contract.py).
+
+If the child dies, every job it had ends with one Internal error naming the model and
+the cause (``engine for smollm2-135m died: SIGILL (illegal instruction)``), pending
+calls fail the same way, and ``on_death`` tells the owner, which decides what comes
+next (the supervisor restarts it with backoff).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from ..errors import InternalError
+from .contract import (
+    CALLS,
+    Call,
+    CancelJob,
+    Closed,
+    CloseEngine,
+    EngineInfo,
+    JobOutput,
+    LoadFailed,
+    LoadOptions,
+    Notify,
+    Outputs,
+    Ready,
+    Returned,
+    SubmitJob,
+    WireError,
+)
+from .cpukernels import signal_cause
+from .jobs import Job, Output
+
+LOAD_TIMEOUT = 300.0
+CLOSE_TIMEOUT = 30.0
+
+
+def _isolate() -> None:
+    """In the child: ignore the terminal's Ctrl-C (the daemon decides) and keep stdout
+    for the daemon's own (nothing of ours goes there). The child ends with the daemon:
+    when the daemon's end of the pipe closes, however it died. (Not PR_SET_PDEATHSIG:
+    that fires when the *thread* that started the child ends, a worker thread here.)"""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # a fault's gdb dump helps nobody here
+    with contextlib.suppress(OSError):
+        os.dup2(2, 1)
+
+
+def main() -> None:
+    """``python -m everycycle.engine.process FD``: the child's entry. Its first message
+    on the pipe (a socket, fd FD) is what to load."""
+    conn = Connection(int(sys.argv[1]))
+    path, options = conn.recv()
+    _serve(conn, path, options)
+
+
+def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
+    """The child: load the model, then serve the pipe until told to close or it ends."""
+    _isolate()
+    from .runner import Runner
+
+    send_lock = threading.Lock()
+
+    def send(message: object) -> None:
+        with send_lock:
+            conn.send(message)
+
+    jobs: dict[int, Job] = {}
+    ids: dict[int, int] = {}  # id(job) -> its jid
+    runner: Runner | None = None
+
+    def notify(batch: list[tuple[Job, Output]]) -> None:
+        items = []
+        for job, o in batch:
+            jid = ids[id(job)]
+            items.append(JobOutput(jid, o.text, o.ids, o.finished, o.reason,
+                                   WireError.of(o.error) if o.error is not None else None,
+                                   o.embeddings, job.n_prompt, job.n_reused, job.n_generated))
+            if o.finished:
+                del ids[id(job)]
+                jobs.pop(jid, None)
+        assert runner is not None  # jobs come only once it is loaded
+        send(Outputs(items, runner.lookup_drafted, runner.lookup_accepted))
+
+    try:
+        runner = Runner.load(Path(path), options, notify)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then we end
+        send(LoadFailed(WireError.of(exc)))
+        return
+    send(Ready(EngineInfo(os.getpid(), runner.parallel, runner.n_ctx_slot,
+                          runner.weights_bytes, runner.kv_bytes, runner.offloaded,
+                          runner.lookup_exact)))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        if isinstance(message, SubmitJob):
+            job = Job(tokens=message.tokens, max_tokens=message.max_tokens,
+                      sampling=message.sampling, stop=message.stop,
+                      embed_inputs=message.embed_inputs, lookup=message.lookup)
+            jobs[message.jid] = job
+            ids[id(job)] = message.jid
+            try:
+                runner.submit(job)
+            except Exception as exc:  # noqa: BLE001 - that job's error
+                jobs.pop(message.jid, None)
+                ids.pop(id(job), None)
+                send(Outputs([JobOutput(message.jid, "", (), True, "error", WireError.of(exc),
+                                        None, 0, 0, 0)],
+                             runner.lookup_drafted, runner.lookup_accepted))
+        elif isinstance(message, CancelJob):
+            if message.jid in jobs:
+                runner.cancel(jobs[message.jid], message.reason)
+        elif isinstance(message, Call):
+            try:
+                if message.method not in CALLS:
+                    raise InternalError(f"no engine call {message.method!r}")
+                value = getattr(runner, message.method)(*message.args)
+                send(Returned(message.cid, value, None))
+            except Exception as exc:  # noqa: BLE001 - the caller's error
+                send(Returned(message.cid, None, WireError.of(exc)))
+        elif isinstance(message, CloseEngine):
+            break
+    runner.close()
+    with contextlib.suppress(OSError, ValueError):
+        send(Closed())
+
+
+class EngineProcess:
+    """The daemon's side of a Runner in a child process (an ``Engine``).
+
+    Construct it off the event loop: it waits for the model to load. ``label`` names
+    the model in error messages; ``on_death`` is called (on the reader thread) after
+    the child died unasked, once its jobs have had their errors.
+    """
+
+    def __init__(self, path: Path, options: LoadOptions, *, notify: Notify, label: str,
+                 on_death: Callable[[EngineProcess], None] | None = None) -> None:
+        self.label = label
+        self.options = options
+        self.endpoint = options.rpc_endpoints[0] if options.rpc_endpoints else None
+        self._notify = notify
+        self._on_death = on_death
+        # A fresh interpreter (not multiprocessing's spawn, which imports the parent's
+        # __main__ again), on a socket pair; exit codes as subprocess reports them.
+        mine, theirs = socket.socketpair()
+        with theirs:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "everycycle.engine.process", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True)
+        self._conn = Connection(mine.detach())
+        self.pid: int | None = self._proc.pid
+        try:
+            self._conn.send((str(path), options))
+        except OSError:
+            pass  # it died at once: the first read says how
+        self._lock = threading.Lock()
+        self._jobs: dict[int, Job] = {}
+        self._jids: dict[int, int] = {}  # id(job) -> its jid
+        self._calls: dict[int, Future[Any]] = {}
+        self._ids = itertools.count(1)
+        self._closing = False
+        self.dead: str | None = None
+        """Why the child is gone; None while it serves."""
+        self.exit_cause: str | None = None
+        """How it ended when it died unasked: ``SIGILL (illegal instruction)``, …"""
+        first = self._first_message()
+        info = first.info
+        self.pid = info.pid
+        self.parallel = info.parallel
+        self.n_ctx_slot = info.n_ctx_slot
+        self.weights_bytes = info.weights_bytes
+        self.kv_bytes = info.kv_bytes
+        self.offloaded = info.offloaded
+        self.lookup_exact = info.lookup_exact
+        self.lookup_drafted = 0
+        self.lookup_accepted = 0
+        self._reader = threading.Thread(target=self._read, name=f"engine {label}", daemon=True)
+        self._reader.start()
+
+    def _first_message(self) -> Ready:
+        where = f" on RPC host {self.endpoint}" if self.endpoint else ""
+        if not self._conn.poll(LOAD_TIMEOUT):
+            self._kill()
+            raise InternalError(f"loading {self.label}{where} took over {LOAD_TIMEOUT:g} s")
+        try:
+            first = self._conn.recv()
+        except (EOFError, OSError):
+            cause = signal_cause(self._wait())
+            if self.endpoint:
+                raise InternalError(f"RPC host {self.endpoint} went away while the model "
+                                    f"loaded (its engine ended with {cause})") from None
+            raise InternalError(f"engine for {self.label} died while loading: "
+                                f"{cause}") from None
+        if isinstance(first, LoadFailed):
+            self._wait()
+            raise first.error.exception()
+        assert isinstance(first, Ready)
+        return first
+
+    def _kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self._proc.kill()
+        self._wait()
+
+    def _wait(self) -> int:
+        """The child's exit code once it ended (negative: the signal); kills a child that
+        lingers after closing its end."""
+        try:
+            return self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            return self._proc.wait()
+
+    # ------------------------------------------------------------------ the pipe
+
+    def _send(self, message: object) -> None:
+        with self._lock:
+            if self.dead is not None:
+                raise InternalError(self.dead)
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):
+                raise InternalError(self._gone_message()) from None
+
+    def _gone_message(self) -> str:
+        if self.endpoint:
+            return f"RPC host {self.endpoint} went away"
+        return f"engine for {self.label} is gone"
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(message, Outputs):
+                self._deliver(message)
+            elif isinstance(message, Returned):
+                with self._lock:
+                    future = self._calls.pop(message.cid, None)
+                if future is not None:
+                    if message.error is None:
+                        future.set_result(message.value)
+                    else:
+                        future.set_exception(message.error.exception())
+            elif isinstance(message, Closed):
+                break
+        self._ended()
+
+    def _deliver(self, message: Outputs) -> None:
+        self.lookup_drafted, self.lookup_accepted = (message.lookup_drafted,
+                                                     message.lookup_accepted)
+        batch = []
+        with self._lock:
+            for o in message.items:
+                job = self._jobs.get(o.jid)
+                if job is None:
+                    continue
+                if o.finished:
+                    del self._jobs[o.jid]
+                    self._jids.pop(id(job), None)
+                job.n_prompt, job.n_reused, job.n_generated = o.n_prompt, o.n_reused, o.n_generated
+                batch.append((job, Output(o.text, o.ids, o.finished, o.reason,
+                                          o.error.exception() if o.error else None,
+                                          o.embeddings)))
+        if batch:
+            self._notify(batch)
+
+    def _ended(self) -> None:
+        """The pipe closed: the child ended, asked or not. Fail what it still had."""
+        code = self._wait()
+        with self._lock:
+            died = not self._closing
+            if self.dead is None:
+                if not died:
+                    self.dead = "unloaded"
+                else:
+                    self.exit_cause = signal_cause(code)
+                    if code == -9:
+                        self.exit_cause += ", perhaps the OOM killer"
+                    if self.endpoint:
+                        self.dead = (f"RPC host {self.endpoint} went away (its engine ended "
+                                     f"with {self.exit_cause})")
+                    else:
+                        self.dead = f"engine for {self.label} died: {self.exit_cause}"
+            jobs, self._jobs = self._jobs, {}
+            self._jids.clear()
+            calls, self._calls = self._calls, {}
+        error = InternalError(self.dead)
+        for future in calls.values():
+            future.set_exception(error)
+        if jobs:
+            self._notify([(job, Output("", (), True, "error", error)) for job in jobs.values()])
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        if died and self._on_death is not None:
+            self._on_death(self)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        future: Future[Any] = Future()
+        cid = next(self._ids)
+        with self._lock:
+            self._calls[cid] = future
+        try:
+            self._send(Call(cid, method, args))
+        except InternalError:
+            with self._lock:
+                self._calls.pop(cid, None)
+            raise
+        return future.result()
+
+    # ------------------------------------------------------------------ the Engine
+
+    def submit(self, job: Job) -> None:
+        jid = next(self._ids)
+        with self._lock:
+            self._jobs[jid] = job
+            self._jids[id(job)] = jid
+        try:
+            self._send(SubmitJob(jid, list(job.tokens), job.max_tokens, job.sampling,
+                                 tuple(job.stop), job.embed_inputs, job.lookup))
+        except InternalError:
+            with self._lock:
+                self._jobs.pop(jid, None)
+                self._jids.pop(id(job), None)
+            raise
+
+    def cancel(self, job: Job, reason: str) -> None:
+        with self._lock:
+            jid = self._jids.get(id(job))
+        if jid is not None:
+            with contextlib.suppress(InternalError):
+                self._send(CancelJob(jid, reason))
+
+    def tokenize(self, *args: Any) -> list[int]:
+        result: list[int] = self._call("tokenize", *args)
+        return result
+
+    def tokenize_chat(self, *args: Any) -> list[int]:
+        result: list[int] = self._call("tokenize_chat", *args)
+        return result
+
+    def check_grammar(self, gbnf: str) -> None:
+        self._call("check_grammar", gbnf)
+
+    def rss(self) -> int | None:
+        """The child's resident memory (Linux: /proc; elsewhere unknown)."""
+        if self.dead is not None or self.pid is None:
+            return None
+        try:
+            with open(f"/proc/{self.pid}/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+        with contextlib.suppress(InternalError):
+            self._send(CloseEngine())
+        self._reader.join(CLOSE_TIMEOUT)
+        if self._reader.is_alive():  # the child does not answer: end it
+            self._kill()
+            self._reader.join(5)
+        with self._lock:
+            if self.dead is None:
+                self.dead = "unloaded"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Sampling: llama.cpp's sampler chain for a job's settings, and grammars (GBNF).
+
+Greedy decoding under a grammar takes the argmax and masks the whole vocabulary only
+when the grammar refuses that token, as llama-server does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidRequestError
+from .jobs import Sampling
+from .llamalog import log_capture, stderr_text
+
+DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
+PENALTY_LAST_N = 64
+
+
+class _OneCandidate:
+    """A one-token llama_token_data_array, to ask a grammar about one token."""
+
+    def __init__(self, L: Any) -> None:
+        self.data = (L.llama_token_data * 1)()
+        self.array = L.llama_token_data_array(data=self.data, size=1, selected=-1,
+                                              sorted=False)
+
+
+class Samplers:
+    """Builds samplers for one model's vocabulary (``vocab``: a llama_vocab pointer)."""
+
+    def __init__(self, L: Any, vocab: Any, n_vocab: int) -> None:
+        self._L = L
+        self._vocab = vocab
+        self._n_vocab = n_vocab
+        # Reused by greedy decoding under a grammar (engine thread only).
+        self._all = np.zeros(n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+        self._one = _OneCandidate(L)
+
+    def chain(self, s: Sampling) -> Any:
+        """llama.cpp's sampler chain for ``s``; None for plain greedy decoding.
+
+        Plain greedy (temperature 0, no penalty) is an argmax over the logits, which is
+        what llama.cpp's greedy sampler computes, without building a candidate array
+        over the whole vocabulary (262k entries for Gemma) for every token.
+        """
+        L = self._L
+        if s.temperature <= 0.0 and s.repeat_penalty == 1.0 and s.grammar is None:
+            return None
+        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        if s.grammar is not None:  # first: it masks what the grammar does not allow
+            L.llama_sampler_chain_add(chain, self.grammar(s.grammar))
+        if s.repeat_penalty != 1.0:
+            L.llama_sampler_chain_add(
+                chain,
+                L.llama_sampler_init_penalties(
+                    self._n_vocab, PENALTY_LAST_N, s.repeat_penalty, 0.0, 0.0
+                ),
+            )
+        if s.temperature <= 0.0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+            return chain
+        if s.top_k > 0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(s.top_k))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(s.top_p, 1))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(s.min_p, 1))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(s.temperature))
+        seed = DEFAULT_SEED if s.seed is None else s.seed
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
+        return chain
+
+    def grammar(self, gbnf: str) -> Any:
+        """llama.cpp's grammar sampler for ``gbnf`` (root rule ``root``).
+
+        Raises InvalidRequestError with llama.cpp's own parse error, which says where.
+        """
+        with log_capture() as captured, stderr_text() as printed:
+            sampler = self._L.llama_sampler_init_grammar(self._vocab, gbnf.encode("utf-8"),
+                                                         b"root")
+        if not sampler:
+            # llama.cpp prints where the parse failed straight to stderr, then logs a
+            # generic error; the first says where.
+            where = [ln.strip() for ln in printed.text.splitlines() if "error" in ln]
+            detail = "; ".join(where or captured.errors) or "llama.cpp could not parse it"
+            raise InvalidRequestError(f"grammar: {detail}")
+        return sampler
+
+    def check(self, gbnf: str) -> None:
+        """Compile ``gbnf`` once; raise InvalidRequestError saying where it is broken."""
+        self._L.llama_sampler_free(self.grammar(gbnf))
+
+    def free(self, sampler: Any) -> None:
+        if sampler is not None:
+            self._L.llama_sampler_free(sampler)
+
+    def grammar_greedy(self, grammar: Any, logits: np.ndarray, tok: int) -> int:
+        """The argmax among the tokens ``grammar`` allows (``tok``, the plain argmax, when
+        it allows that one), accepted into the grammar's state. Engine thread only."""
+        L = self._L
+        if not self.allows(grammar, tok):
+            every = self._all
+            every["id"] = np.arange(self._n_vocab, dtype=np.int32)
+            every["logit"] = logits
+            every["p"] = 0.0
+            arr = L.llama_token_data_array(
+                data=every.ctypes.data_as(ctypes.POINTER(L.llama_token_data)),
+                size=self._n_vocab, selected=-1, sorted=False)
+            L.llama_sampler_apply(grammar, ctypes.byref(arr))
+            best = int(every["logit"].argmax())
+            if not np.isfinite(every["logit"][best]):
+                # Accepting a token the grammar refuses aborts the process: end the job.
+                raise InvalidRequestError("the grammar allows no next token")
+            tok = int(every["id"][best])
+        L.llama_sampler_accept(grammar, tok)
+        return tok
+
+    def allows(self, grammar: Any, tok: int) -> bool:
+        """Whether ``grammar``, in its current state, allows ``tok`` next."""
+        one = self._one
+        one.data[0].id, one.data[0].logit, one.data[0].p = tok, 0.0, 0.0
+        one.array.size, one.array.selected, one.array.sorted = 1, -1, False
+        self._L.llama_sampler_apply(grammar, ctypes.byref(one.array))
+        return bool(np.isfinite(one.data[0].logit))

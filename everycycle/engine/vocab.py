@@ -1,0 +1,86 @@
+"""A loaded model's vocabulary and chat template: text to tokens, tokens to bytes, and
+conversations rendered by llama.cpp's own template support.
+
+Thread-safe as llama.cpp's vocabulary calls are; the Runner keeps the model alive
+while these run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import InvalidRequestError
+
+Turns = Sequence[tuple[bytes, str]]
+"""(role, content) pairs."""
+
+
+class Vocab:
+    """The vocabulary of ``model`` (a llama_model pointer) and its chat template."""
+
+    def __init__(self, L: Any, model: Any) -> None:
+        self._L = L
+        self._vocab = L.llama_model_get_vocab(model)
+        self.n_vocab: int = L.llama_vocab_n_tokens(self._vocab)
+        tmpl = L.llama_model_chat_template(model, None)
+        self.template_raw = bool(tmpl)
+        """Whether the GGUF carries a template at all (llama.cpp may not render it)."""
+        self.template: bytes | None = (
+            tmpl if tmpl and self._apply(tmpl, ((b"user", "x"),)) is not None else None)
+        """The GGUF's chat template if llama.cpp can render it (probed once)."""
+
+    def tokenize(self, text: str, *, special: bool) -> list[int]:
+        L = self._L
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (L.llama_token * n_max)()
+        n = L.llama_tokenize(self._vocab, data, len(data), buf, n_max, True, special)
+        if n < 0:
+            buf = (L.llama_token * -n)()
+            n = L.llama_tokenize(self._vocab, data, len(data), buf, -n, True, special)
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """The bytes ``token`` renders as (a part of a character, perhaps)."""
+        L = self._L
+        buf = ctypes.create_string_buffer(64)
+        n = L.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+        return buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._L.llama_vocab_is_eog(self._vocab, token))
+
+    @property
+    def handle(self) -> Any:
+        """The llama_vocab pointer (for samplers)."""
+        return self._vocab
+
+    def render_chat(self, turns: Turns) -> str:
+        """``turns`` through the model's template, ready for the assistant's turn."""
+        assert self.template is not None
+        out = self._apply(self.template, turns)
+        if out is None:
+            raise InvalidRequestError("the model's chat template cannot render this conversation")
+        return out
+
+    def _apply(self, tmpl: bytes, turns: Turns) -> str | None:
+        L = self._L
+        contents = [content.encode("utf-8") for _, content in turns]
+        msgs = (L.llama_chat_message * len(turns))()
+        for i, ((role, _), content) in enumerate(zip(turns, contents, strict=True)):
+            msgs[i].role = role
+            msgs[i].content = content
+        size = 2 * sum(len(c) for c in contents) + 256 * len(turns) + 256
+        buf = ctypes.create_string_buffer(size)
+        n = L.llama_chat_apply_template(tmpl, msgs, len(turns), True, buf, size)
+        if n < 0:
+            return None
+        if n > size:
+            buf = ctypes.create_string_buffer(n)
+            n = L.llama_chat_apply_template(tmpl, msgs, len(turns), True, buf, n)
+        return buf.raw[:n].decode("utf-8", "replace")
