@@ -1,19 +1,27 @@
-"""Single-stream decode speed: the engine vs a raw llama_decode + native-sampler loop.
+"""Single-stream decode speed: our engine against llama.cpp's own C++ ceiling.
 
-Both run on the same GGUF, threads and prompt, alternating rounds in one run; each
-measurement gets a fresh child process. (ggml-cpu uses OpenMP: a second thread that
-drives llama.cpp in the same process gets its own thread team, and the first team's
-spinning workers would slow it down. The daemon drives each model from one thread.)
-Prints tok/s for each and the ratio (goal >= 0.97).
+Three sides on the same GGUF, threads and CPU kernels, alternating rounds, each
+measurement in a fresh child process:
+- our engine with prompt lookup off (like for like with the two below);
+- a raw llama_decode + native-sampler loop through the same Python bindings;
+- with --llama-bench PATH, llama.cpp's llama-bench ``tg128`` (``--repack 0`` where our
+  probe turned the CPU's extra buffer types off, so both run the same kernels).
+The goal is engine/llama-bench >= 0.97. Our engine with prompt lookup on is printed as
+its own line: a story that repeats itself drafts well, which is not decode overhead.
+(ggml-cpu uses OpenMP: a second thread driving llama.cpp in the same process gets its
+own thread team; the daemon drives each model from one thread.)
 
     .venv/bin/python bench/decode.py [--tokens 128] [--rounds 3] [--model PATH]
+                                     [--llama-bench PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -22,6 +30,8 @@ from pathlib import Path
 
 import llama_cpp as L
 
+from everycycle import paths
+from everycycle.engine import cpukernels
 from everycycle.engine.jobs import Job, Sampling
 from everycycle.engine.llamalog import backend_init
 from everycycle.engine.runner import Runner
@@ -33,6 +43,7 @@ def raw_loop(path: Path, prompt: list[int], n: int, threads: int) -> float:
     backend_init()
     mp = L.llama_model_default_params()
     mp.n_gpu_layers = 0
+    mp.use_extra_bufts = EXTRA
     model = L.llama_model_load_from_file(str(path).encode(), mp)
     cp = L.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 4096, 512, threads, threads
@@ -62,7 +73,7 @@ def raw_loop(path: Path, prompt: list[int], n: int, threads: int) -> float:
     return done / elapsed
 
 
-def engine(path: Path, prompt: list[int], n: int, threads: int) -> float:
+def engine(path: Path, prompt: list[int], n: int, threads: int, lookup: bool) -> float:
     done = threading.Event()
     first: list[float] = []
     count = [0]
@@ -75,8 +86,10 @@ def engine(path: Path, prompt: list[int], n: int, threads: int) -> float:
             if out.finished:  # type: ignore[attr-defined]
                 done.set()
 
-    runner = Runner(path, context=4096, parallel=1, notify=notify, n_threads=threads)
-    job = Job(tokens=prompt, max_tokens=n + 1, sampling=Sampling(temperature=0.0))
+    runner = Runner(path, context=4096, parallel=1, notify=notify, n_threads=threads,
+                    extra_bufts=EXTRA)
+    job = Job(tokens=prompt, max_tokens=n + 1, sampling=Sampling(temperature=0.0),
+              lookup=lookup)
     runner.submit(job)
     done.wait()
     elapsed = time.perf_counter() - first[0]  # from the first token, as the raw loop
@@ -89,13 +102,14 @@ def measure(which: str, path: Path, n: int, threads: int) -> None:
     probe_out: list[list[int]] = []
 
     def tokenize() -> None:
-        probe = Runner(path, context=256, parallel=1, notify=lambda b: None, n_threads=threads)
+        probe = Runner(path, context=256, parallel=1, notify=lambda b: None, n_threads=threads,
+                       extra_bufts=EXTRA)
         probe_out.append(probe.tokenize(PROMPT, Format.CHAT))
         probe.close()
 
-    if which == "engine":
+    if which.startswith("engine"):
         tokenize()  # on the engine's own thread pattern: a worker thread, as the daemon
-        print(engine(path, probe_out[0], n, threads))
+        print(engine(path, probe_out[0], n, threads, lookup=which == "engine-lookup"))
     else:
         t = threading.Thread(target=tokenize)
         t.start()
@@ -104,6 +118,8 @@ def measure(which: str, path: Path, n: int, threads: int) -> None:
 
 
 PROMPT = "Write a long story about a lighthouse keeper."
+EXTRA = cpukernels.decide(paths.state_dir()).extra
+"""The CPU's extra buffer types, as the daemon would load with them."""
 
 
 def child(which: str, path: Path, n: int) -> float:
@@ -114,31 +130,54 @@ def child(which: str, path: Path, n: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def llama_bench(binary: Path, path: Path, n: int, threads: int) -> float:
+    """llama-bench's tg``n`` tok/s (one repetition, its own warm-up run first)."""
+    out = subprocess.run(
+        [str(binary), "-m", str(path), "-p", "0", "-n", str(n), "-t", str(threads), "-r", "1",
+         "-ngl", "0", "--repack", "1" if EXTRA else "0", "-o", "json"],
+        capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model", type=Path)
-    ap.add_argument("--child", choices=["raw", "engine"], help=argparse.SUPPRESS)
+    ap.add_argument("--llama-bench", type=Path)
+    ap.add_argument("--child", choices=["raw", "engine", "engine-lookup"],
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
     path = args.model or local_file(load_registry().get("gemma-3-270m"))
     threads = os.cpu_count() or 1
     if args.child:
         measure(args.child, path, args.tokens, threads)
         return
-    raws, engs = [], []
+    runs: dict[str, list[float]] = {"engine": [], "raw": [], "engine-lookup": []}
+    if args.llama_bench:
+        runs["llama-bench"] = []
     for r in range(args.rounds):
-        raws.append(child("raw", path, args.tokens))
-        engs.append(child("engine", path, args.tokens))
-        print(f"round {r + 1}: raw {raws[-1]:.1f} tok/s  engine {engs[-1]:.1f} tok/s",
+        for side, rates in runs.items():
+            rates.append(llama_bench(args.llama_bench, path, args.tokens, threads)
+                         if side == "llama-bench" else child(side, path, args.tokens))
+        print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()),
               file=sys.stderr)
-    raw, eng = max(raws), max(engs)
-    print(f"model {path.name}, {args.tokens} tokens, {threads} threads")
-    print(f"raw llama_decode loop: {raw:.1f} tok/s")
-    print(f"everycycle engine:     {eng:.1f} tok/s")
-    per_round = sorted(e / r for e, r in zip(engs, raws, strict=True))
-    print(f"ratio engine/raw:      {eng / raw:.3f} (best of each); "
-          f"median per-round {per_round[len(per_round) // 2]:.3f}")
+    print(f"model {path.name}, {args.tokens} tokens, {threads} threads, CPU extra kernels "
+          f"{'on' if EXTRA else 'off (llama-bench --repack 0)'}")
+    names = {"engine": "everycycle engine, lookup off", "raw": "raw llama_decode loop",
+             "llama-bench": f"llama-bench tg{args.tokens}",
+             "engine-lookup": "everycycle engine, lookup on"}
+    for side, rates in runs.items():
+        print(f"{names[side]:32} {max(rates):6.1f} tok/s (best of {len(rates)})")
+    for other in ("llama-bench", "raw"):
+        if other in runs:
+            per_round = [e / o for e, o in zip(runs["engine"], runs[other], strict=True)]
+            best = max(runs["engine"]) / max(runs[other])
+            print(f"ratio engine (lookup off)/{other}: best {best:.3f}, "
+                  f"median per round {statistics.median(per_round):.3f}")
+    per_round = [e / o for e, o in zip(runs["engine-lookup"], runs["engine"], strict=True)]
+    print("lookup on/off (drafts accepted, not overhead): median "
+          f"{statistics.median(per_round):.3f}")
 
 
 if __name__ == "__main__":

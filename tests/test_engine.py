@@ -10,6 +10,7 @@ import pytest
 from enginehelp import Collector
 
 from everycycle.engine.jobs import Job, Output, Sampling
+from everycycle.engine.llamalog import log_capture
 from everycycle.engine.runner import Runner
 from everycycle.errors import InvalidRequestError
 from everycycle.protocol import Format
@@ -261,4 +262,42 @@ def test_every_decode_runs_on_the_engine_thread(tiny_gguf: Path, collector: Coll
         assert _Watched.threads == [f"engine:{tiny_gguf.name}"] * 2
         assert threading.current_thread().name not in _Watched.threads
     finally:
+        runner.close()
+
+
+def test_a_load_on_another_thread_does_not_stall_grammar_checks(
+        tiny_gguf: Path, collector: Collector) -> None:
+    """What llama.cpp logs is captured per thread: a model loading (which captures its
+    KV size and errors for seconds on a big model) no longer holds a process-wide lock
+    that another model's grammar check waits for."""
+    runner = Runner(tiny_gguf, context=256, parallel=1, notify=collector)
+    loading, loaded = threading.Event(), threading.Event()
+
+    def load() -> None:
+        with log_capture():  # where Runner.__init__ holds its capture around a load
+            loading.set()
+            loaded.wait(30)
+
+    slow = threading.Thread(target=load)
+    slow.start()
+    try:
+        assert loading.wait(5)
+        checked = threading.Event()
+        errors: list[Exception] = []
+
+        def check() -> None:
+            try:
+                runner.check_grammar('root ::= "yes" | "no"')
+                with pytest.raises(InvalidRequestError, match="grammar"):
+                    runner.check_grammar("root ::= (")
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+            checked.set()
+
+        threading.Thread(target=check).start()
+        assert checked.wait(5), "a grammar check waited for another thread's load"
+        assert not errors, errors
+    finally:
+        loaded.set()
+        slow.join()
         runner.close()

@@ -10,6 +10,7 @@ with lookup off, token for token.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +23,9 @@ from daemonhelp import EC
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from everycycle import paths
 from everycycle.client import SyncClient
+from everycycle.engine import cpukernels
 from everycycle.engine.jobs import Job, Output, Sampling
 from everycycle.engine.lookup import (
     MAX_DRAFT,
@@ -405,19 +408,70 @@ def test_the_daemon_takes_speculative_per_model_and_request(
     assert out.returncode == 2 and "speculative must be a bool" in out.stderr
 
 
+def _batches_exact(path: Path, tokens: list[int]) -> bool:
+    """Whether the last four of ``tokens`` get bit-identical logits decoded one at a time,
+    as one 4-row batch and as two 2-row batches: checked here with llama.cpp's API directly, apart from the
+    runner's probe."""
+    import llama_cpp as L
+    import numpy as np
+
+    mp = L.llama_model_default_params()
+    mp.use_extra_bufts = cpukernels.decide(paths.state_dir()).extra  # as the engine loads
+    model = L.llama_model_load_from_file(str(path).encode(), mp)
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.no_perf = 512, 512, 512, True
+    cp.kv_unified, cp.swa_full = False, False
+    cp.n_threads = cp.n_threads_batch = os.cpu_count() or 1
+    ctx = L.llama_init_from_model(model, cp)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    batch = L.llama_batch_init(64, 0, 1)
+
+    def decode(groups: list[list[int]]) -> list[np.ndarray]:
+        L.llama_memory_seq_rm(L.llama_get_memory(ctx), 0, -1, -1)
+        pos, got = 0, []
+        for group in groups:
+            for i, tok in enumerate(group):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos + i, 1
+                batch.seq_id[i][0], batch.logits[i] = 0, True
+            batch.n_tokens = len(group)
+            assert L.llama_decode(ctx, batch) == 0
+            got += [np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,))
+                    .copy() for i in range(len(group))]
+            pos += len(group)
+        return got[-4:]
+
+    try:
+        alone = decode([tokens[:-4]] + [[t] for t in tokens[-4:]])
+        together = decode([tokens[:-4], tokens[-4:]])
+        pairs = decode([tokens[:-4], tokens[-4:-2], tokens[-2:]])
+        return all(np.array_equal(a, b) and np.array_equal(a, c)
+                   for a, b, c in zip(alone, together, pairs, strict=True))
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+
+
 @pytest.mark.shipped
 def test_lookup_is_on_by_default_only_where_batches_are_exact() -> None:
-    """SmolLM2 (Q4_1) decodes a multi-row batch bit for bit like single rows on ggml-cpu;
-    gemma-3 (Q4_K_M) does not, so there prompt lookup waits to be asked for."""
+    """The rule, whatever this CPU's kernels do: prompt lookup is on by default for a
+    model exactly where a multi-row batch gives the logits single rows give. (On AMD
+    ggml-cpu: SmolLM2 Q4_1 exact, gemma-3 Q4_K_M not; without extra buffer types, as on
+    Intel CPUs whose AMX faults, gemma-3 is exact too.)"""
     from everycycle.models.registry import load_registry, local_file
 
     reg = load_registry()
-    found = {}
     for name in ("smollm2-135m", "gemma-3-270m"):
-        r = Runner(local_file(reg.get(name)), context=512, parallel=1, notify=lambda b: None)
-        found[name] = r.lookup_exact
-        r.close()
-    assert found == {"smollm2-135m": True, "gemma-3-270m": False}
+        path = local_file(reg.get(name))
+        r = Runner(path, context=512, parallel=1, notify=lambda b: None,
+                   extra_bufts=cpukernels.decide(paths.state_dir()).extra)
+        try:
+            tokens = r.tokenize("The quick brown fox jumps over the lazy dog again and again",
+                                Format.RAW)[:12]
+        finally:
+            r.close()
+        assert r.lookup_exact is _batches_exact(path, tokens), name
+    assert reg.get("smollm2-135m").speculative and reg.get("gemma-3-270m").speculative
 
 
 @pytest.mark.shipped

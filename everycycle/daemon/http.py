@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import math
 import struct
 import time
@@ -58,6 +59,8 @@ from ..protocol import (
 )
 from .keys import LOCAL, KeyStore, Principal
 from .metrics import CONTENT_TYPE, Metrics
+
+log = logging.getLogger(__name__)
 from .supervisor import Outcome, Supervisor
 
 Scope = MutableMapping[str, Any]
@@ -358,6 +361,7 @@ class HttpApi:
         self.app.add_exception_handler(_HttpError, self._http_error)  # type: ignore[arg-type]
         self.app.add_exception_handler(404, self._not_found)
         self.app.add_exception_handler(405, self._not_allowed)
+        self.app.add_exception_handler(Exception, self._internal)
 
     def bind(self, tg: anyio.abc.TaskGroup) -> None:
         self._tg = tg
@@ -371,6 +375,11 @@ class HttpApi:
     async def _http_error(self, request: HttpRequest, exc: _HttpError) -> Response:
         headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
         return error_response(exc.status, exc.message, exc.code, headers)
+
+    async def _internal(self, request: HttpRequest, exc: Exception) -> Response:
+        """A bug costs one request an OpenAI-shaped 500, never a plain-text page."""
+        log.exception("HTTP %s %s failed", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
     async def _not_found(self, request: HttpRequest, exc: Exception) -> Response:
         return error_response(404, f"no route {request.method} {request.url.path}",
@@ -398,7 +407,8 @@ class HttpApi:
 
     async def _json(self, request: HttpRequest) -> dict[str, Any]:
         self._auth(request)
-        size = int(request.headers.get("content-length") or 0)
+        length = request.headers.get("content-length") or "0"
+        size = int(length) if length.isascii() and length.isdigit() else MAX_BODY_BYTES + 1
         if size > MAX_BODY_BYTES:
             raise _HttpError(413, f"request body over {MAX_BODY_BYTES} bytes", "too_large")
         body = bytearray()
@@ -586,8 +596,8 @@ def _deadline(request: HttpRequest) -> int | None:
     value = request.headers.get("x-deadline-ms")
     if value is None:
         return None
-    if not value.isdigit():
-        raise _HttpError(400, "x-deadline-ms must be a number of milliseconds",
+    if not (value.isascii() and value.isdigit() and len(value) <= 12):
+        raise _HttpError(400, "x-deadline-ms must be a number of milliseconds (0-999999999999)",
                          "invalid_deadline")
     return int(value)
 
@@ -620,10 +630,11 @@ def _messages(raw: object) -> tuple[Message, ...]:
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
             raise _HttpError(400, f"messages[{i}] must be an object", "invalid_messages")
-        role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+        given = item.get("role")
+        role = _ROLES.get(given) if isinstance(given, str) else None
         if role is None:
             raise _HttpError(400, f"messages[{i}].role must be system, developer, user or "
-                             f"assistant (got {item.get('role')!r})", "invalid_messages")
+                             f"assistant (got {json.dumps(given)[:40]})", "invalid_messages")
         content = item.get("content")
         if isinstance(content, list):
             parts = []

@@ -15,6 +15,8 @@ import contextlib
 import hashlib
 import hmac
 import json
+import logging
+import math
 import os
 import re
 import secrets
@@ -26,6 +28,8 @@ from typing import Any
 
 from .. import paths
 from ..errors import ConfigError, InvalidRequestError
+
+log = logging.getLogger(__name__)
 
 SECRET_PREFIX = "ec-"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -127,12 +131,48 @@ def _limits_from(raw: Any, where: str) -> KeyLimits:
             if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
                 raise ConfigError(f"{where}: models must be a list of names")
             values[name] = tuple(value)
-        elif (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+        elif (isinstance(value, bool) or not isinstance(value, int | float)
+              or not math.isfinite(value) or value <= 0
               or (name == "concurrent" and not isinstance(value, int))):
             raise ConfigError(f"{where}: {name} must be a positive number")
         else:
             values[name] = value
     return KeyLimits(**values)
+
+
+MAX_FILE_BYTES = 4 * 1024 * 1024
+"""A key file larger than this is refused (a key is about 200 bytes)."""
+
+
+def _number(value: Any, what: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where}: {what} must be a number, not {json.dumps(value)[:40]}")
+    return float(value)
+
+
+def _parse(data: Any, path: Path) -> dict[str, Key]:
+    """The key file's JSON, checked field by field. Raises ConfigError naming the key
+    and the field."""
+    if not isinstance(data, dict) or not isinstance(data.get("keys"), dict):
+        raise ConfigError(f"key file {path}: expected {{\"keys\": {{...}}}}")
+    keys: dict[str, Key] = {}
+    for name, entry in data["keys"].items():
+        where = f"key file {path}, key {name!r}"
+        if name not in RESERVED and not _NAME.fullmatch(name):
+            raise ConfigError(f"{where}: not a valid key name")
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: expected an object")
+        unknown = set(entry) - {"sha256", "created", "limits"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown field {min(unknown)!r}")
+        digest = entry.get("sha256")
+        if name not in RESERVED and not (isinstance(digest, str)
+                                         and re.fullmatch(r"[0-9a-f]{64}", digest)):
+            raise ConfigError(f"{where}: sha256 must be 64 hex digits")
+        keys[name] = Key(name=name, sha256=digest if name not in RESERVED else None,
+                         created=_number(entry.get("created", 0), "created", where),
+                         limits=_limits_from(entry.get("limits", {}), where))
+    return keys
 
 
 class KeyStore:
@@ -143,6 +183,9 @@ class KeyStore:
         self.default_token = default_token
         self._seen: tuple[int, int] | None = None
         self._keys: dict[str, Key] = {}
+        """The last keys read without a fault."""
+        self._broken: tuple[int, int] | None = None
+        """The broken file's (mtime, size) last logged."""
 
     # ------------------------------------------------------------------ reading
 
@@ -167,21 +210,34 @@ class KeyStore:
         if seen == self._seen:
             return self._keys
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"key file {self.path} is unreadable: {exc}") from None
-        if not isinstance(data, dict) or not isinstance(data.get("keys"), dict):
-            raise ConfigError(f"key file {self.path}: expected {{\"keys\": {{...}}}}")
-        keys: dict[str, Key] = {}
-        for name, entry in data["keys"].items():
-            where = f"key file {self.path}, key '{name}'"
-            digest = entry.get("sha256") if isinstance(entry, dict) else None
-            if not isinstance(entry, dict) or not (isinstance(digest, str) or name in RESERVED):
-                raise ConfigError(f"{where}: expected an object with sha256")
-            keys[name] = Key(name=name, sha256=digest if name not in RESERVED else None,
-                             created=float(entry.get("created", 0)),
-                             limits=_limits_from(entry.get("limits", {}), where))
+            text = self.path.read_text(encoding="utf-8")
+            if len(text) > MAX_FILE_BYTES:
+                raise ConfigError(f"key file {self.path} is over {MAX_FILE_BYTES} bytes")
+            data = json.loads(text)
+        except (OSError, ValueError, RecursionError) as exc:
+            why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise ConfigError(f"key file {self.path} is unreadable: {why}") from None
+        keys = _parse(data, self.path)
         self._seen, self._keys = seen, keys
+        return keys
+
+    def current(self) -> dict[str, Key]:
+        """The keys in force: as on file, or, while the file is broken, the last good
+        ones (the problem logged once per change of the file). Never fails open."""
+        try:
+            keys = self.keys()
+        except ConfigError as exc:
+            try:
+                st = os.stat(self.path)
+                broken = (st.st_mtime_ns, st.st_size)
+            except OSError:
+                broken = None
+            if broken != self._broken:
+                self._broken = broken
+                log.error("%s; keeping the %d keys and limits read before", exc.message,
+                          len(self._keys))
+            return self._keys
+        self._broken = None
         return keys
 
     def authenticate(self, secret: str) -> Principal | None:
@@ -192,10 +248,7 @@ class KeyStore:
             return self.principal("default")
         if not secret.startswith(SECRET_PREFIX):
             return None
-        try:
-            keys = self.keys()
-        except ConfigError:
-            return None
+        keys = self.current()
         digest = hash_secret(secret)
         found: Principal | None = None
         for key in keys.values():  # every key compared: the time says nothing
@@ -204,12 +257,9 @@ class KeyStore:
         return found
 
     def principal(self, name: str) -> Principal:
-        """``name`` ("local", "default" or a key) with its limits as on file now; a
-        broken key file gives no limits (start-up has refused it already)."""
-        try:
-            key = self.keys().get(name)
-        except ConfigError:
-            key = None
+        """``name`` ("local", "default" or a key) with its limits as on file now (while
+        the file is broken, as last read: limits never fail open)."""
+        key = self.current().get(name)
         return Principal(name, key.limits if key else KeyLimits())
 
     # ------------------------------------------------------------------ writing
@@ -222,15 +272,21 @@ class KeyStore:
                                              if v is not None}}
                          for k in keys.values()}}
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(body, f, indent=2)
-                f.write("\n")
-            os.replace(tmp, self.path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump(body, f, indent=2)
+                    f.write("\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+        except OSError as exc:  # a full disk, a read-only config dir: nothing changed
+            raise ConfigError(f"cannot write key file {self.path}: "
+                              f"{exc.strerror or exc}; nothing was changed") from None
 
     def add(self, name: str, limits: KeyLimits) -> str:
         """Make key ``name``; returns its secret (shown once, never stored)."""

@@ -483,6 +483,14 @@ class Runner:
                     except InvalidRequestError as exc:
                         self._finish(s, out, "error", exc)
                         continue
+            elif s.grammar is not None:
+                logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, row),
+                                               shape=(self._n_vocab,))
+                try:
+                    tok = self._samplers.sample_constrained(s.sampler, s.grammar, logits)
+                except InvalidRequestError as exc:
+                    self._finish(s, out, "error", exc)
+                    continue
             else:
                 tok = L.llama_sampler_sample(s.sampler, self._ctx, row)
             self._take(s, tok, s.n_past, out)
@@ -505,13 +513,11 @@ class Runner:
         del slot.cached[reuse:]
         slot.job = job
         greedy = job.sampling.temperature <= 0.0 and job.sampling.repeat_penalty == 1.0
-        if greedy and job.sampling.grammar is not None:
-            # Greedy under a grammar, as llama-server does it: take the argmax, and mask
-            # the whole vocabulary only when the grammar refuses that token.
-            slot.grammar = self._samplers.grammar(job.sampling.grammar)
-            slot.sampler = None
-        else:
-            slot.sampler = self._samplers.chain(job.sampling)
+        # Under a grammar, as llama-server does it: the argmax (or a sample), and the
+        # whole vocabulary masked only when the grammar refuses that token.
+        slot.grammar = (self._samplers.grammar(job.sampling.grammar)
+                        if job.sampling.grammar is not None else None)
+        slot.sampler = self._samplers.chain(job.sampling)  # (None: plain greedy)
         slot.lookup = (self.lookup_type(job.tokens, self._history)
                        if job.lookup and greedy and job.sampling.grammar is None else None)
         slot.draft = []

@@ -37,21 +37,22 @@ class Samplers:
         self._n_vocab = n_vocab
         # Reused by greedy decoding under a grammar (engine thread only).
         self._all = np.zeros(n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+        self._ids = np.arange(n_vocab, dtype=np.int32)
         self._one = _OneCandidate(L)
 
     def chain(self, s: Sampling) -> Any:
-        """llama.cpp's sampler chain for ``s``; None for plain greedy decoding.
+        """llama.cpp's sampler chain for ``s`` (its grammar aside: see ``grammar``); None
+        for plain greedy decoding.
 
         Plain greedy (temperature 0, no penalty) is an argmax over the logits, which is
         what llama.cpp's greedy sampler computes, without building a candidate array
         over the whole vocabulary (262k entries for Gemma) for every token.
         """
         L = self._L
-        if s.temperature <= 0.0 and s.repeat_penalty == 1.0 and s.grammar is None:
+        if s.temperature <= 0.0 and s.repeat_penalty == 1.0:
             return None
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        if s.grammar is not None:  # first: it masks what the grammar does not allow
-            L.llama_sampler_chain_add(chain, self.grammar(s.grammar))
+        # (A grammar is never in the chain: sample_constrained holds each token to it.)
         if s.repeat_penalty != 1.0:
             L.llama_sampler_chain_add(
                 chain,
@@ -101,12 +102,7 @@ class Samplers:
         L = self._L
         if not self.allows(grammar, tok):
             every = self._all
-            every["id"] = np.arange(self._n_vocab, dtype=np.int32)
-            every["logit"] = logits
-            every["p"] = 0.0
-            arr = L.llama_token_data_array(
-                data=every.ctypes.data_as(ctypes.POINTER(L.llama_token_data)),
-                size=self._n_vocab, selected=-1, sorted=False)
+            arr = self._candidates(logits)
             L.llama_sampler_apply(grammar, ctypes.byref(arr))
             best = int(every["logit"].argmax())
             if not np.isfinite(every["logit"][best]):
@@ -115,6 +111,40 @@ class Samplers:
             tok = int(every["id"][best])
         L.llama_sampler_accept(grammar, tok)
         return tok
+
+    def sample_constrained(self, chain: Any, grammar: Any, logits: np.ndarray) -> int:
+        """Sample with ``chain`` (no grammar in it), then hold the token to ``grammar``:
+        kept if allowed, else resampled from the grammar-masked distribution — as
+        llama-server samples. Accepted into both. Raises InvalidRequestError when the
+        grammar allows no token at all: accepting one it refuses would abort the
+        process (llama.cpp throws from C++). Engine thread only."""
+        L = self._L
+        arr = self._candidates(logits)
+        L.llama_sampler_apply(chain, ctypes.byref(arr))
+        tok = int(arr.data[arr.selected].id)
+        if not self.allows(grammar, tok):
+            arr = self._candidates(logits)
+            L.llama_sampler_apply(grammar, ctypes.byref(arr))
+            if not np.isfinite(self._all["logit"]).any():
+                raise InvalidRequestError("the grammar allows no next token: the output so "
+                                          "far has no continuation under its rules")
+            L.llama_sampler_apply(chain, ctypes.byref(arr))
+            tok = int(arr.data[arr.selected].id)
+            if not self.allows(grammar, tok):  # (a sampler that ignores the mask)
+                raise InvalidRequestError("the grammar allows no next token")
+        L.llama_sampler_accept(grammar, tok)
+        L.llama_sampler_accept(chain, tok)
+        return tok
+
+    def _candidates(self, logits: np.ndarray) -> Any:
+        """Every token with its logit, as a llama_token_data_array over ``_all``."""
+        every = self._all
+        every["id"] = self._ids
+        every["logit"] = logits
+        every["p"] = 0.0
+        return self._L.llama_token_data_array(
+            data=every.ctypes.data_as(ctypes.POINTER(self._L.llama_token_data)),
+            size=self._n_vocab, selected=-1, sorted=False)
 
     def allows(self, grammar: Any, tok: int) -> bool:
         """Whether ``grammar``, in its current state, allows ``tok`` next."""

@@ -1,0 +1,181 @@
+"""Hostile and careless input, from outside, against the real daemon and CLI: nothing
+kills or bloats the daemon, no limit fails open, every bad input gets a 4xx or Invalid."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import resource
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SpawnDaemon
+from daemonhelp import EC, daemon_process
+
+from everycycle import paths
+from everycycle.client import SyncClient
+from everycycle.daemon.keys import KeyLimits, KeyStore
+from everycycle.errors import ErrorKind
+from everycycle.protocol import Error, Tokens
+
+
+def fleet_http() -> tuple[str, int]:
+    with SyncClient() as c:
+        url = c.describe_fleet().http
+    assert url is not None
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    return host, int(port)
+
+
+def post(path: str, body: object, headers: dict[str, bytes] | None = None
+         ) -> tuple[int, dict[str, object]]:
+    conn = http.client.HTTPConnection(*fleet_http(), timeout=60)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(),
+                     headers={"content-type": b"application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def daemon_alive(proc: subprocess.Popen[bytes]) -> None:
+    assert proc.poll() is None, f"the daemon died: {proc.returncode}"
+    with SyncClient() as c:
+        assert c.describe_fleet().hostname
+
+
+# ---------------------------------------------------------------------- the key file
+
+
+def test_a_broken_key_file_under_a_live_daemon_keeps_the_last_good_limits(
+        models_file: Path, tmp_path: Path) -> None:
+    store = KeyStore()
+    store.set_limits("local", KeyLimits(requests_per_minute=2))
+    log = tmp_path / "daemon.log"
+    with daemon_process("--models", str(models_file), stderr=log) as proc:
+        with SyncClient() as c:
+            assert isinstance(list(c.generate("tiny", "a", max_tokens=1))[-1], Tokens)
+        good = json.loads(store.path.read_text())
+        for broken in ({**good, "keys": {"local": {**good["keys"]["local"], "created": "abc"}}},
+                       "not json at all", "[" * 100_000 + "]" * 100_000):
+            store.path.write_text(broken if isinstance(broken, str) else json.dumps(broken))
+            os.utime(store.path, ns=(time.time_ns(), time.time_ns()))
+            daemon_alive(proc)  # a new connection reads the file: no crash
+        # The limit of 2 requests a minute still holds: the second passes, the third not.
+        with SyncClient() as c:
+            assert isinstance(list(c.generate("tiny", "b", max_tokens=1))[-1], Tokens)
+            last = list(c.generate("tiny", "c", max_tokens=1))[-1]
+            assert isinstance(last, Error) and last.kind is ErrorKind.REJECTED, last
+        daemon_alive(proc)
+    text = log.read_text()
+    assert "Traceback" not in text
+    lines = [ln for ln in text.splitlines() if str(store.path) in ln]
+    assert 1 <= len(lines) <= 3 and all("keeping the 1 keys and limits" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("content", [
+    '{"keys": {"alice": {"sha256": "' + "0" * 64 + '", "created": "abc"}}}',
+    '{"keys": {"alice": {"sha256": 5}}}',
+    '{"keys": {"local": {"limits": {"requests_per_minute": NaN}}}}',
+    '{"keys": {"local": {"limits": {"concurrent": [1]}}}}',
+    '{"keys": {"bad name\\n": {"sha256": "' + "0" * 64 + '"}}}',
+    "[" * 100_000 + "]" * 100_000,
+], ids=["created", "sha256", "nan", "list", "name", "deep"])
+def test_a_broken_key_file_at_start_up_is_one_line_and_exit_2(
+        models_file: Path, content: str) -> None:
+    path = KeyStore().path
+    paths.ensure_private_dir(path.parent)
+    path.write_text(content)
+    os.chmod(path, 0o600)
+    for cmd in (["keys", "list"], ["daemon", "--models", str(models_file)]):
+        out = subprocess.run([*EC, *cmd], capture_output=True, text=True, timeout=60,
+                             check=False)
+        assert out.returncode == 2, (cmd, out.stderr)
+        assert "Traceback" not in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert str(path) in out.stderr
+
+
+def test_keys_add_that_cannot_write_is_one_line_and_changes_nothing() -> None:
+    KeyStore().add("alice", KeyLimits())
+    before = KeyStore().path.read_bytes()
+
+    def small_files() -> None:  # what a full disk does to a write: it fails midway
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+
+    out = subprocess.run([*EC, "keys", "add", "bob"], capture_output=True, text=True,
+                         timeout=60, check=False, preexec_fn=small_files)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "cannot write key file" in out.stderr and "nothing was changed" in out.stderr
+    assert out.stdout == ""  # no secret shown for a key that was not made
+    assert KeyStore().path.read_bytes() == before
+
+
+# ---------------------------------------------------------------------- HTTP 4xx
+
+
+@pytest.mark.parametrize("role", [[], {}, 3, None, "robot"])
+def test_a_bad_role_is_a_400_in_openai_shape(spawn_daemon: SpawnDaemon, role: object) -> None:
+    proc = spawn_daemon("--http", "127.0.0.1:0")
+    status, body = post("/v1/chat/completions",
+                        {"model": "tiny", "messages": [{"role": role, "content": "x"}]})
+    assert status == 400, body
+    error = body["error"]
+    assert isinstance(error, dict) and "messages[0].role" in error["message"]
+    daemon_alive(proc)
+
+
+@pytest.mark.parametrize("value", ["²", "١٢", "-5", "1e3", "9" * 40, ""])
+def test_a_bad_deadline_header_is_a_400(spawn_daemon: SpawnDaemon, value: str) -> None:
+    proc = spawn_daemon("--http", "127.0.0.1:0")
+    status, body = post("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1},
+                        {"x-deadline-ms": value.encode()})
+    assert status == 400, body
+    assert "x-deadline-ms" in body["error"]["message"]  # type: ignore[index]
+    daemon_alive(proc)
+
+
+# ---------------------------------------------------------------------- dead-end grammars
+
+DEAD_END = 'root ::= [\\x00]+'
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8, 1.5])
+def test_a_grammar_with_no_way_forward_is_invalid_and_the_engine_lives(
+        spawn_daemon: SpawnDaemon, temperature: float) -> None:
+    proc = spawn_daemon()
+    with SyncClient() as c:
+        c.load("tiny4")
+        pid = next(m.engine_pid for m in c.describe_fleet().loaded_models)
+        for seed in range(3):
+            last = list(c.generate("tiny4", "hello", max_tokens=16, temperature=temperature,
+                                   seed=seed, grammar=DEAD_END))[-1]
+            assert isinstance(last, Error) and last.kind is ErrorKind.INVALID, last
+            assert "grammar allows no next token" in last.message
+        schema = json.dumps({"type": "string", "pattern": "^[\\u0000]+$"})
+        last = list(c.generate("tiny4", "hello", max_tokens=16, temperature=0.8,
+                               json_schema=schema))[-1]
+        assert isinstance(last, Error) and last.kind is ErrorKind.INVALID, last
+        m = c.describe_fleet().loaded_models[0]
+        assert m.engine_pid == pid and m.engine_restarts is None  # never died
+        ok = list(c.generate("tiny4", "hello", max_tokens=4, temperature=0.8,
+                             grammar='root ::= "yes" | "no"'))
+        assert isinstance(ok[-1], Tokens) and "".join(
+            e.chunk.text for e in ok if isinstance(e, Tokens)) in ("yes", "no")
+    daemon_alive(proc)
+
+
+def test_a_dead_end_grammar_in_process_exits_2(models_file: Path, tmp_path: Path) -> None:
+    grammar = tmp_path / "dead.gbnf"
+    grammar.write_text(DEAD_END + "\n")
+    out = subprocess.run([*EC, "run", "--models", str(models_file), "--no-daemon",
+                          "--temperature", "0.8", "--grammar", str(grammar), "-n", "8", "hi"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert "grammar allows no next token" in out.stderr and "Traceback" not in out.stderr
+    assert out.stdout == ""
