@@ -3,10 +3,12 @@ kills or bloats the daemon, no limit fails open, every bad input gets a 4xx or I
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
 import resource
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ from everycycle import paths
 from everycycle.client import SyncClient
 from everycycle.daemon.keys import KeyLimits, KeyStore
 from everycycle.errors import ErrorKind
-from everycycle.protocol import Error, Tokens
+from everycycle.protocol import Error, Generate, Tokens, encode
 
 
 def fleet_http() -> tuple[str, int]:
@@ -179,3 +181,121 @@ def test_a_dead_end_grammar_in_process_exits_2(models_file: Path, tmp_path: Path
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert "grammar allows no next token" in out.stderr and "Traceback" not in out.stderr
     assert out.stdout == ""
+
+
+# ---------------------------------------------------------------------- the socket
+
+
+def raw_socket() -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(60)
+    s.connect(str(paths.socket_path()))
+    return s
+
+
+def read_all(s: socket.socket) -> list[dict[str, object]]:
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    return [json.loads(line) for line in data.splitlines()]
+
+
+@pytest.mark.parametrize("terminated", [True, False], ids=["line", "unterminated"])
+def test_a_half_closed_client_gets_its_answers_then_eof(
+        spawn_daemon: SpawnDaemon, terminated: bool) -> None:
+    proc = spawn_daemon()
+    with raw_socket() as s:  # what `socat` and `nc -N` do: send, shut the sending side
+        line = encode(Generate("g", "tiny", "hello", max_tokens=5, temperature=0.0))
+        s.sendall(b'{"DescribeFleet":{"request_id":"f"}}\n'
+                  + (line if terminated else line.rstrip(b"\n")))
+        s.shutdown(socket.SHUT_WR)
+        events = read_all(s)  # ends: the daemon closes once it has answered
+    kinds = [next(iter(e)) for e in events]
+    assert kinds[0] == "FleetDescription" and kinds[1] == "Accepted", kinds
+    assert events[-1]["Tokens"]["finished"] is True  # type: ignore[index]
+    daemon_alive(proc)
+
+
+def test_a_client_that_never_reads_stops_being_read(spawn_daemon: SpawnDaemon) -> None:
+    proc = spawn_daemon()
+    pid = proc.pid
+    rss0 = rss(pid)
+    line = b'{"DescribeFleet":{"request_id":"f"}}\n'
+    with raw_socket() as s:
+        s.setblocking(False)
+        sent = 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # until the daemon stops taking them
+            try:
+                sent += s.send(line * 1000)
+            except BlockingIOError:
+                time.sleep(0.2)
+                try:
+                    sent += s.send(line * 1000)
+                except BlockingIOError:
+                    break
+        assert time.monotonic() < deadline, "the daemon read everything a non-reader sent"
+        grown = rss(pid) - rss0
+        daemon_alive(proc)
+    # Answers for a few thousand lines at most were queued: the rest waited in the
+    # socket's buffers, on the client's side.
+    assert sent < 200_000 * len(line)
+    assert grown < 40 * 2**20, grown
+    daemon_alive(proc)
+
+
+def rss(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(ln.split()[1] for ln in status.splitlines()
+                    if ln.startswith("VmRSS:"))) * 1024
+
+
+# ---------------------------------------------------------------------- HTTP bounds
+
+
+def http_raw(data: bytes, *, pause: float = 0.0, read: bool = True) -> bytes:
+    with socket.create_connection(fleet_http(), timeout=60) as s:
+        s.sendall(data)
+        if pause:
+            time.sleep(pause)
+        return s.recv(65536) if read else b""
+
+
+def test_an_endless_header_is_431_and_costs_nothing(spawn_daemon: SpawnDaemon) -> None:
+    proc = spawn_daemon("--http", "127.0.0.1:0")
+    rss0 = rss(proc.pid)
+    with socket.create_connection(fleet_http(), timeout=60) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: ")
+        sent = 0
+        with contextlib.suppress(OSError):  # the daemon answers and closes meanwhile
+            while sent < 64 * 2**20:
+                s.sendall(b"a" * 65536)
+                sent += 65536
+        answer = s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:80]
+    assert sent < 8 * 2**20
+    assert rss(proc.pid) - rss0 < 16 * 2**20
+    many = b"".join(b"X-%d: y\r\n" % i for i in range(200))
+    assert http_raw(b"GET /health HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n").startswith(
+        b"HTTP/1.1 431 ")
+    ok = http_raw(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert ok.startswith(b"HTTP/1.1 200 ")
+    daemon_alive(proc)
+
+
+def test_half_sent_requests_time_out(spawn_daemon: SpawnDaemon) -> None:
+    from everycycle.daemon import httpserver
+
+    assert (httpserver.HEADER_TIMEOUT_S, httpserver.BODY_TIMEOUT_S) == (10.0, 30.0)
+    proc = spawn_daemon("--http", "127.0.0.1:0")
+    started = time.monotonic()
+    with socket.create_connection(fleet_http(), timeout=60) as half, \
+            socket.create_connection(fleet_http(), timeout=60) as silent:
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+        # (silent sends nothing at all)
+        for s in (half, silent):
+            answer = s.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 408 "), answer[:80]
+            assert s.recv(65536) == b""  # closed
+    assert 9 < time.monotonic() - started < 20
+    daemon_alive(proc)

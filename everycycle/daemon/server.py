@@ -14,6 +14,7 @@ import fcntl
 import ipaddress
 import logging
 import os
+import select
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -117,6 +118,16 @@ def read_pid(sock: Path) -> int | None:
         return None
 
 
+MAX_UNSENT_BYTES = 1 << 20
+"""Output queued for a connection beyond which the daemon stops reading its requests
+(backpressure: a client that does not read is not read)."""
+MAX_UNSENT_HARD_BYTES = 16 << 20
+"""Output queued beyond which the connection is closed and its requests cancelled (its
+streams produce faster than it reads)."""
+MAX_PENDING_REQUESTS = 64
+"""Requests of one connection being handled at once before the daemon stops reading."""
+
+
 class _Connection:
     """One client connection: its outgoing lines and identity (a supervisor Peer)."""
 
@@ -126,16 +137,69 @@ class _Connection:
         """The Unix socket's user is "local"; a TCP connection is whoever its Auth names."""
         self.outgoing: Mailbox[bytes] = Mailbox()
         """Encoded lines for the connection's writer; closed when the connection ends."""
+        self.unsent = 0
+        """Bytes queued for the client and not yet written."""
+        self.pending = 0
+        """Requests being handled (admission, fleet, load...)."""
+        self._room: anyio.Event | None = None
+        self.overflowed = False
 
     def emit(self, event: ServerEvent) -> None:
-        if not self.outgoing.closed:
-            self.outgoing.put(encode(event))
+        if self.outgoing.closed:
+            return
+        line = encode(event)
+        self.unsent += len(line)
+        if self.unsent > MAX_UNSENT_HARD_BYTES:
+            self.overflowed = True
+            self.outgoing.close()  # the writer ends, and with it the connection
+            return
+        self.outgoing.put(line)
+
+    def sent(self, n: int) -> None:
+        self.unsent -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._room is not None and self.has_room():
+            self._room.set()
+            self._room = None
+
+    def has_room(self) -> bool:
+        return self.unsent <= MAX_UNSENT_BYTES and self.pending < MAX_PENDING_REQUESTS
+
+    async def wait_for_room(self) -> None:
+        """Return once the client has read enough, and few enough requests are pending."""
+        while not self.has_room() and not self.outgoing.closed:
+            self._room = room = anyio.Event()
+            await room.wait()
+
+    async def handle(self, supervisor: Supervisor, request: Any) -> None:
+        self.pending += 1
+        try:
+            await supervisor.handle(self, request)
+        finally:
+            self.pending -= 1
+            self._wake()
 
     def finished(self, outcome: Outcome) -> None:
         """The socket protocol carries no usage report: the terminal event is all."""
 
     def close(self) -> None:
         self.outgoing.close()
+        if self._room is not None:
+            self._room.set()
+
+
+def _hung_up(stream: anyio.abc.ByteStream) -> bool:
+    """Whether the peer closed its socket altogether (not just its sending side, as
+    ``socat`` and ``nc -N`` do once they have sent everything)."""
+    sock = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
+    if sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLHUP)
+    return any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL)
+               for _, ev in poller.poll(0))
 
 
 class Daemon:
@@ -297,11 +361,16 @@ class Daemon:
                         while True:
                             # One write for everything queued: a decode step emits an
                             # event per slot at once.
-                            await stream.send(b"".join(await conn.outgoing.take()))
+                            data = b"".join(await conn.outgoing.take())
+                            await stream.send(data)
+                            conn.sent(len(data))
                     except (anyio.EndOfStream, anyio.BrokenResourceError,
                             anyio.ClosedResourceError, OSError):
                         pass
                     finally:
+                        if conn.overflowed:
+                            log.warning("closing a connection that read none of %d bytes "
+                                        "of output", conn.unsent)
                         conn.close()
                         self.supervisor.disconnect(conn)
                         wake_reader(stream)
@@ -324,10 +393,19 @@ class Daemon:
         framer = LineFramer()
         authed = not need_auth
         while True:
+            await conn.wait_for_room()
+            if conn.outgoing.closed:
+                return
             try:
                 data = await stream.receive(65536)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
-                    OSError):
+            except anyio.EndOfStream:
+                if framer.pending:
+                    data = b"\n"  # its last line, unterminated (printf '…' | nc -N)
+                else:
+                    # The client sent all it will (a half-close): answer it, then close.
+                    await self._after_eof(stream, conn)
+                    return
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                 return
             try:
                 for line in framer.feed(data):
@@ -355,10 +433,20 @@ class Daemon:
                         conn.emit(Error("", ErrorKind.INVALID, "Auth is only for TCP connections"
                                         if not need_auth else "already authenticated"))
                         continue
-                    tg.start_soon(self.supervisor.handle, conn, request)
+                    tg.start_soon(conn.handle, self.supervisor, request)
             except LineTooLongError as exc:
                 conn.emit(Error("", ErrorKind.INVALID, exc.message))
                 return
+
+    HALF_CLOSE_POLL_S = 0.02
+
+    async def _after_eof(self, stream: anyio.abc.ByteStream, conn: _Connection) -> None:
+        """Wait for the requests a half-closed client sent to end (their events still
+        go out); return at once when it closed altogether, or when its output stops."""
+        while (conn.pending or self.supervisor.inflight(conn)) and not conn.outgoing.closed:
+            if _hung_up(stream):
+                return
+            await anyio.sleep(self.HALF_CLOSE_POLL_S)
 
 
 async def serve(config: DaemonConfig, *, handle_signals: bool = True) -> None:
