@@ -299,3 +299,28 @@ def test_half_sent_requests_time_out(spawn_daemon: SpawnDaemon) -> None:
             assert s.recv(65536) == b""  # closed
     assert 9 < time.monotonic() - started < 20
     daemon_alive(proc)
+
+
+# ---------------------------------------------------------------------- grammar sizes
+
+
+@pytest.mark.parametrize("request_options", [
+    {"json_schema": json.dumps({"type": "array", "items": {"type": "integer"},
+                                "minItems": 10_000_000})},
+    {"json_schema": json.dumps({"type": "string", "maxLength": 10**9})},
+    {"json_schema": json.dumps({"type": "string", "pattern": "^(a{1000}){1000}$"})},
+    {"grammar": 'root ::= "a"{10000000}'},
+    {"grammar": 'root ::= ((("a"){100}){100}){100}'},
+], ids=["minItems", "maxLength", "pattern", "count", "nested"])
+def test_grammars_that_expand_too_far_are_refused_at_once(
+        spawn_daemon: SpawnDaemon, request_options: dict[str, str]) -> None:
+    proc = spawn_daemon()
+    rss0 = rss(proc.pid)
+    started = time.monotonic()
+    with SyncClient() as c:
+        last = list(c.generate("tiny", "x", max_tokens=4, **request_options))[-1]
+    assert isinstance(last, Error) and last.kind is ErrorKind.INVALID, last
+    assert "expand" in last.message or "bytes" in last.message, last.message
+    assert time.monotonic() - started < 5
+    assert rss(proc.pid) - rss0 < 32 * 2**20
+    daemon_alive(proc)

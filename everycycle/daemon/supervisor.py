@@ -35,6 +35,7 @@ from .. import paths
 from ..engine import cpukernels
 from ..engine import executors as ex
 from ..engine.contract import Engine, LoadOptions
+from ..engine.grammar import check_size as check_grammar_size
 from ..engine.grammar import schema_to_gbnf
 from ..engine.jobs import EMBED_MAX_TOKENS, Job, Output, Sampling
 from ..engine.memory import plan
@@ -505,7 +506,9 @@ class Supervisor:
             )
         grammar = req.grammar
         if req.json_schema is not None:
-            grammar = schema_to_gbnf(req.json_schema)
+            grammar = schema_to_gbnf(req.json_schema)  # (its size checked)
+        elif grammar is not None:
+            check_grammar_size(grammar)
         if grammar is not None:
             runner.check_grammar(grammar)
         sampling = _sampling(req, model.spec.sampling, grammar)

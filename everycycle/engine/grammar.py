@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 from ..errors import InvalidRequestError
 
@@ -30,13 +31,104 @@ def schema_to_gbnf(schema: str) -> str:
     if not isinstance(parsed, dict):
         raise InvalidRequestError("json_schema must be a JSON object")
     _refuse_unenforced(parsed, "json_schema")
+    _refuse_huge_counts(parsed, "json_schema")
     try:
         grammar: str = json_schema_to_gbnf(json.dumps(parsed))
     except (AssertionError, ValueError, KeyError, TypeError, AttributeError, IndexError,
             RecursionError, NotImplementedError) as exc:
         # The converter reports what it cannot handle with assertions, mostly.
         raise InvalidRequestError(f"json_schema: {exc}") from None
-    return _CHAR_RULE.sub(lambda _: _JSON_CHAR, grammar)
+    grammar = _CHAR_RULE.sub(lambda _: _JSON_CHAR, grammar)
+    check_size(grammar, "json_schema")
+    return grammar
+
+
+MAX_GRAMMAR_BYTES = 256 * 1024
+"""The longest GBNF text a request may carry (or a schema become)."""
+MAX_EXPANDED = 100_000
+"""How many elements a grammar may hold once llama.cpp has expanded its repetitions
+(``x{m,n}`` becomes up to n copies of x, nested counts multiply): a 100-byte schema with
+``"minItems": 10000000`` would take over a gigabyte."""
+_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties",
+           "maxProperties", "minContains", "maxContains")
+
+
+def _refuse_huge_counts(schema: object, where: str) -> None:
+    """Refuse item and length counts past what a grammar can expand to, naming them."""
+    if isinstance(schema, dict):
+        for key in _COUNTS:
+            value = schema.get(key)
+            if isinstance(value, int | float) and value > MAX_EXPANDED:
+                raise InvalidRequestError(
+                    f"{where}.{key} is {value:g}: a grammar expands counts over "
+                    f"{MAX_EXPANDED:,} past any bound (llama.cpp repeats the rule that "
+                    "many times)")
+        pattern = schema.get("pattern")
+        if isinstance(pattern, str) and _pattern_size(pattern) > MAX_EXPANDED:
+            raise InvalidRequestError(
+                f"{where}.pattern: its repetitions expand to over {MAX_EXPANDED:,} elements; "
+                "use smaller counts")
+        for key, value in schema.items():
+            _refuse_huge_counts(value, f"{where}.{key}")
+    elif isinstance(schema, list):
+        for i, value in enumerate(schema):
+            _refuse_huge_counts(value, f"{where}[{i}]")
+
+
+_REGEX_TOKEN = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|\{\s*(\d+)\s*(?:(,)\s*(\d*)\s*)?\}|.",
+                          re.DOTALL)
+
+
+def _pattern_size(pattern: str) -> int:
+    """``expanded_size`` for a regular expression (the converter expands its counts)."""
+    return _expand(_REGEX_TOKEN.finditer(pattern), skip=("|", "*", "+", "?", "^", "$"))
+
+
+_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*|\{\s*(\d+)\s*'
+                    r'(?:(,)\s*(\d*)\s*)?\}|[()]|[^\s()\[\]"{}#|*+?]+|.', re.DOTALL)
+
+
+def expanded_size(gbnf: str) -> int:
+    """About how many elements llama.cpp's parser makes of ``gbnf``: each literal, class
+    or rule reference counts 1, a group its contents, ``{m,n}`` repeats what precedes it
+    max(m, n) times (an open ``{m,}`` m + 1 times), nested counts multiply."""
+    return _expand(_TOKEN.finditer(gbnf), skip=("|", "*", "+", "?"))
+
+
+def _expand(tokens: Iterator[re.Match[str]], skip: tuple[str, ...]) -> int:
+    stack = [0]
+    last = 1
+    for m in tokens:
+        text = m.group(0)
+        if text.startswith("#") or text.isspace() or text in skip:
+            continue
+        if text == "(":
+            stack.append(0)
+        elif text == ")":
+            last = max(stack.pop() if len(stack) > 1 else 0, 1)
+            stack[-1] += last
+        elif m.group(1) is not None:
+            low = int(m.group(1))
+            high = int(m.group(3)) if m.group(3) else (low + 1 if m.group(2) else low)
+            stack[-1] += last * (max(low, high) - 1)
+        else:
+            last = 1
+            stack[-1] += 1
+        if stack[-1] > MAX_EXPANDED * 10:
+            break  # (far past the limit already)
+    return sum(stack)
+
+
+def check_size(gbnf: str, what: str = "grammar") -> None:
+    """Refuse a grammar too long, or whose repetitions expand too far. Raises
+    InvalidRequestError naming the limit."""
+    if len(gbnf.encode("utf-8")) > MAX_GRAMMAR_BYTES:
+        raise InvalidRequestError(f"{what}: the grammar is over {MAX_GRAMMAR_BYTES} bytes")
+    size = expanded_size(gbnf)
+    if size > MAX_EXPANDED:
+        raise InvalidRequestError(
+            f"{what}: its repetitions expand to over {MAX_EXPANDED:,} elements "
+            f"(about {size:,}); use smaller counts")
 
 
 # The Python converter's string characters admit raw control characters, which JSON
