@@ -63,6 +63,7 @@ __all__ = [
     "TokenChunk",
     "Tokens",
     "Unload",
+    "check_model_name",
     "decode_event",
     "decode_request",
     "encode",
@@ -116,6 +117,13 @@ def _check_text(message: object) -> None:
                     v.encode("utf-8")
                 except UnicodeEncodeError:
                     raise ProtocolError(f"{name} is not valid Unicode") from None
+
+
+def check_model_name(name: str) -> str:
+    """``name`` if a request can name it (1-256 characters, no control characters).
+    Raises ProtocolError."""
+    _check_name("model", name)
+    return name
 
 
 def _check_name(what: str, value: str) -> None:

@@ -324,3 +324,40 @@ def test_grammars_that_expand_too_far_are_refused_at_once(
     assert time.monotonic() - started < 5
     assert rss(proc.pid) - rss0 < 32 * 2**20
     daemon_alive(proc)
+
+
+# ---------------------------------------------------------------------- names and paths
+
+
+@pytest.mark.parametrize("url", [
+    "hf://o/r/../../x.gguf", "hf://o/r/a/../../../etc/passwd.gguf", "hf://o/r//x.gguf",
+    "hf://../r/x.gguf", "hf://o/r/./x.gguf", "hf://o/r/x.gguf@../../main",
+])
+def test_pull_and_models_add_refuse_paths_out_of_the_repo(url: str) -> None:
+    for cmd in (["pull", url], ["models", "add", "m", url]):
+        out = subprocess.run([*EC, *cmd], capture_output=True, text=True, timeout=60,
+                             check=False)
+        assert out.returncode == 2, (cmd, out.returncode, out.stderr)
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not list(Path(os.environ["HF_HOME"]).rglob("*.gguf"))
+
+
+@pytest.mark.parametrize("name", ["", "two\nlines", "x" * 300, "tab\there"],
+                         ids=["empty", "newline", "long", "tab"])
+def test_registry_names_follow_the_protocol_rule(name: str, tmp_path: Path) -> None:
+    out = subprocess.run([*EC, "models", "add", name, "hf://o/r/x.gguf"], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 2 and "model" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    f = tmp_path / "models.toml"
+    f.write_text(f'[models.{json.dumps(name)}]\npath = "x.gguf"\n'
+                 '[models.fine]\npath = "x.gguf"\n')
+    out = subprocess.run([*EC, "models", "--models", str(f)], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 2 and "model name" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    traversal = tmp_path / "hub.toml"
+    traversal.write_text('[models.m]\nhf_repo = "o/r"\nhf_file = "../../x.gguf"\n')
+    out = subprocess.run([*EC, "models", "--models", str(traversal)], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 2 and "inside the repo" in out.stderr, out.stderr

@@ -70,8 +70,10 @@ def models_add(
     """
     from ..models import hub
     from ..models.registry import add_user_entry
+    from ..protocol import check_model_name
 
     try:
+        check_model_name(name)  # before a download, not after it
         ref = hub.parse_hf_url(url)
         path = hub.download(ref, progress=sys.stderr.isatty())
         commit = hub.commit_of(path) or ref.revision

@@ -38,12 +38,28 @@ class HubRef:
         return f"hf://{self.repo}/{self.file}" + (f"@{self.revision}" if self.revision else "")
 
 
+_REPO_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+_REVISION = re.compile(r"[A-Za-z0-9._/-]{1,255}")
+
+
 def parse_hf_url(url: str) -> HubRef:
-    """``hf://owner/repo/path/file.gguf[@revision]``. Raises InvalidRequestError."""
+    """``hf://owner/repo/path/file.gguf[@revision]``. Raises InvalidRequestError, also
+    for a path that would leave the repo (``..``, an absolute or empty segment)."""
     m = _HF_URL.fullmatch(url)
     if m is None:
         raise InvalidRequestError(f"not a hub URL: {url!r} (want hf://owner/repo/file.gguf[@rev])")
-    return HubRef(m["repo"], m["file"], m["rev"])
+    repo, file, rev = m["repo"], m["file"], m["rev"]
+    if not all(_REPO_PART.fullmatch(part) and ".." not in part for part in repo.split("/")):
+        raise InvalidRequestError(f"{url!r}: {repo!r} is not a hub repo id (owner/name of "
+                                  "letters, digits, '.', '_' and '-')")
+    segments = file.split("/")
+    if any(seg in ("", ".", "..") for seg in segments) or "\\" in file or any(
+            ord(c) < 0x20 for c in file):
+        raise InvalidRequestError(f"{url!r}: the file path must stay inside the repo "
+                                  "(no '..', '.' or empty segments)")
+    if rev is not None and (not _REVISION.fullmatch(rev) or ".." in rev):
+        raise InvalidRequestError(f"{url!r}: {rev!r} is not a revision (a commit, tag or branch)")
+    return HubRef(repo, file, rev)
 
 
 def cache_dir() -> Path:

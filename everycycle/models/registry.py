@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import paths
-from ..errors import ChecksumMismatchError, ConfigError, InvalidRequestError
-from ..protocol import Format
+from ..errors import ChecksumMismatchError, ConfigError, InvalidRequestError, ProtocolError
+from ..protocol import Format, check_model_name
 from . import hub
 
 SHIPPED_MODELS = Path(__file__).parent.parent / "models.toml"
@@ -169,6 +169,11 @@ class Registry:
 
 
 def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
+    try:
+        check_model_name(name)  # what a request can name, or the entry is useless
+    except ProtocolError as exc:
+        raise ConfigError(f"{origin}: model name {json.dumps(name)[:60]}: {exc.message}"
+                          ) from None
     where = f"{origin}: [models.{name}]"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a table")
@@ -188,6 +193,13 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         raise ConfigError(f"{where} needs exactly one source: path, package or hf_repo")
     if "hf_repo" in raw and "hf_file" not in raw:
         raise ConfigError(f"{where}: hf_repo needs hf_file")
+    if "hf_repo" in raw:
+        rev = raw.get("revision")
+        try:  # the same rules as a pull's hf:// URL: nothing outside the repo
+            hub.parse_hf_url(f"hf://{raw['hf_repo']}/{raw['hf_file']}"
+                             + (f"@{rev}" if isinstance(rev, str) else ""))
+        except InvalidRequestError as exc:
+            raise ConfigError(f"{where}: {exc.message}") from None
     for key, lo, hi in (("context", 16, 1 << 20), ("parallel", 1, 256),
                         ("gpu_layers", 0, 100_000), ("threads", 1, 1024)):
         if key in raw and not lo <= raw[key] <= hi:
