@@ -1,10 +1,13 @@
-"""Resident memory of our daemon vs llama-server, same model, slots, context and KV type.
+"""Resident memory of our daemon and its engine process vs llama-server, same model,
+slots, context and KV type.
 
 For each row, starts a fresh daemon with that model (slots x context per slot, KV cache
 type), runs one round of K concurrent greedy requests so every slot has been used,
-and reads the daemon's RSS; then the same with llama-server (-np K, -c K*context,
--ctk/-ctv, flash attention for a quantized cache), built from the llama.cpp vendored
-in llama-cpp-python. Prints both, the ratio and the difference.
+and reads the RSS of the daemon and of the model's engine process (their sum counts
+the libraries both map twice; PSS, which splits shared pages, is printed too); then
+the same with llama-server (-np K, -c K*context, -ctk/-ctv, flash attention for a
+quantized cache), built from the llama.cpp vendored in llama-cpp-python. Prints both
+sides, the ratio and the difference.
 
     .venv/bin/python bench/memory.py --llama-server PATH [--rows all|quick]
 """
@@ -44,6 +47,22 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
+def pss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no Pss")
+
+
+def engine_pid() -> int:
+    from everycycle.client import SyncClient
+
+    with SyncClient() as c:
+        pid = c.describe_fleet().loaded_models[0].engine_pid
+    assert pid is not None
+    return pid
+
+
 async def our_round(k: int, n: int) -> None:
     async with connect() as client, anyio.create_task_group() as tg:
         for i in range(k):
@@ -55,7 +74,8 @@ async def our_round(k: int, n: int) -> None:
             tg.start_soon(one)
 
 
-def ours(model: Path, k: int, ctx: int, kv: str, n: int) -> float:
+def ours(model: Path, k: int, ctx: int, kv: str, n: int) -> tuple[float, float, float]:
+    """(daemon RSS, engine RSS, daemon + engine PSS) in MB."""
     home = Path(tempfile.mkdtemp(prefix="ecm", dir="/tmp"))
     os.environ["EVERYCYCLE_HOME"] = str(home)
     models = home / "models.toml"
@@ -63,7 +83,8 @@ def ours(model: Path, k: int, ctx: int, kv: str, n: int) -> float:
                       f'kv_cache_type = "{kv}"\n')
     with daemon_process("--models", str(models)) as proc:
         anyio.run(our_round, k, n)
-        return rss_mb(proc.pid)
+        engine = engine_pid()
+        return rss_mb(proc.pid), rss_mb(engine), pss_mb(proc.pid) + pss_mb(engine)
 
 
 def theirs(binary: Path, model: Path, k: int, ctx: int, kv: str, n: int) -> float:
@@ -82,14 +103,15 @@ def main() -> None:
     args = ap.parse_args()
     reg = load_registry()
     rows = ROWS if args.rows == "all" else ROWS[:2]
-    print(f"{'model':<14} {'slots x ctx':>12} {'kv':>5} {'everycycle':>11} {'llama-server':>13} "
-          f"{'ratio':>6} {'diff':>8}")
+    print(f"{'model':<14} {'slots x ctx':>12} {'kv':>5} {'daemon+engine':>15} {'(PSS)':>8} "
+          f"{'llama-server':>13} {'ratio':>6} {'diff':>8}")
     for name, k, ctx, kv in rows:
         model = local_file(reg.get(name))
-        a = ours(model, k, ctx, kv, args.n)
+        daemon, engine, pss = ours(model, k, ctx, kv, args.n)
+        a = daemon + engine
         b = theirs(args.llama_server, model, k, ctx, kv, args.n)
-        print(f"{name:<14} {f'{k} x {ctx}':>12} {kv:>5} {a:9.0f} MB {b:10.0f} MB "
-              f"{a / b:6.2f} {a - b:+6.0f} MB", flush=True)
+        print(f"{name:<14} {f'{k} x {ctx}':>12} {kv:>5} {a:6.0f} MB ({daemon:.0f}+{engine:.0f})"
+              f" {pss:5.0f} MB {b:10.0f} MB {a / b:6.2f} {a - b:+6.0f} MB", flush=True)
 
 
 if __name__ == "__main__":

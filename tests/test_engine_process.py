@@ -179,6 +179,7 @@ def test_queued_requests_wait_for_the_restarted_engine(
         assert isinstance(last, Error) and "SIGKILL" in last.message
     for r in requests[4:]:
         evs = events[r.request_id]
+        assert isinstance(evs[-1], Tokens) and evs[-1].finished, evs
         assert [e.queue_position for e in evs if isinstance(e, Accepted)][-1] == 0
         assert isinstance(evs[-1], Tokens) and evs[-1].finished, evs[-1]
 

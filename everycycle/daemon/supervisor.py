@@ -551,6 +551,11 @@ class Supervisor:
                 raise RequestCancelledError(f"model '{model.spec.name}' unloaded")
             if model.failed is not None:
                 raise InternalError(model.failed)
+            remote = model.placement is not None and model.placement.executor.remote
+            if model.up is None and model.engine.exit_cause is not None and not remote:
+                # It died and the supervisor has not heard yet (the death is on its way
+                # through the handoff): its restart is a matter of time.
+                model.up = anyio.Event()
             if model.up is None:
                 return
             await model.up.wait()
@@ -798,7 +803,7 @@ class Supervisor:
         if model is None or self._tg is None:
             return  # unloaded meanwhile, or the supervisor has stopped
         name = model.spec.name
-        cause = getattr(engine, "exit_cause", None) or "ended"
+        cause = engine.exit_cause or "ended"
         key = (name, cause.split(" ", 1)[0].rstrip(","))
         self.engine_deaths[key] = self.engine_deaths.get(key, 0) + 1
         model.last_exit = cause

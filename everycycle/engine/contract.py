@@ -40,6 +40,9 @@ class Engine(Protocol):
     it serves."""
     pid: int | None
     """The engine process's id; None in-process."""
+    exit_cause: str | None
+    """How its process ended when it died unasked (``SIGILL (illegal instruction)``);
+    None while it serves, after ``close``, and in-process."""
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; outputs come through ``notify``. Raises InvalidRequestError

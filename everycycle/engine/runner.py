@@ -79,6 +79,7 @@ class Runner:
     dead: str | None = None
     """Why it can no longer serve; always None in-process."""
     pid: int | None = None
+    exit_cause: str | None = None
     lookup_type: type[PromptLookup] = PromptLookup
     """What drafts tokens for greedy jobs (tests put an oracle here)."""
 
