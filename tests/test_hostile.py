@@ -361,3 +361,26 @@ def test_registry_names_follow_the_protocol_rule(name: str, tmp_path: Path) -> N
     out = subprocess.run([*EC, "models", "--models", str(traversal)], capture_output=True,
                          text=True, timeout=60, check=False)
     assert out.returncode == 2 and "inside the repo" in out.stderr, out.stderr
+
+
+@pytest.mark.anyio
+async def test_a_body_that_never_ends_times_out(models_file: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import anyio
+    from daemonhelp import running_daemon
+
+    from everycycle.daemon import httpserver
+
+    monkeypatch.setattr(httpserver, "BODY_TIMEOUT_S", 1.0)
+    async with running_daemon(models_file, http=("127.0.0.1", 0)) as daemon:
+        def half_body() -> bytes:
+            with socket.create_connection(("127.0.0.1", daemon.http_port), timeout=30) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                          b"application/json\r\nContent-Length: 100\r\n\r\n{\"model\":")
+                started = time.monotonic()
+                answer = s.recv(65536)
+                assert 0.8 < time.monotonic() - started < 10
+                return answer
+
+        answer = await anyio.to_thread.run_sync(half_body)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:80]

@@ -34,7 +34,7 @@ import anyio.to_thread
 from .. import paths
 from ..engine import cpukernels
 from ..engine import executors as ex
-from ..engine.contract import Engine, LoadOptions
+from ..engine.contract import Engine, LoadOptions, Notify
 from ..engine.grammar import check_size as check_grammar_size
 from ..engine.grammar import schema_to_gbnf
 from ..engine.jobs import EMBED_MAX_TOKENS, Job, Output, Sampling
@@ -218,6 +218,10 @@ class _Model:
         return self.failed is None and self.up is None and self.engine.dead is None
 
 
+EngineFactory = Callable[[str, Path, LoadOptions, Notify, Callable[[Engine], None]], Engine]
+"""(model name, GGUF path, options, notify, on_death) -> a loaded Engine."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Died:
     """An engine process ended unasked (after its jobs' errors, on the same handoff)."""
@@ -239,9 +243,12 @@ class Supervisor:
         keep_alive: float = DEFAULT_KEEP_ALIVE,
         rpc: Sequence[str] = (),
         isolate: bool = True,
+        engine_factory: EngineFactory | None = None,
     ) -> None:
         self.registry = registry
         self.isolate = isolate
+        self.engine_factory = engine_factory
+        """Makes every engine when set (tests: a fake engine, a real class)."""
         """Each model in an engine process of its own (the daemon); off: in this process
         (embedded mode), but for remote models."""
         self.engine_deaths: dict[tuple[str, str], int] = {}
@@ -1013,6 +1020,9 @@ class Supervisor:
         anywhere, since ggml-rpc aborts the process that loses its server), else a
         Runner in this process (embedded mode). Blocking: run it on a worker thread."""
         try:
+            if self.engine_factory is not None:
+                return self.engine_factory(spec.name, path, options, self._notify,
+                                           self._engine_gone)
             if self.isolate or options.rpc_endpoints:
                 from ..engine.process import EngineProcess
 

@@ -127,10 +127,10 @@ def vendor_of(backend: str, descriptions: Sequence[str]) -> str:
 
 
 def _ggml() -> Any:
-    """The ggml library llama-cpp-python loaded, with the registry functions typed."""
-    from llama_cpp import _ggml as ggml_mod
+    """The ggml library llama-cpp-python ships, with the registry functions typed."""
+    from .ggmllib import libggml
 
-    lib = ggml_mod.libggml
+    lib = libggml()
     vp, sz, cp = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
     for fn, args, res in (
         ("ggml_backend_reg_count", [], sz),
@@ -157,10 +157,8 @@ def discover() -> list[Executor]:
     """Every backend this llama.cpp build has, GPU executors first, cpu last.
 
     A backend with no CPU or GPU device of its own (BLAS, AMX, meta devices) is not an
-    executor. Loads llama_cpp on first use.
+    executor. Loads ggml (not llama_cpp) on first use.
     """
-    import llama_cpp  # noqa: F401 - initialises the backends
-
     lib = _ggml()
     found: list[Executor] = []
     for r in range(lib.ggml_backend_reg_count()):

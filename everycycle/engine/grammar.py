@@ -7,9 +7,13 @@ compiled by llama.cpp like any other (``Runner.check_grammar``).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import re
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from ..errors import InvalidRequestError
 
@@ -22,8 +26,7 @@ def schema_to_gbnf(schema: str) -> str:
 
     Raises InvalidRequestError naming what the converter could not handle.
     """
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
+    json_schema_to_gbnf = _converter()
     try:
         parsed = json.loads(schema)
     except ValueError as exc:
@@ -129,6 +132,26 @@ def check_size(gbnf: str, what: str = "grammar") -> None:
         raise InvalidRequestError(
             f"{what}: its repetitions expand to over {MAX_EXPANDED:,} elements "
             f"(about {size:,}); use smaller counts")
+
+
+@functools.cache
+def _converter() -> Callable[[str], str]:
+    """llama-cpp-python's ``json_schema_to_gbnf``. Its module stands alone, so the
+    daemon loads it by itself rather than through ``llama_cpp`` (which would bring the
+    bindings and numpy, ~20 MB, into a process that never loads a model)."""
+    if "llama_cpp" not in sys.modules:
+        spec = importlib.util.find_spec("llama_cpp")
+        if spec is not None and spec.submodule_search_locations:
+            path = Path(next(iter(spec.submodule_search_locations))) / "llama_grammar.py"
+            found = importlib.util.spec_from_file_location("everycycle._llama_grammar", path)
+            if found is not None and found.loader is not None:
+                module = importlib.util.module_from_spec(found)
+                found.loader.exec_module(module)
+                convert: Callable[[str], str] = module.json_schema_to_gbnf
+                return convert
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    return json_schema_to_gbnf
 
 
 # The Python converter's string characters admit raw control characters, which JSON

@@ -47,9 +47,9 @@ def parse_endpoint(text: str) -> str:
 
 
 def _lib() -> Any:
-    from llama_cpp import _ggml as ggml_mod
+    from .ggmllib import libggml
 
-    lib = ggml_mod.libggml
+    lib = libggml()
     vp, cp = ctypes.c_void_p, ctypes.c_char_p
     lib.ggml_backend_reg_by_name.argtypes, lib.ggml_backend_reg_by_name.restype = [cp], vp
     lib.ggml_backend_reg_get_proc_address.argtypes = [vp, cp]
@@ -60,8 +60,6 @@ def _lib() -> Any:
 
 def available() -> bool:
     """Whether this llama.cpp build has the RPC backend (``-DGGML_RPC=on``)."""
-    import llama_cpp  # noqa: F401 - initialises the backends
-
     return bool(_lib().ggml_backend_reg_by_name(b"RPC"))
 
 
