@@ -318,3 +318,38 @@ def test_no_xdg_runtime_dir_is_not_a_warning_on_stderr(tmp_path: Path) -> None:
                          env=env, capture_output=True, text=True, check=True)
     assert out.stderr == ""
     assert out.stdout.strip().endswith("everycycle.sock")
+
+
+def test_without_a_daemon_the_commands_say_how_to_start_one() -> None:
+    for cmd in (["load", "tiny"], ["unload", "tiny"], ["cancel", "abc"]):
+        out = ec(*cmd)
+        assert out.returncode == 69, (cmd, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "start one with `everycycle daemon --detach`" in lines[0]
+    out = ec("stop")  # nothing running: what was asked for already holds
+    assert out.returncode == 0 and "nothing to stop" in out.stderr and out.stdout == ""
+
+
+def test_load_unload_and_stop_say_what_they_did(daemon: subprocess.Popen[bytes]) -> None:
+    out = ec("load", "tiny")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.startswith("everycycle: loaded tiny on cpu (engine pid "), out.stderr
+    out = ec("unload", "tiny")
+    assert (out.returncode, out.stderr) == (0, "everycycle: unloaded tiny\n")
+    out = ec("stop")
+    assert (out.returncode, out.stderr) == (0, "everycycle: daemon stopped\n")
+    daemon.wait(30)
+
+
+def test_fleet_watch_says_when_the_daemon_goes_away(daemon: subprocess.Popen[bytes]) -> None:
+    watch = subprocess.Popen([*EC, "fleet", "--watch"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.5)
+        assert ec("stop").returncode == 0
+        _, err = watch.communicate(timeout=30)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    assert watch.returncode == 69
+    assert "everycycle: the daemon went away" in err

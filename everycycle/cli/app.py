@@ -31,6 +31,7 @@ from ..protocol import (
     FleetSnapshot,
     Format,
     Generate,
+    LoadedModel,
     Tokens,
     encode,
 )
@@ -407,13 +408,18 @@ def fleet(
         return
     from rich.live import Live
 
+    gone: DaemonUnavailableError | None = None
     with contextlib.suppress(KeyboardInterrupt), Live(fleet_view(snap), console=console) as live:
         while True:
             time.sleep(1)
             try:
                 live.update(fleet_view(_fleet(socket)))
-            except DaemonUnavailableError:
+            except DaemonUnavailableError as exc:
+                gone = exc
                 break
+    if gone is not None:  # the frame above is the last one the daemon gave
+        sys.stderr.write(f"everycycle: the daemon went away ({gone.message})\n")
+        raise typer.Exit(EXIT_UNAVAILABLE)
 
 
 def _fleets(hosts: list[str], token: str | None, as_json: bool) -> int:
@@ -478,13 +484,23 @@ def load(
         prepull(model, models, offline)
     except EverycycleError as exc:
         exit_for(exc)
-    call(socket, lambda c: c.load(model, executor, keep_alive_ms=keep_ms))
+
+    def load_and_look(c: Any) -> LoadedModel | None:
+        c.load(model, executor, keep_alive_ms=keep_ms)
+        return next((m for m in c.describe_fleet().loaded_models if m.name == model), None)
+
+    loaded = call(socket, load_and_look)
+    where = f" on {loaded.assigned_executor}" if loaded is not None else ""
+    engine = (f" (engine pid {loaded.engine_pid})"
+              if loaded is not None and loaded.engine_pid is not None else "")
+    sys.stderr.write(f"everycycle: loaded {model}{where}{engine}\n")
 
 
 @app.command()
 def unload(model: str, socket: SocketOpt = None) -> None:
     """Unload MODEL (its requests are cancelled).  Example: everycycle unload gemma-3-270m"""
     call(socket, lambda c: c.unload(model))
+    sys.stderr.write(f"everycycle: unloaded {model}\n")
 
 
 @app.command()
@@ -496,7 +512,12 @@ def cancel(request_id: str, socket: SocketOpt = None) -> None:
 @app.command()
 def stop(socket: SocketOpt = None) -> None:
     """Shut the daemon down gracefully.  Example: everycycle stop"""
-    call(socket, lambda c: c.shutdown())
+    try:
+        call(socket, lambda c: c.shutdown(), unavailable_raises=True)
+    except DaemonUnavailableError as exc:  # nothing to stop: that is what was asked
+        sys.stderr.write(f"everycycle: {exc.message}: nothing to stop\n")
+        return
+    sys.stderr.write("everycycle: daemon stopped\n")
 
 
 def main() -> None:

@@ -82,7 +82,8 @@ class Status:
 def report(exc: EverycycleError) -> int:
     """One line on stderr; the exit code for ``exc``."""
     if isinstance(exc, DaemonUnavailableError):
-        sys.stderr.write(f"everycycle: {exc.message}\n")
+        sys.stderr.write(f"everycycle: {exc.message}; start one with `everycycle daemon "
+                         "--detach`\n")
         return EXIT_UNAVAILABLE
     sys.stderr.write(f"everycycle: {exc.kind.value}: {exc.message}\n")
     return EXIT_CODES[exc.kind]
