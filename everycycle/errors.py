@@ -131,8 +131,16 @@ class RequestFailedError(EverycycleError):
         self.request_id = request_id
 
 
-class DaemonUnavailableError(EverycycleError):
-    """No daemon answers on the socket (the CLI maps this to exit 69)."""
+class UnavailableError(EverycycleError):
+    """A service the command needs cannot be reached (the CLI maps this to exit 69)."""
+
+
+class DaemonUnavailableError(UnavailableError):
+    """No daemon answers on the socket."""
+
+
+class HubUnreachableError(UnavailableError):
+    """The model hub cannot be reached (no network, a proxy, a firewall)."""
 
 
 class UsageError(RuntimeError):

@@ -38,6 +38,7 @@ __all__ = [
     "MAX_LINE_BYTES",
     "MAX_TOKENS_LIMIT",
     "Accepted",
+    "ActiveRequest",
     "Auth",
     "Cancel",
     "DescribeFleet",
@@ -253,6 +254,25 @@ class LoadedModel:
 
 
 @dataclass(frozen=True, slots=True)
+class ActiveRequest:
+    """One request running or queued: what ``everycycle cancel`` needs to find it."""
+
+    request_id: str
+    model: str
+    principal: str
+    state: str
+    """``admitting``, ``queued`` or ``running``."""
+    age_ms: int
+    tokens: int
+    """Tokens generated so far."""
+
+    def __post_init__(self) -> None:
+        _check_text(self)
+        _check_range("age_ms", self.age_ms, 0, 2**63 - 1)
+        _check_range("tokens", self.tokens, 0, 2**63 - 1)
+
+
+@dataclass(frozen=True, slots=True)
 class PrincipalLoad:
     """One principal's active (running + queued) requests."""
 
@@ -281,6 +301,9 @@ class FleetSnapshot:
     """Active requests per principal; present when more than one principal is active."""
     rpc: bool | None = field(default=None, metadata={"skip_none": True})
     """Whether the daemon's llama.cpp has the RPC backend (remote executors)."""
+    requests: tuple[ActiveRequest, ...] | None = field(default=None,
+                                                      metadata={"skip_none": True})
+    """The active requests, oldest first (the first 100)."""
     cpu_kernels: str | None = field(default=None, metadata={"skip_none": True})
     """Why the CPU's extra kernels (AMX, repacked weights) are off, when they are."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -164,3 +165,36 @@ def test_a_chat_whose_last_answer_failed_exits_with_its_code(models_file: Path) 
                          timeout=120, check=False)
     assert out.returncode == 2 and "unknown model 'nope'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_chat_carries_on_when_the_daemon_stops(spawn_daemon: SpawnDaemon,
+                                               models_file: Path) -> None:
+    """One turn through the daemon, `everycycle stop`, another message: one line says
+    the daemon went away, and the conversation carries on in-process."""
+    import select
+
+    spawn_daemon()
+    chat = subprocess.Popen([*EC, "chat", "--models", str(models_file), "-n", "6",
+                             "--temperature", "0"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert chat.stdin is not None and chat.stdout is not None
+    try:
+        chat.stdin.write(b"hello\n")
+        chat.stdin.flush()
+        first = b""
+        deadline = time.monotonic() + 60
+        while b"\n" not in first and time.monotonic() < deadline:  # the first answer
+            if select.select([chat.stdout], [], [], 1)[0]:
+                first += os.read(chat.stdout.fileno(), 4096)
+        assert b"\n" in first
+        stop = subprocess.run([*EC, "stop"], capture_output=True, timeout=60, check=False)
+        assert stop.returncode == 0
+        rest, err = chat.communicate(b"and again\n", timeout=120)
+    finally:
+        if chat.poll() is None:
+            chat.kill()
+    text = err.decode()
+    assert chat.returncode == 0, text
+    assert "Traceback" not in text and "ExceptionGroup" not in text
+    assert "the daemon went away" in text
+    assert rest.strip(), "no second answer"

@@ -353,3 +353,80 @@ def test_fleet_watch_says_when_the_daemon_goes_away(daemon: subprocess.Popen[byt
             watch.kill()
     assert watch.returncode == 69
     assert "everycycle: the daemon went away" in err
+
+
+def test_daemon_detach_prints_the_daemons_own_reason_and_code(
+        daemon: subprocess.Popen[bytes], tmp_path: Path) -> None:
+    out = ec("daemon", "--detach")
+    assert out.returncode == daemon_exit_code_for_a_second_daemon()
+    assert out.stderr.strip().splitlines() == [
+        f"everycycle: {paths.socket_path()} is already served by pid {daemon.pid}"]
+    broken = tmp_path / "broken.toml"
+    broken.write_text("bad [\n")
+    out = ec("daemon", "--detach", "--socket", str(tmp_path / "s.sock"), "--models",
+             str(broken))
+    assert out.returncode == 2, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and str(broken) in out.stderr
+    assert "see " not in out.stderr  # the reason itself, not a pointer to the log
+
+
+def daemon_exit_code_for_a_second_daemon() -> int:
+    """What `everycycle daemon` in the foreground exits with when one already serves."""
+    return ec("daemon").returncode
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:9", "http://nosuchhost.invalid"])
+def test_pull_without_network_is_fast_and_one_line(endpoint: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    for cmd in (["pull", "hf://nosuchowner/nosuchrepo/file.gguf"],
+                ["models", "add", "m", "hf://nosuchowner/nosuchrepo/file.gguf"]):
+        started = time.monotonic()
+        out = ec(*cmd)
+        assert time.monotonic() - started < 5
+        assert out.returncode == 69, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "a network problem" in lines[0], lines
+        assert "offline, use a model already downloaded" in lines[0]
+
+
+def test_pull_of_a_web_address_suggests_the_hf_form() -> None:
+    out = ec("pull", "https://huggingface.co/a/b/resolve/main/c.gguf")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("everycycle: 'https://huggingface.co/a/b/resolve/main/"
+                                  "c.gguf' is a web address; pull it as hf://a/b/c.gguf@main")
+
+
+def test_fleet_lists_active_requests_to_cancel_by_id(daemon: subprocess.Popen[bytes]) -> None:
+    import threading
+
+    from everycycle.client import SyncClient
+    from everycycle.protocol import Error
+
+    ended: list[object] = []
+
+    def long_one() -> None:
+        with SyncClient() as c:
+            ended.extend(c.generate("tiny", "go", max_tokens=8000, temperature=1.0,
+                                    request_id="findme"))
+
+    t = threading.Thread(target=long_one)
+    t.start()
+    try:
+        def listed() -> bool:
+            out = ec("fleet", "--json")
+            snap = json.loads(out.stdout)["FleetDescription"]
+            return any(r["request_id"] == "findme" and r["state"] == "running"
+                       and r["principal"] == "local" and r["model"] == "tiny"
+                       for r in snap.get("requests") or [])
+
+        wait_until(listed, "the request in fleet --json")
+        table = subprocess.run([*EC, "fleet"], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "COLUMNS": "80"}, check=False)
+        assert "findme" in table.stderr and "everycycle cancel ID" in table.stderr
+        assert ec("cancel", "findme").returncode == 0
+    finally:
+        t.join(60)
+    last = ended[-1]
+    assert isinstance(last, Error) and last.kind.value == "Cancelled", last

@@ -80,14 +80,15 @@ async def _client(socket: Path | None, models: Path | None, no_daemon: bool,
     from ..client.aio import connect
     from ..client.inprocess import embedded
 
-    if not no_daemon:
-        try:
-            async with connect(socket) as client:
-                yield client
-                return
-        except DaemonUnavailableError:
-            status.show("no daemon: running in-process")
-    async with embedded(models) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        client: BaseClient | None = None
+        if not no_daemon:
+            try:  # (only the connecting: what the body raises is the caller's)
+                client = await stack.enter_async_context(connect(socket))
+            except DaemonUnavailableError:
+                status.show("no daemon: running in-process")
+        if client is None:
+            client = await stack.enter_async_context(embedded(models))
         yield client
 
 
@@ -313,21 +314,31 @@ def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
     import anyio
 
     async def session() -> int:
-        from .chat import chat
+        from .chat import Conversation, chat, default_reader
 
-        try:
-            async with _client(socket, models, no_daemon, status) as client:
-                def loading(text: str) -> None:
-                    if text:
-                        status.show(text)
-                    else:
-                        status.clear()
+        def loading(text: str) -> None:
+            if text:
+                status.show(text)
+            else:
+                status.clear()
 
-                return await chat(client, name, system=system, options=options,
-                                  on_loading=loading)
-        except EverycycleError as exc:
-            status.clear()
-            return report(exc)
+        convo = Conversation(system=system)
+        reader = default_reader()
+        while True:
+            try:
+                async with _client(socket, models, no_daemon, status) as client:
+                    return await chat(client, name, options=options, on_loading=loading,
+                                      reader=reader, convo=convo)
+            except DaemonUnavailableError:
+                # The daemon went away between or during answers: the conversation
+                # carries on, on a daemon if one is back, else in this process.
+                status.clear()
+                sys.stderr.write("\neverycycle: the daemon went away; carrying on "
+                                 "(the conversation is kept)\n")
+                sys.stderr.flush()
+            except EverycycleError as exc:
+                status.clear()
+                return report(exc)
 
     raise typer.Exit(anyio.run(session))
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 
 from .. import paths
-from ..errors import ErrorKind
+from ..errors import DaemonUnavailableError, ErrorKind, unwrap_groups
 from ..protocol import Accepted, Error, Generate, Message, Role, Tokens
 from .common import EXIT_CODES
 from .interrupt import Interrupt
@@ -49,6 +49,8 @@ class Conversation:
 
     system: str | None = None
     turns: list[Message] = field(default_factory=list)
+    pending: str | None = None
+    """A message the daemon went away before answering: sent again first."""
 
     def messages(self) -> tuple[Message, ...]:
         lead = (Message(Role.SYSTEM, self.system),) if self.system else ()
@@ -141,22 +143,34 @@ def history_file() -> Path:
     return paths.state_dir() / "chat_history"
 
 
+def default_reader() -> LineReader:
+    return TerminalReader(history_file()) if sys.stdin.isatty() else PipeReader()
+
+
 async def chat(client: BaseClient, model: str, *, system: str | None = None,
                options: dict[str, Any] | None = None,
                reader: LineReader | None = None,
-               on_loading: Callable[[str], None] | None = None) -> int:
-    """Converse until the user leaves; the exit code (0, or 130 when interrupted)."""
+               on_loading: Callable[[str], None] | None = None,
+               convo: Conversation | None = None) -> int:
+    """Converse until the user leaves; the exit code (0, or 130 when interrupted).
+
+    Raises DaemonUnavailableError when the daemon goes away; ``convo`` (pass one to
+    carry on with another client) then holds the conversation and the message that
+    was not answered.
+    """
     if reader is None:
-        reader = TerminalReader(history_file()) if sys.stdin.isatty() else PipeReader()
-    convo = Conversation(system=system)
+        reader = default_reader()
+    if convo is None:
+        convo = Conversation(system=system)
     notice = sys.stderr
-    if sys.stdin.isatty():
+    if sys.stdin.isatty() and convo.pending is None:
         notice.write(f"Chatting with {model}. /help for help, /bye or Ctrl-D to leave.\n")
         notice.flush()
     code = 0  # the exit code: that of the last answer's error, if it failed
     while True:
         try:
-            text = await reader.read()
+            text = convo.pending if convo.pending is not None else await reader.read()
+            convo.pending = None
         except KeyboardInterrupt:
             return code
         if text is None:
@@ -182,8 +196,14 @@ async def chat(client: BaseClient, model: str, *, system: str | None = None,
             notice.flush()
             continue
         convo.turns.append(Message(Role.USER, text))
-        answer, ok, failed = await _answer(client, model, convo.messages(), options or {},
-                                           on_loading)
+        try:
+            with unwrap_groups():
+                answer, ok, failed = await _answer(client, model, convo.messages(),
+                                                   options or {}, on_loading)
+        except DaemonUnavailableError:
+            convo.turns.pop()
+            convo.pending = text
+            raise
         code = EXIT_CODES[failed] if failed is not None else 0
         if ok or answer:
             convo.turns.append(Message(Role.ASSISTANT, answer))

@@ -13,7 +13,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from ..errors import DaemonUnavailableError, ErrorKind, EverycycleError
+from ..errors import DaemonUnavailableError, ErrorKind, EverycycleError, UnavailableError
 
 EXIT_CODES = {
     ErrorKind.INTERNAL: 1,
@@ -84,6 +84,9 @@ def report(exc: EverycycleError) -> int:
     if isinstance(exc, DaemonUnavailableError):
         sys.stderr.write(f"everycycle: {exc.message}; start one with `everycycle daemon "
                          "--detach`\n")
+        return EXIT_UNAVAILABLE
+    if isinstance(exc, UnavailableError):
+        sys.stderr.write(f"everycycle: {exc.message}\n")
         return EXIT_UNAVAILABLE
     sys.stderr.write(f"everycycle: {exc.kind.value}: {exc.message}\n")
     return EXIT_CODES[exc.kind]

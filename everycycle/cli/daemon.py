@@ -137,6 +137,7 @@ def _detach(sock: Path, argv: list[str]) -> None:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     args = [a for a in argv if a != "--detach"]
     with log_path.open("ab") as log_file:
+        start = log_file.tell()
         proc = subprocess.Popen(
             [sys.executable, "-m", "everycycle", *args, "--socket", str(sock)],
             stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
@@ -144,7 +145,13 @@ def _detach(sock: Path, argv: list[str]) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            fail(f"the daemon exited with {proc.returncode}; see {log_path}", 1)
+            # Its own one-line reason (e.g. already served by pid N), and its exit code.
+            reason = _last_reason(log_path, start)
+            if reason:
+                sys.stderr.write(reason + "\n")
+                raise typer.Exit(proc.returncode or 1)
+            fail(f"the daemon exited with {proc.returncode}; see {log_path}",
+                 proc.returncode or 1)
         if read_pid(sock) == proc.pid and _answers(sock):
             http = ""
             if "--http" in args:
@@ -154,6 +161,18 @@ def _detach(sock: Path, argv: list[str]) -> None:
             return
         time.sleep(0.05)
     fail(f"the daemon did not start within 60 s; see {log_path}", 1)
+
+
+def _last_reason(log_path: Path, start: int) -> str | None:
+    """The last ``everycycle: …`` line the daemon wrote to its log since ``start``."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(start)
+            written = f.read(1 << 20).decode("utf-8", "replace")
+    except OSError:
+        return None
+    lines = [ln for ln in written.splitlines() if ln.startswith("everycycle: ")]
+    return lines[-1] if lines else None
 
 
 def _answers(sock: Path) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Annotated, Any
 
@@ -10,7 +11,7 @@ import typer
 
 from ..errors import EverycycleError
 from ..protocol import Format
-from .common import ModelsOpt, app, exit_for
+from .common import ModelsOpt, app, exit_for, fail
 
 models_app = typer.Typer(no_args_is_help=False)
 app.add_typer(models_app, name="models")
@@ -101,6 +102,10 @@ def pull(
     from ..models.registry import load_registry, local_file
 
     progress = sys.stderr.isatty()
+    web = re.fullmatch(r"https?://(?:www\.)?huggingface\.co/([^/]+/[^/]+)/(?:resolve|blob)/"
+                       r"([^/]+)/(.+?)(?:\?.*)?", model)
+    if web is not None:  # a browser's address for it: say what it means here
+        fail(f"{model!r} is a web address; pull it as hf://{web[1]}/{web[3]}@{web[2]}", 2)
     try:
         if model.startswith("hf:"):
             path = hub.download(hub.parse_hf_url(model), progress=progress)

@@ -107,6 +107,15 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
     elif any(m.device_layers is not None for m in snapshot.loaded_models):
         models.caption = "executor (layers on its devices / layers)"
     footer = f"active requests: {snapshot.active_requests}"
+    requests = None
+    if snapshot.requests:
+        requests = Table(title="active requests", title_justify="left")
+        for col in ("id", "model", "who", "state", "age", "tokens"):
+            requests.add_column(col, no_wrap=col != "model")
+        for r in snapshot.requests:
+            requests.add_row(r.request_id, r.model, r.principal, r.state,
+                             _duration(r.age_ms), str(r.tokens))
+        requests.caption = "`everycycle cancel ID` stops one"
     engines = [_engine_line(m) for m in snapshot.loaded_models]
     if any(engines):
         footer = "\n".join(e for e in engines if e) + "\n" + footer
@@ -128,7 +137,7 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
         footer += f"\nHTTP API: {snapshot.http}/v1"
     if snapshot.cpu_kernels:
         footer += f"\n{snapshot.cpu_kernels}"
-    return Group(ex, models, footer)
+    return Group(ex, models, *([requests] if requests is not None else []), footer)
 
 
 def local_executors_view(executors: Iterable[Any]) -> Table:

@@ -51,6 +51,7 @@ from ..errors import (
 from ..models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry, local_file
 from ..protocol import (
     Accepted,
+    ActiveRequest,
     Cancel,
     DescribeFleet,
     Done,
@@ -1068,8 +1069,17 @@ class Supervisor:
             daemon_rss=_rss_bytes(),
             principals=self._principal_loads(),
             rpc=self._rpc_available,
+            requests=self._requests(),
             cpu_kernels=self.cpu_kernels.note if self.cpu_kernels else None,
         )
+
+    def _requests(self) -> tuple[ActiveRequest, ...] | None:
+        now = time.monotonic()
+        shown = sorted(self._active.values(), key=lambda a: a.admitted)[:100]
+        return tuple(ActiveRequest(a.req.request_id, a.model or a.req.model,
+                                   a.peer.principal.name, a.state,
+                                   int((now - a.admitted) * 1000), a.n_out)
+                     for a in shown) or None
 
     def _loaded(self, m: _Model) -> LoadedModel:
         device_layers, total_layers = _device_layers(m)

@@ -19,7 +19,12 @@ from pathlib import Path
 from typing import Any, Self, cast
 
 from .. import paths
-from ..errors import ChecksumMismatchError, InternalError, InvalidRequestError
+from ..errors import (
+    ChecksumMismatchError,
+    HubUnreachableError,
+    InternalError,
+    InvalidRequestError,
+)
 
 _HF_URL = re.compile(r"hf://(?P<repo>[^/@\s]+/[^/@\s]+)/(?P<file>[^@\s]+?)(?:@(?P<rev>[^@\s]+))?")
 
@@ -97,6 +102,32 @@ def cached_file(ref: HubRef, *, sha256: str | None = None, name: str | None = No
     return path
 
 
+_OFFLINE_HINT = ("offline, use a model already downloaded (`everycycle models` says which) "
+                 "or a local GGUF (`path = ...` in models.toml)")
+REACH_TIMEOUT = 3.0
+
+
+def _check_reachable(where: str) -> None:
+    """Fail fast, in one line, when the hub's host cannot be reached at all: not after
+    the hub library's retries (about 24 s of "Retrying in 8s")."""
+    import socket
+    import urllib.parse
+
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    url = urllib.parse.urlsplit(endpoint)
+    host = url.hostname or "huggingface.co"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=REACH_TIMEOUT):
+            pass
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        if isinstance(exc, socket.gaierror):
+            why = "its name does not resolve"
+        raise HubUnreachableError(f"{where}: cannot reach {host}:{port} ({why}): a network "
+                                  f"problem; {_OFFLINE_HINT}") from None
+
+
 def download(ref: HubRef, *, sha256: str | None = None, progress: bool = False) -> Path:
     """Download ``ref`` into the HF cache (resuming a partial file) and verify it.
 
@@ -116,6 +147,8 @@ def download(ref: HubRef, *, sha256: str | None = None, progress: bool = False) 
 
     bar: Any = _RichBar if progress else _SilentBar
     where = ref.url
+    if not offline():
+        _check_reachable(where)
     try:
         found = hf_hub_download(
             ref.repo, ref.file, revision=ref.revision, cache_dir=str(cache_dir()),
@@ -136,8 +169,8 @@ def download(ref: HubRef, *, sha256: str | None = None, progress: bool = False) 
                 "pull it while online"
             ) from None
         cause = exc.__cause__ or exc.__context__ or exc
-        raise InternalError(f"{where}: cannot reach the hub ({cause}) and it is not cached"
-                            ) from None
+        raise HubUnreachableError(f"{where}: cannot reach the hub ({cause}) and it is not "
+                                  f"cached; {_OFFLINE_HINT}") from None
     except EntryNotFoundError:
         raise InvalidRequestError(f"{where}: no such file in the repository") from None
     except (OSError, httpx2.HTTPError) as exc:  # unreachable hub, a broken transfer, disk
