@@ -140,6 +140,17 @@ def registry(tmp_path: Path, tiny_gguf: Path) -> Path:
     return f
 
 
+def factory(made: list[FakeEngine]) -> Callable[..., Engine]:
+    """An engine factory that makes FakeEngines and keeps them in ``made``."""
+
+    def make(name: str, path: Path, options: LoadOptions, notify: Notify,
+             on_death: Callable[[Engine], None]) -> Engine:
+        made.append(FakeEngine(notify, on_death))
+        return made[-1]
+
+    return make
+
+
 async def until(check: Callable[[], bool]) -> None:
     with anyio.fail_after(10):
         while not check():  # noqa: ASYNC110 - polling an outside view
@@ -149,13 +160,7 @@ async def until(check: Callable[[], bool]) -> None:
 @pytest.mark.anyio
 async def test_a_death_ends_running_requests_once_and_the_queue_waits(registry: Path) -> None:
     made: list[FakeEngine] = []
-
-    def factory(name: str, path: Path, options: LoadOptions, notify: Notify,
-                on_death: Callable[[Engine], None]) -> Engine:
-        made.append(FakeEngine(notify, on_death))
-        return made[-1]
-
-    sup = Supervisor(load_registry(registry), engine_factory=factory)
+    sup = Supervisor(load_registry(registry), engine_factory=factory(made))
     peer = Peer()
     async with anyio.create_task_group() as tg:
         await tg.start(sup.run)
@@ -185,13 +190,7 @@ async def test_a_death_ends_running_requests_once_and_the_queue_waits(registry: 
 @pytest.mark.anyio
 async def test_three_deaths_in_a_minute_fail_the_model_until_load(registry: Path) -> None:
     made: list[FakeEngine] = []
-
-    def factory(name: str, path: Path, options: LoadOptions, notify: Notify,
-                on_death: Callable[[Engine], None]) -> Engine:
-        made.append(FakeEngine(notify, on_death))
-        return made[-1]
-
-    sup = Supervisor(load_registry(registry), engine_factory=factory)
+    sup = Supervisor(load_registry(registry), engine_factory=factory(made))
     peer = Peer()
     async with anyio.create_task_group() as tg:
         await tg.start(sup.run)

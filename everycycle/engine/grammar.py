@@ -58,24 +58,19 @@ _COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties",
 
 def _refuse_huge_counts(schema: object, where: str) -> None:
     """Refuse item and length counts past what a grammar can expand to, naming them."""
-    if isinstance(schema, dict):
+    for node, at in _walk(schema, where):
         for key in _COUNTS:
-            value = schema.get(key)
+            value = node.get(key)
             if isinstance(value, int | float) and value > MAX_EXPANDED:
                 raise InvalidRequestError(
-                    f"{where}.{key} is {value:g}: a grammar expands counts over "
+                    f"{at}.{key} is {value:g}: a grammar expands counts over "
                     f"{MAX_EXPANDED:,} past any bound (llama.cpp repeats the rule that "
                     "many times)")
-        pattern = schema.get("pattern")
+        pattern = node.get("pattern")
         if isinstance(pattern, str) and _pattern_size(pattern) > MAX_EXPANDED:
             raise InvalidRequestError(
-                f"{where}.pattern: its repetitions expand to over {MAX_EXPANDED:,} elements; "
+                f"{at}.pattern: its repetitions expand to over {MAX_EXPANDED:,} elements; "
                 "use smaller counts")
-        for key, value in schema.items():
-            _refuse_huge_counts(value, f"{where}.{key}")
-    elif isinstance(schema, list):
-        for i, value in enumerate(schema):
-            _refuse_huge_counts(value, f"{where}[{i}]")
 
 
 _REGEX_TOKEN = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|\{\s*(\d+)\s*(?:(,)\s*(\d*)\s*)?\}|.",
@@ -162,16 +157,22 @@ _JSON_CHAR = (r'char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | '
 _UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
-def _refuse_unenforced(schema: object, where: str) -> None:
-    """Refuse numeric bounds: the converter drops them, and output would not validate."""
+def _walk(schema: object, where: str) -> Iterator[tuple[dict[str, object], str]]:
+    """Every object in ``schema``, with where it is (``json_schema.properties.a``)."""
     if isinstance(schema, dict):
-        for key in _UNENFORCED:
-            if key in schema:
-                raise InvalidRequestError(
-                    f"{where}.{key}: numeric bounds cannot be enforced by the grammar "
-                    "converter; use an enum, or check the value after generation")
+        yield schema, where
         for key, value in schema.items():
-            _refuse_unenforced(value, f"{where}.{key}")
+            yield from _walk(value, f"{where}.{key}")
     elif isinstance(schema, list):
         for i, value in enumerate(schema):
-            _refuse_unenforced(value, f"{where}[{i}]")
+            yield from _walk(value, f"{where}[{i}]")
+
+
+def _refuse_unenforced(schema: object, where: str) -> None:
+    """Refuse numeric bounds: the converter drops them, and output would not validate."""
+    for node, at in _walk(schema, where):
+        for key in _UNENFORCED:
+            if key in node:
+                raise InvalidRequestError(
+                    f"{at}.{key}: numeric bounds cannot be enforced by the grammar "
+                    "converter; use an enum, or check the value after generation")
