@@ -198,3 +198,38 @@ def test_chat_carries_on_when_the_daemon_stops(spawn_daemon: SpawnDaemon,
     assert "Traceback" not in text and "ExceptionGroup" not in text
     assert "the daemon went away" in text
     assert rest.strip(), "no second answer"
+
+
+def test_chat_banner_system_and_help_alias_on_a_terminal(models_file: Path) -> None:
+    child = pexpect.spawn(EC[0], [*EC[1:], "chat", "--models", str(models_file)],
+                          env={**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1"}, timeout=60)
+    try:
+        # the in-process note is a line of its own, not run into the banner
+        child.expect(r"no daemon: running in-process\r?\n(\x1b\[[0-9;]*[A-Za-z]|\r)*Chatting with")
+        child.expect_exact(">>>")
+        child.sendline("/system")  # shows it, never clears it silently
+        child.expect_exact("(no system prompt; /system TEXT sets one)")
+        child.sendline("/system be brief")
+        child.expect_exact("(system prompt set; conversation cleared)")
+        child.sendline("/system")
+        child.expect_exact("(system prompt: be brief)")
+        child.sendline("/?")
+        child.expect_exact("/clear")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+def test_chat_with_a_completion_model_says_what_works(tmp_path: Path, tiny_gguf: Path) -> None:
+    import subprocess
+
+    f = tmp_path / "m.toml"
+    f.write_text(f'[models.base]\npath = "{tiny_gguf}"\nformat = "raw"\n')
+    out = subprocess.run([*EC, "chat", "-m", "base", "--models", str(f)], input="hi\n",
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ('everycycle: base is a completion model: it continues text '
+                                  'and has no chat; try everycycle run -m base "Once upon a '
+                                  'time"')

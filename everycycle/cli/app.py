@@ -251,6 +251,7 @@ def embed(
     status = Status(verbose)
     try:
         name = model or _registry_default(models)
+        _refuse_completion_model(name, models)
         prepull(name, models, offline)
         from ..protocol import Embed
 
@@ -303,6 +304,7 @@ def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
     status = Status(verbose)
     try:
         name = model or _registry_default(models)
+        _refuse_completion_model(name, models)
         prepull(name, models, offline)
         options: dict[str, Any] = {
             k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature),
@@ -327,6 +329,7 @@ def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
         while True:
             try:
                 async with _client(socket, models, no_daemon, status) as client:
+                    status.settle()  # "no daemon: running in-process" stays, on its own line
                     return await chat(client, name, options=options, on_loading=loading,
                                       reader=reader, convo=convo)
             except DaemonUnavailableError:
@@ -341,6 +344,17 @@ def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
                 return report(exc)
 
     raise typer.Exit(anyio.run(session))
+
+
+def _refuse_completion_model(name: str, models: Path | None) -> None:
+    """A chat with a completion model (``format = "raw"``: a base model) is a usage
+    error that says what works instead."""
+    from ..models.registry import load_registry
+
+    spec = load_registry(models).models.get(name)
+    if spec is not None and spec.format is Format.RAW:
+        fail(f"{name} is a completion model: it continues text and has no chat; try "
+             f'everycycle run -m {name} "Once upon a time"', 2)
 
 
 def _note_if_no_template(name: str, models: Path | None) -> None:

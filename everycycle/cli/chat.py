@@ -34,9 +34,9 @@ CONTINUATION = "... "
 
 HELP = """\
 Commands:
-  /help          this help
+  /help, /?      this help
   /clear         forget the conversation (the system prompt stays)
-  /system TEXT   set the system prompt (and forget the conversation)
+  /system TEXT   set the system prompt (and forget the conversation); /system shows it
   /bye           leave (so do Ctrl-D, and Ctrl-C on an empty prompt)
 Enter sends. Alt-Enter, or a line ending in \\, starts a new line; so does \"\"\" (until \"\"\").
 Ctrl-C during an answer stops it and keeps what was shown.
@@ -181,16 +181,18 @@ async def chat(client: BaseClient, model: str, *, system: str | None = None,
             command, _, arg = text.partition(" ")
             if command in ("/bye", "/exit", "/quit"):
                 return code
-            if command == "/help":
+            if command in ("/help", "/?"):
                 notice.write(HELP)
             elif command == "/clear":
                 convo.clear()
                 notice.write("(conversation cleared)\n")
+            elif command == "/system" and not arg.strip():  # show it; never clear it silently
+                notice.write(f"(system prompt: {convo.system})\n" if convo.system else
+                             "(no system prompt; /system TEXT sets one)\n")
             elif command == "/system":
-                convo.system = arg.strip() or None
+                convo.system = arg.strip()
                 convo.clear()
-                notice.write("(system prompt set; conversation cleared)\n"
-                             if convo.system else "(system prompt removed)\n")
+                notice.write("(system prompt set; conversation cleared)\n")
             else:
                 notice.write(f"unknown command {command}; /help lists them\n")
             notice.flush()

@@ -78,6 +78,13 @@ class Status:
             sys.stderr.flush()
             self.shown = False
 
+    def settle(self) -> None:
+        """Keep the status shown as a line of its own (what follows starts below it)."""
+        if self.shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            self.shown = False
+
 
 def report(exc: EverycycleError) -> int:
     """One line on stderr; the exit code for ``exc``."""
