@@ -430,3 +430,47 @@ def test_fleet_lists_active_requests_to_cancel_by_id(daemon: subprocess.Popen[by
         t.join(60)
     last = ended[-1]
     assert isinstance(last, Error) and last.kind.value == "Cancelled", last
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["run", "--deadline", "-3", "hi"], "--deadline"),
+    (["run", "-n", "0", "hi"], "-n"),
+    (["run", "--temperature", "-1", "hi"], "--temperature"),
+    (["run", "--top-k", "abc", "hi"], "--top-k"),
+])
+def test_bad_options_are_usage_errors_in_the_users_words(args: list[str], words: str) -> None:
+    out = ec(*args)
+    assert out.returncode == 2, out.stderr
+    assert words in out.stderr and "max_tokens" not in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_an_empty_prompt_and_an_empty_models_file(tmp_path: Path) -> None:
+    out = subprocess.run([*EC, "run", ""], stdin=subprocess.DEVNULL, capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 2 and "the prompt is empty" in out.stderr and out.stdout == ""
+    empty = tmp_path / "models.toml"
+    empty.write_text("# nothing yet\n")
+    out = ec("models", "--models", str(empty))
+    assert out.returncode == 2 and f"{empty} is empty" in out.stderr, out.stderr
+
+
+def test_keys_add_warns_of_a_model_the_registry_lacks() -> None:
+    out = ec("keys", "add", "bob", "-m", "nosuchmodel")
+    assert out.returncode == 0 and out.stdout.startswith("ec-")
+    assert "warning: the registry has no model 'nosuchmodel'" in out.stderr
+
+
+def test_ollama_names_ps_list_serve_and_stop_model(spawn_daemon: SpawnDaemon,
+                                                   models_file: Path) -> None:
+    out = ec("list", "--models", str(models_file))
+    assert out.returncode == 0 and "tiny4" in out.stdout + out.stderr
+    assert ec("serve", "--help").returncode == 0
+    spawn_daemon()
+    assert ec("load", "tiny").returncode == 0
+    out = subprocess.run([*EC, "ps"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "100"}, check=False)
+    assert out.returncode == 0 and "tiny" in out.stderr and "loaded models" in out.stderr
+    out = ec("stop", "tiny")  # a model: unloads it, the daemon serves on
+    assert (out.returncode, out.stderr) == (0, "everycycle: unloaded tiny\n")
+    assert ec("fleet").returncode == 0

@@ -105,12 +105,15 @@ def run(
     model: ModelOpt = None,
     max_tokens: MaxTokensOpt = None,
     temperature: TemperatureOpt = None,
-    top_p: Annotated[float | None, typer.Option("--top-p")] = None,
-    top_k: Annotated[int | None, typer.Option("--top-k")] = None,
+    top_p: Annotated[float | None, typer.Option(
+        "--top-p", min=0.0, max=1.0, help="Nucleus sampling (default 0.95).")] = None,
+    top_k: Annotated[int | None, typer.Option(
+        "--top-k", min=0, help="Sample among the K likeliest tokens (default 40).")] = None,
     seed: SeedOpt = None,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")]
     = None,
-    deadline: Annotated[float | None, typer.Option("--deadline", help="Seconds.")] = None,
+    deadline: Annotated[float | None, typer.Option(
+        "--deadline", min=0.001, help="Give up after this many seconds.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="No chat template.")] = False,
     json_schema: Annotated[Path | None, typer.Option(
         "--json-schema", help="Output must validate against this JSON Schema file.")] = None,
@@ -138,8 +141,8 @@ def run(
         piped = sys.stdin.buffer.read().decode("utf-8", "replace")
         if piped:
             text = f"{text}\n\n{piped}" if text else piped
-    if prompt is None and not text:
-        fail("usage: give a PROMPT or pipe text on stdin", 2)
+    if not text.strip():
+        fail("usage: the prompt is empty: give a PROMPT or pipe text on stdin", 2)
     status = Status(verbose)
     try:
         name = model or _registry_default(models)
@@ -535,8 +538,27 @@ def cancel(request_id: str, socket: SocketOpt = None) -> None:
 
 
 @app.command()
-def stop(socket: SocketOpt = None) -> None:
-    """Shut the daemon down gracefully.  Example: everycycle stop"""
+def ps(socket: SocketOpt = None) -> None:
+    """Show loaded models and active requests (as `fleet`; Ollama's name for it).
+
+    Example: everycycle ps
+    """
+    fleet(as_json=False, watch=False, hosts=None, token=None, socket=socket)
+
+
+@app.command()
+def stop(
+    model: Annotated[str | None, typer.Argument(
+        help="Unload this model instead (as `unload`); no MODEL: stop the daemon.")] = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Shut the daemon down gracefully, or with MODEL unload that model.
+
+    Example: everycycle stop; everycycle stop gemma-3-270m
+    """
+    if model is not None:
+        unload(model, socket)
+        return
     try:
         call(socket, lambda c: c.shutdown(), unavailable_raises=True)
     except DaemonUnavailableError as exc:  # nothing to stop: that is what was asked

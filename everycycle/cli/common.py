@@ -14,6 +14,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from ..errors import DaemonUnavailableError, ErrorKind, EverycycleError, UnavailableError
+from ..protocol import MAX_TOKENS_LIMIT
 
 EXIT_CODES = {
     ErrorKind.INTERNAL: 1,
@@ -36,13 +37,17 @@ SocketOpt = Annotated[Path | None, typer.Option("--socket", help="Daemon socket 
                                                 envvar="EVERYCYCLE_SOCKET")]
 ModelsOpt = Annotated[Path | None, typer.Option("--models", help="Use this models.toml only.")]
 ModelOpt = Annotated[str | None, typer.Option("-m", "--model", help="Model name.")]
-MaxTokensOpt = Annotated[int | None, typer.Option("-n", "--max-tokens",
-                                                  help="Longest answer, in tokens.")]
-TemperatureOpt = Annotated[float | None, typer.Option("--temperature")]
-SeedOpt = Annotated[int | None, typer.Option("--seed")]
+MaxTokensOpt = Annotated[int | None, typer.Option(
+    "-n", "--max-tokens", min=1, max=MAX_TOKENS_LIMIT, help="Longest answer, in tokens.")]
+TemperatureOpt = Annotated[float | None, typer.Option(
+    "--temperature", min=0.0, max=100.0,
+    help="Sampling temperature; 0 is greedy (default 0.8, or the model's).")]
+SeedOpt = Annotated[int | None, typer.Option(
+    "--seed", min=0, max=2**32 - 2, help="Sampling seed, for repeatable output.")]
 NoDaemonOpt = Annotated[bool, typer.Option("--no-daemon", help="Run in-process.")]
 OfflineOpt = Annotated[bool, typer.Option("--offline", help="Never download a model.")]
-VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose")]
+VerboseOpt = Annotated[bool, typer.Option(
+    "-v", "--verbose", help="Say what happens on stderr (loading, queue position).")]
 
 
 def fail(message: str, code: int) -> NoReturn:

@@ -14,6 +14,8 @@ from ..errors import AlreadyRunningError, EverycycleError
 from .common import EXIT_CODES, ModelsOpt, SocketOpt, app, call, fail
 
 
+@app.command("serve", help="Run the daemon in the foreground (as `daemon`; Ollama's name "
+             "for it).  Example: everycycle serve --http 11777")
 @app.command()
 def daemon(
     socket: SocketOpt = None,

@@ -34,9 +34,27 @@ def _limits(concurrent: int | None, rpm: float | None, tpm: float | None,
             prompt_bytes: float | None, model: list[str] | None) -> Any:
     from ..daemon.keys import KeyLimits
 
+    if model:
+        _warn_unknown_models(model)
+
     return KeyLimits(concurrent=concurrent, requests_per_minute=rpm, tokens_per_minute=tpm,
                      prompt_bytes_per_minute=prompt_bytes,
                      models=tuple(model) if model else None)
+
+
+def _warn_unknown_models(names: list[str]) -> None:
+    """A model the registry does not know may be added later: say so, do not refuse."""
+    from ..models.registry import load_registry
+
+    try:
+        known = load_registry().models
+    except EverycycleError:
+        return
+    for name in names:
+        if name not in known:
+            sys.stderr.write(f"everycycle: warning: the registry has no model '{name}' "
+                             f"(known: {', '.join(sorted(known))}); the key may use it once "
+                             "it has\n")
 
 
 @keys_app.command("add")

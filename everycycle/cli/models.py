@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -29,6 +30,23 @@ def models_cmd(
     """
     if ctx.invoked_subcommand is not None:
         return
+    list_models(as_json, models)
+
+
+@app.command("list")
+def list_cmd(
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON list of the models.")]
+    = False,
+    models: ModelsOpt = None,
+) -> None:
+    """List the model registry (as `models`; Ollama's name for it).
+
+    Example: everycycle list
+    """
+    list_models(as_json, models)
+
+
+def list_models(as_json: bool, models: Path | None) -> None:
     from ..models.registry import load_registry
 
     try:
