@@ -64,6 +64,7 @@ __all__ = [
     "TokenChunk",
     "Tokens",
     "Unload",
+    "Usage",
     "check_model_name",
     "decode_event",
     "decode_request",
@@ -358,14 +359,34 @@ class Embeddings:
         validate_request_id(self.request_id)
 
 
-ServerEvent = Accepted | Tokens | FleetDescription | Error | Done | Embeddings
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a finished generation cost, just before its last Tokens (an extension, sent
+    only to a Generate that asked for it with ``usage: true``)."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens reused from the slot's cache (not prefilled again)."""
+    generated_tokens: int
+    finish_reason: str
+    """``eos``, ``stop``, ``length`` (max_tokens) or ``context`` (the context is full)."""
+
+    def __post_init__(self) -> None:
+        _check_text(self)
+        validate_request_id(self.request_id)
+        for name in ("prompt_tokens", "cached_tokens", "generated_tokens"):
+            _check_range(name, getattr(self, name), 0, 2**63 - 1)
+
+
+ServerEvent = Accepted | Tokens | FleetDescription | Error | Done | Embeddings | Usage
 
 
 def is_terminal(event: ServerEvent) -> bool:
     """True for the one event that ends a request."""
     if isinstance(event, Tokens):
         return event.finished
-    return not isinstance(event, Accepted)
+    return not isinstance(event, Accepted | Usage)
 
 
 # --------------------------------------------------------------------------- requests
@@ -422,6 +443,8 @@ class Generate:
     speculative: bool | None = field(default=None, metadata={"skip_none": True})
     """Prompt-lookup decoding for a greedy request (default: the model's, on; an
     extension). The output is the same either way; only the speed differs."""
+    usage: bool | None = field(default=None, metadata={"skip_none": True})
+    """Send a ``Usage`` event before the last Tokens (an extension)."""
 
     def __post_init__(self) -> None:
         _check_text(self)
@@ -573,7 +596,8 @@ class Embed:
 Request = Generate | DescribeFleet | Cancel | Load | Unload | Shutdown | Auth | Embed
 
 _EVENTS: dict[str, type[Any]] = {
-    c.__name__: c for c in (Accepted, Tokens, FleetDescription, Error, Done, Embeddings)
+    c.__name__: c for c in (Accepted, Tokens, FleetDescription, Error, Done, Embeddings,
+                            Usage)
 }
 _REQUESTS: dict[str, type[Any]] = {
     c.__name__: c for c in (Generate, DescribeFleet, Cancel, Load, Unload, Shutdown, Auth,

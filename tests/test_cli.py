@@ -474,3 +474,27 @@ def test_ollama_names_ps_list_serve_and_stop_model(spawn_daemon: SpawnDaemon,
     out = ec("stop", "tiny")  # a model: unloads it, the daemon serves on
     assert (out.returncode, out.stderr) == (0, "everycycle: unloaded tiny\n")
     assert ec("fleet").returncode == 0
+
+
+def test_run_verbose_gives_the_id_then_the_figures(daemon: subprocess.Popen[bytes]) -> None:
+    out = ec("run", "-m", "tiny", "-v", "-n", "5", "--temperature", "0", "hello")
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith("everycycle: request ") and len(lines[0].split()[-1]) == 32
+    assert "everycycle: (cut off after 5 tokens: -n 5)" in lines
+    figures = lines[-1]
+    assert figures.startswith("everycycle: prompt ") and "generated 5 (length)" in figures
+    assert "tokens/s" in figures and "first token" in figures
+    plain = ec("run", "-m", "tiny", "-n", "5", "--temperature", "0", "hello")  # quiet
+    assert plain.stderr == "" and plain.stdout == out.stdout
+
+
+def test_usage_comes_only_to_a_generate_that_asks() -> None:
+    from everycycle.protocol import Generate, Usage, decode_event, encode, is_terminal
+
+    line = encode(Usage("r", 7, 3, 5, "length"))
+    assert line == (b'{"Usage":{"request_id":"r","prompt_tokens":7,"cached_tokens":3,'
+                    b'"generated_tokens":5,"finish_reason":"length"}}\n')
+    assert decode_event(line.rstrip(b"\n")) == Usage("r", 7, 3, 5, "length")
+    assert not is_terminal(Usage("r", 7, 3, 5, "length"))
+    assert b"usage" not in encode(Generate("g", "m", "p"))  # a seed line stays as it was

@@ -33,6 +33,7 @@ from ..protocol import (
     Generate,
     LoadedModel,
     Tokens,
+    Usage,
     encode,
 )
 from .common import (
@@ -152,7 +153,7 @@ def run(
             stop=tuple(stop) if stop else None, format=Format.RAW if raw else None,
             deadline_ms=None if deadline is None else max(1, int(deadline * 1000)),
             json_schema=_read_text(json_schema, "--json-schema"),
-            grammar=_read_text(grammar, "--grammar"),
+            grammar=_read_text(grammar, "--grammar"), usage=True,
         )
         prepull(name, models, offline)
         if not raw:
@@ -173,8 +174,10 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
 
     out = sys.stdout.buffer
     interrupt = Interrupt()
+    stats = _Stats(req, status)
     try:
         async with _client(socket, models, no_daemon, status) as client:
+            stats.begin()
             status.show("loading…")
             async with anyio.create_task_group() as tg:
                 tg.start_soon(interrupt.watch, client, req.request_id)
@@ -191,9 +194,12 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
                                 status.show("generating…")
                         elif isinstance(event, Tokens):
                             status.clear()
+                            stats.tokens(event)
                             if not as_json and event.chunk.text:
                                 out.write(event.chunk.text.encode("utf-8"))
                                 out.flush()
+                        elif isinstance(event, Usage):
+                            stats.usage = event
                         elif isinstance(event, Error):
                             status.clear()
                             if interrupt.pressed:
@@ -214,10 +220,53 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
                 tg.cancel_scope.cancel()
             if not as_json and result == 0 and sys.stdout.isatty():
                 out.write(b"\n")
+                out.flush()
+            if result == 0:
+                stats.end()
             return result
     except EverycycleError as exc:
         status.clear()
         return report(exc)
+
+
+class _Stats:
+    """What ``run`` says on stderr beyond the text: with -v, the request id first and
+    the figures at the end (as Ollama's --verbose); on a terminal or with -v, that an
+    answer was cut off."""
+
+    def __init__(self, req: Generate, status: Status) -> None:
+        self.req, self.status = req, status
+        self.usage: Usage | None = None
+        self.started = self.first = self.last = 0.0
+
+    def begin(self) -> None:
+        self.started = time.monotonic()
+        if self.status.verbose:
+            sys.stderr.write(f"everycycle: request {self.req.request_id}\n")
+
+    def tokens(self, event: Tokens) -> None:
+        now = time.monotonic()
+        if event.chunk.ids and not self.first:
+            self.first = now
+        self.last = now
+
+    def end(self) -> None:
+        u = self.usage
+        if u is None:
+            return
+        if self.status.enabled and u.finish_reason in ("length", "context"):
+            why = (f"-n {self.req.max_tokens}" if u.finish_reason == "length"
+                   and self.req.max_tokens else "the context is full")
+            sys.stderr.write(f"everycycle: (cut off after {u.generated_tokens} tokens: {why})\n")
+        if not self.status.verbose:
+            return
+        ttft = (self.first - self.started) * 1000 if self.first else 0.0
+        span = self.last - self.first
+        rate = (u.generated_tokens - 1) / span if span > 0 and u.generated_tokens > 1 else 0.0
+        sys.stderr.write(
+            f"everycycle: prompt {u.prompt_tokens} tokens ({u.cached_tokens} cached), "
+            f"generated {u.generated_tokens} ({u.finish_reason}); first token "
+            f"{ttft:.0f} ms, {rate:.1f} tokens/s\n")
 
 
 def _read_text(path: Path | None, option: str) -> str | None:

@@ -22,7 +22,7 @@ import anyio
 
 from .. import paths
 from ..errors import DaemonUnavailableError, ErrorKind, unwrap_groups
-from ..protocol import Accepted, Error, Generate, Message, Role, Tokens
+from ..protocol import Accepted, Error, Generate, Message, Role, Tokens, Usage
 from .common import EXIT_CODES
 from .interrupt import Interrupt
 
@@ -220,7 +220,9 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
     the error that ended it unless the user pressed Ctrl-C)."""
     from ..client.connection import new_request_id
 
-    req = Generate(request_id=new_request_id(), model=model, messages=messages, **options)
+    req = Generate(request_id=new_request_id(), model=model, messages=messages, usage=True,
+                   **options)
+    cut: str | None = None
     out = sys.stdout
     shown: list[str] = []
     ok = False
@@ -242,6 +244,9 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
                         out.write(event.chunk.text)
                         out.flush()
                     ok = event.finished
+                elif isinstance(event, Usage) and event.finish_reason in ("length", "context"):
+                    cut = (f"(cut off after {event.generated_tokens} tokens: "
+                           + ("-n)" if event.finish_reason == "length" else "the context is full)"))
                 elif isinstance(event, Error):
                     if on_loading is not None:
                         on_loading("")
@@ -252,4 +257,6 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
             tg.cancel_scope.cancel()
     out.write("\n")
     out.flush()
+    if cut is not None:
+        sys.stderr.write(cut + "\n")
     return "".join(shown), ok, failed

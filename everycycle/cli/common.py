@@ -64,6 +64,7 @@ class Status:
 
     def __init__(self, verbose: bool) -> None:
         self.tty = sys.stderr.isatty()
+        self.verbose = verbose
         self.enabled = self.tty or verbose
         self.shown = False
 

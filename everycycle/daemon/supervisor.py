@@ -72,6 +72,7 @@ from ..protocol import (
     TokenChunk,
     Tokens,
     Unload,
+    Usage,
 )
 from .audit import AuditLog
 from .handoff import Handoff
@@ -913,6 +914,9 @@ class Supervisor:
             else:
                 last = Tokens(rid, TokenChunk(out.text, out.ids), True)
                 self._count(active, last)
+                if isinstance(active.req, Generate) and active.req.usage:
+                    active.peer.emit(Usage(rid, active.n_prompt, job.n_reused, active.n_out,
+                                           out.reason or "eos"))
                 self._finish(active, last, out.reason)
         for model in freed:
             if self._models.get(model.spec.name) is model:
