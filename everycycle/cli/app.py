@@ -101,7 +101,8 @@ def _registry_default(models: Path | None) -> str:
 
 @app.command()
 def run(
-    prompt: Annotated[str | None, typer.Argument(help="The prompt; piped stdin is appended.")]
+    prompt: Annotated[str | None, typer.Argument(
+        metavar="[PROMPT]", help="The prompt; piped stdin is appended.")]
     = None,
     model: ModelOpt = None,
     max_tokens: MaxTokensOpt = None,
@@ -130,7 +131,9 @@ def run(
 ) -> None:
     """Generate text, streaming it to stdout; with no PROMPT on a terminal, chat.
 
-    Example: cat notes.md | everycycle run "Summarize:" | tee out.txt
+    \b
+    Example:
+      cat notes.md | everycycle run "Summarize:" | tee out.txt
     """
     if prompt is None and sys.stdin.isatty() and not as_json:
         _chat(model=model, system=None, max_tokens=max_tokens, temperature=temperature,
@@ -283,7 +286,7 @@ def _read_text(path: Path | None, option: str) -> str | None:
 @app.command()
 def embed(
     texts: Annotated[list[str] | None, typer.Argument(
-        help="Texts to embed; with none, each line of stdin is one.")] = None,
+        metavar="[TEXT]...", help="Texts to embed; with none, each line of stdin is one.")] = None,
     model: ModelOpt = None,
     no_daemon: NoDaemonOpt = False,
     offline: OfflineOpt = False,
@@ -293,7 +296,9 @@ def embed(
 ) -> None:
     """Print one JSON line {"index", "embedding"} per text (L2-normalized).
 
-    Example: printf 'a cat\na dog\n' | everycycle embed > vectors.jsonl
+    \b
+    Example:
+      printf 'a cat\\na dog\\n' | everycycle embed > vectors.jsonl
     """
     items = list(texts or [])
     if not items and not sys.stdin.isatty():
@@ -343,7 +348,9 @@ def chat_cmd(
 ) -> None:
     """Chat with a model: the whole conversation goes with every turn.
 
-    Example: everycycle chat --system "Answer in one sentence."
+    \b
+    Example:
+      everycycle chat --system "Answer in one sentence."
     """
     _chat(model=model, system=system, max_tokens=max_tokens, temperature=temperature,
           seed=seed, no_daemon=no_daemon, offline=offline, models=models, socket=socket,
@@ -456,7 +463,10 @@ def fleet(
 ) -> None:
     """Show executors, loaded models and active requests.
 
-    Example: everycycle fleet --json; everycycle fleet --host box1:7000 --host box2:7000
+    \b
+    Example:
+      everycycle fleet --json
+      everycycle fleet --host box1:7000 --host box2:7000
     """
     if hosts:
         raise typer.Exit(_fleets(hosts, token, as_json))
@@ -537,7 +547,7 @@ def _fleets(hosts: list[str], token: str | None, as_json: bool) -> int:
 
 @app.command()
 def load(
-    model: str,
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="A registry name (see `everycycle models`).")],
     executor: Annotated[str | None, typer.Option(
         "--executor", help="auto, cpu, cuda, cuda:1, metal, vulkan, …")] = None,
     keep_alive: Annotated[str | None, typer.Option(
@@ -547,7 +557,12 @@ def load(
     models: ModelsOpt = None,
     socket: SocketOpt = None,
 ) -> None:
-    """Load MODEL on the daemon.  Example: everycycle load gemma-3-270m --executor cpu"""
+    """Load MODEL on the daemon.
+
+    \b
+    Example:
+      everycycle load gemma-3-270m --executor cpu
+    """
     keep_ms = None
     if keep_alive is not None:
         from ..models.registry import parse_keep_alive
@@ -574,15 +589,31 @@ def load(
 
 
 @app.command()
-def unload(model: str, socket: SocketOpt = None) -> None:
-    """Unload MODEL (its requests are cancelled).  Example: everycycle unload gemma-3-270m"""
+def unload(
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="A loaded model.")],
+    socket: SocketOpt = None,
+) -> None:
+    """Unload MODEL (its requests are cancelled).
+
+    \b
+    Example:
+      everycycle unload gemma-3-270m
+    """
     call(socket, lambda c: c.unload(model))
     sys.stderr.write(f"everycycle: unloaded {model}\n")
 
 
 @app.command()
-def cancel(request_id: str, socket: SocketOpt = None) -> None:
-    """Cancel a request by id.  Example: everycycle cancel 3f2a…"""
+def cancel(
+    request_id: Annotated[str, typer.Argument(metavar="REQUEST_ID", help="As `fleet` lists it, or `run -v` prints it.")],
+    socket: SocketOpt = None,
+) -> None:
+    """Cancel a request by id.
+
+    \b
+    Example:
+      everycycle cancel 3f2a…
+    """
     call(socket, lambda c: c.cancel(request_id))
 
 
@@ -590,7 +621,9 @@ def cancel(request_id: str, socket: SocketOpt = None) -> None:
 def ps(socket: SocketOpt = None) -> None:
     """Show loaded models and active requests (as `fleet`; Ollama's name for it).
 
-    Example: everycycle ps
+    \b
+    Example:
+      everycycle ps
     """
     fleet(as_json=False, watch=False, hosts=None, token=None, socket=socket)
 
@@ -598,12 +631,15 @@ def ps(socket: SocketOpt = None) -> None:
 @app.command()
 def stop(
     model: Annotated[str | None, typer.Argument(
-        help="Unload this model instead (as `unload`); no MODEL: stop the daemon.")] = None,
+        metavar="[MODEL]", help="Unload this model instead (as `unload`); no MODEL: stop the daemon.")] = None,
     socket: SocketOpt = None,
 ) -> None:
     """Shut the daemon down gracefully, or with MODEL unload that model.
 
-    Example: everycycle stop; everycycle stop gemma-3-270m
+    \b
+    Example:
+      everycycle stop
+      everycycle stop gemma-3-270m
     """
     if model is not None:
         unload(model, socket)

@@ -31,6 +31,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Click's own help: options on one line, text wrapped whole at the terminal's width
+    # (Rich's tables squeeze help into a narrow column and cut option names at 80).
+    rich_markup_mode=None,
 )
 
 SocketOpt = Annotated[Path | None, typer.Option("--socket", help="Daemon socket path.",

@@ -15,7 +15,7 @@ from .common import EXIT_CODES, ModelsOpt, SocketOpt, app, call, fail
 
 
 @app.command("serve", help="Run the daemon in the foreground (as `daemon`; Ollama's name "
-             "for it).  Example: everycycle serve --http 11777")
+             "for it).\n\n\b\nExample:\n  everycycle serve --http 11777")
 @app.command()
 def daemon(
     socket: SocketOpt = None,
@@ -27,11 +27,17 @@ def daemon(
         help="Serve the OpenAI-compatible HTTP API (default port 11777, loopback).")] = None,
     http_auth: Annotated[bool, typer.Option(
         "--http-auth", help="Require the bearer token on HTTP even on loopback.")] = False,
-    allow_remote: Annotated[bool, typer.Option("--allow-remote")] = False,
-    auto_load: Annotated[bool, typer.Option("--auto-load/--no-auto-load")] = True,
-    audit_prompts: Annotated[bool, typer.Option("--audit-prompts")] = False,
-    max_queue: Annotated[int, typer.Option("--max-queue", min=0)] = 64,
-    max_inflight: Annotated[int, typer.Option("--max-inflight", min=1)] = 32,
+    allow_remote: Annotated[bool, typer.Option(
+        "--allow-remote", help="Let --tcp and --http listen off loopback (keys required).")]
+    = False,
+    auto_load: Annotated[bool, typer.Option(
+        "--auto-load/--no-auto-load", help="Load a model when a request names it.")] = True,
+    audit_prompts: Annotated[bool, typer.Option(
+        "--audit-prompts", help="Write prompts to the audit log too.")] = False,
+    max_queue: Annotated[int, typer.Option(
+        "--max-queue", min=0, help="Requests waiting per model before Rejected.")] = 64,
+    max_inflight: Annotated[int, typer.Option(
+        "--max-inflight", min=1, help="Requests in flight per connection.")] = 32,
     rpc: Annotated[list[str] | None, typer.Option(
         "--rpc", metavar="HOST:PORT", help="Use the executors an `everycycle rpc-serve` "
         "(or llama.cpp rpc-server) offers there (repeat). No authentication: trusted "
@@ -42,7 +48,12 @@ def daemon(
     show_token: Annotated[bool, typer.Option("--show-token", help="Print the TCP token.")]
     = False,
 ) -> None:
-    """Run the daemon in the foreground (or --detach).  Example: everycycle daemon --detach"""
+    """Run the daemon in the foreground (or --detach).
+
+    \b
+    Example:
+      everycycle daemon --detach
+    """
     from ..daemon.keys import load_or_create_token
     from ..daemon.server import DaemonConfig, serve
     from ..daemon.supervisor import Limits

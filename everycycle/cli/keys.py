@@ -18,6 +18,9 @@ keys_app = typer.Typer(no_args_is_help=True,
 app.add_typer(keys_app, name="keys")
 
 
+KeyNameArg = Annotated[str, typer.Argument(
+    metavar="NAME", help='A key\'s name; "local" and "default" name the socket\'s user and '
+    "the daemon's token.")]
 ConcurrentOpt = Annotated[int | None, typer.Option(
     "--concurrent", min=1, help="Requests in flight (running or queued) at once.")]
 RpmOpt = Annotated[float | None, typer.Option(
@@ -58,12 +61,14 @@ def _warn_unknown_models(names: list[str]) -> None:
 
 
 @keys_app.command("add")
-def keys_add(name: str, concurrent: ConcurrentOpt = None, rpm: RpmOpt = None,
+def keys_add(name: KeyNameArg, concurrent: ConcurrentOpt = None, rpm: RpmOpt = None,
              tpm: TpmOpt = None, prompt_bytes: PromptBytesOpt = None,
              model: ModelsAllowedOpt = None) -> None:
     """Make a key; prints its secret once (only a hash is kept).
 
-    Example: everycycle keys add ci --rpm 60 --tpm 20000 -m smollm2-135m
+    \b
+    Example:
+      everycycle keys add ci --rpm 60 --tpm 20000 -m smollm2-135m
     """
     from ..daemon.keys import KeyStore
 
@@ -79,14 +84,16 @@ def keys_add(name: str, concurrent: ConcurrentOpt = None, rpm: RpmOpt = None,
 
 
 @keys_app.command("limit")
-def keys_limit(name: str, concurrent: ConcurrentOpt = None, rpm: RpmOpt = None,
+def keys_limit(name: KeyNameArg, concurrent: ConcurrentOpt = None, rpm: RpmOpt = None,
                tpm: TpmOpt = None, prompt_bytes: PromptBytesOpt = None,
                model: ModelsAllowedOpt = None) -> None:
     """Replace a key's limits (none given: unlimited). NAME may also be "local" (the Unix
     socket's user) or "default" (the daemon's token). A running daemon applies them to
     the next request.
 
-    Example: everycycle keys limit ci --rpm 120
+    \b
+    Example:
+      everycycle keys limit ci --rpm 120
     """
     from ..daemon.keys import KeyStore
 
@@ -99,8 +106,14 @@ def keys_limit(name: str, concurrent: ConcurrentOpt = None, rpm: RpmOpt = None,
 
 
 @keys_app.command("list")
-def keys_list(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """List the keys and their limits (never their secrets)."""
+def keys_list(as_json: Annotated[bool, typer.Option(
+        "--json", help="One JSON object per key.")] = False) -> None:
+    """List the keys and their limits (never their secrets).
+
+    \b
+    Example:
+      everycycle keys list --json
+    """
     from .. import paths
     from ..daemon.keys import KeyStore
 
@@ -129,8 +142,13 @@ def keys_list(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
 
 
 @keys_app.command("rm")
-def keys_rm(name: str) -> None:
-    """Remove a key: its clients are refused from their next connection or request."""
+def keys_rm(name: KeyNameArg) -> None:
+    """Remove a key: its clients are refused from their next connection or request.
+
+    \b
+    Example:
+      everycycle keys rm ci
+    """
     from ..daemon.keys import KeyStore
 
     try:
@@ -150,7 +168,9 @@ def usage(
 ) -> None:
     """What each key (or model, or day) asked for and got, from the audit log.
 
-    Example: everycycle usage --since 7d --by model
+    \b
+    Example:
+      everycycle usage --since 7d --by model
     """
     from .. import paths
     from ..daemon.usage import audit_records, parse_since, summarize

@@ -21,12 +21,15 @@ app.add_typer(models_app, name="models")
 @models_app.callback(invoke_without_command=True)
 def models_cmd(
     ctx: typer.Context,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON list of the models.")]
+    = False,
     models: ModelsOpt = None,
 ) -> None:
     """List the model registry.
 
-    Example: everycycle models --json
+    \b
+    Example:
+      everycycle models --json
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -41,7 +44,9 @@ def list_cmd(
 ) -> None:
     """List the model registry (as `models`; Ollama's name for it).
 
-    Example: everycycle list
+    \b
+    Example:
+      everycycle list
     """
     list_models(as_json, models)
 
@@ -78,14 +83,19 @@ def list_models(as_json: bool, models: Path | None) -> None:
 
 @models_app.command("add")
 def models_add(
-    name: str,
-    url: Annotated[str, typer.Argument(help="hf://owner/repo/file.gguf[@revision]")],
-    context: Annotated[int, typer.Option("--context")] = 4096,
-    parallel: Annotated[int, typer.Option("--parallel")] = 4,
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The name to record it by.")],
+    url: Annotated[str, typer.Argument(metavar="URL",
+                                       help="hf://owner/repo/file.gguf[@revision]")],
+    context: Annotated[int, typer.Option("--context", help="Tokens per slot.")] = 4096,
+    parallel: Annotated[int, typer.Option(
+        "--parallel", help="Slots: requests decoded at once.")] = 4,
 ) -> None:
     """Download a hub GGUF and record it, pinned, in your models.toml.
 
-    Example: everycycle models add qwen hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf
+    \b
+    Example:
+      everycycle models add qwen \\
+        hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf
     """
     from ..models import hub
     from ..models.registry import add_user_entry
@@ -109,12 +119,16 @@ def models_add(
 
 @app.command()
 def pull(
-    model: Annotated[str, typer.Argument(help="A registry name or hf://owner/repo/file[@rev]")],
+    model: Annotated[str, typer.Argument(
+        metavar="MODEL", help="A registry name or hf://owner/repo/file[@rev]")],
     models: ModelsOpt = None,
 ) -> None:
     """Download a model into the Hugging Face cache; prints its local path.
 
-    Example: everycycle pull hf://ggml-org/gemma-3-270m-it-GGUF/gemma-3-270m-it-Q8_0.gguf
+    \b
+    Example:
+      everycycle pull \\
+        hf://ggml-org/gemma-3-270m-it-GGUF/gemma-3-270m-it-Q8_0.gguf
     """
     from ..models import hub
     from ..models.registry import load_registry, local_file

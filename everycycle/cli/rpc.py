@@ -19,7 +19,8 @@ DEFAULT_RPC_PORT = 50052
 @app.command("rpc-serve")
 def rpc_serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", min=1, max=65535)] = DEFAULT_RPC_PORT,
+    port: Annotated[int, typer.Option("--port", min=1, max=65535,
+                                      help="The port to serve on.")] = DEFAULT_RPC_PORT,
     executor: Annotated[list[str] | None, typer.Option(
         "--executor", help="Executor to serve (repeat; default: cpu).")] = None,
     threads: Annotated[int | None, typer.Option("--threads", min=1,
@@ -36,7 +37,9 @@ def rpc_serve(
     ggml RPC has no authentication and no encryption: it listens on loopback unless
     --allow-remote, and then only belongs on a network you trust (SECURITY.md).
 
-    Example: everycycle rpc-serve --port 50052 --executor cpu
+    \b
+    Example:
+      everycycle rpc-serve --port 50052 --executor cpu
     """
     import ipaddress
     import socket
