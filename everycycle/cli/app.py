@@ -654,11 +654,26 @@ def stop(
 
 def main() -> None:
     """Console-script entry point."""
+    usage_error: type[Exception] = typer.BadParameter.__mro__[1]  # Click's UsageError
     try:
-        app()
+        code = app(standalone_mode=False)
     except KeyboardInterrupt:  # Ctrl-C outside any request (e.g. as one just ended)
         sys.stderr.write("\n")
         raise SystemExit(EXIT_INTERRUPTED) from None
+    except usage_error as exc:
+        # One line, as every other failure: what is wrong, and where help is.
+        shown: Any = exc  # (typed as Click's own: format_message, show, ctx, exit_code)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `everycycle`: the help
+            shown.show()
+            raise SystemExit(shown.exit_code) from None
+        ctx = getattr(exc, "ctx", None)
+        path = ctx.command_path.split() if ctx is not None else []
+        while path and path[0] != "everycycle":  # (`python -m everycycle …`)
+            path.pop(0)
+        where = " ".join(path or ["everycycle"])
+        sys.stderr.write(f"everycycle: {shown.format_message()} (`{where} --help` says more)\n")
+        raise SystemExit(2) from None
+    raise SystemExit(code if isinstance(code, int) else 0)
 
 
 # The other commands register themselves on ``app`` when imported.

@@ -15,6 +15,8 @@ from ..protocol import Format
 from .common import ModelsOpt, app, exit_for, fail
 
 models_app = typer.Typer(no_args_is_help=False)
+WideOpt = Annotated[bool, typer.Option("--wide", help="Also where each comes from, and its "
+                                                      "revision.")]
 app.add_typer(models_app, name="models")
 
 
@@ -23,6 +25,7 @@ def models_cmd(
     ctx: typer.Context,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON list of the models.")]
     = False,
+    wide: WideOpt = False,
     models: ModelsOpt = None,
 ) -> None:
     """List the model registry.
@@ -33,13 +36,14 @@ def models_cmd(
     """
     if ctx.invoked_subcommand is not None:
         return
-    list_models(as_json, models)
+    list_models(as_json, models, wide)
 
 
 @app.command("list")
 def list_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON list of the models.")]
     = False,
+    wide: WideOpt = False,
     models: ModelsOpt = None,
 ) -> None:
     """List the model registry (as `models`; Ollama's name for it).
@@ -48,10 +52,10 @@ def list_cmd(
     Example:
       everycycle list
     """
-    list_models(as_json, models)
+    list_models(as_json, models, wide)
 
 
-def list_models(as_json: bool, models: Path | None) -> None:
+def list_models(as_json: bool, models: Path | None, wide: bool = False) -> None:
     from ..models.registry import load_registry
 
     try:
@@ -78,7 +82,7 @@ def list_models(as_json: bool, models: Path | None) -> None:
 
     kernels = cpukernels.cached(paths.state_dir())  # (never probes: the daemon does)
     Console(stderr=not sys.stdout.isatty()).print(
-        models_view(rows, note=kernels.note if kernels else None))
+        models_view(rows, note=kernels.note if kernels else None, wide=wide))
 
 
 @models_app.command("add")

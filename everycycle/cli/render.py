@@ -41,15 +41,29 @@ def _duration(ms: int) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+def _compact(ms: int) -> str:
+    """``5m``, ``1h``, ``90s``: a keep-alive as one writes it."""
+    text = _duration(ms)
+    return text.removesuffix("00s").removesuffix("00m") if text[-3:] in ("00s", "00m") else text
+
+
 def _idle_unload(unload_in_ms: int | None, keep_alive_ms: int | None) -> str:
-    """``in 4m12s`` when idle; ``never``; ``5m00s idle`` while busy."""
+    """``in 4m12s`` when idle; ``never``; while busy, ``5m idle``: when it will go once
+    idle."""
     if unload_in_ms is not None:
         return f"in {_duration(unload_in_ms)}"
     if keep_alive_ms is None:
         return "-"
     if keep_alive_ms < 0:
         return "never"
-    return f"{_duration(keep_alive_ms)} idle"
+    return f"{_compact(keep_alive_ms)} idle"
+
+
+def _revision(rev: str | None) -> str:
+    """A hub commit as git abbreviates it (12 hex digits); anything else as is."""
+    if rev and len(rev) == 40 and all(c in "0123456789abcdef" for c in rev):
+        return rev[:12]
+    return rev or "-"
 
 
 def _engine_line(m: LoadedModel) -> str:
@@ -65,9 +79,10 @@ def _engine_line(m: LoadedModel) -> str:
         return ""
     if m.engine_restarts:
         parts.append(f"restarted {m.engine_restarts}x")
-    if m.engine_exit:
-        parts.append(f"last died: {m.engine_exit}")
-    return f"engine {m.name}: " + "; ".join(parts)
+    line = f"engine {m.name}: " + "; ".join(parts)
+    if m.engine_exit:  # on a line of its own: a cause can be long
+        line += f"\n  last died: {m.engine_exit}"
+    return line
 
 
 def fleet_view(snapshot: FleetSnapshot) -> Group:
@@ -90,28 +105,31 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
     if notes:
         ex.caption = "\n".join(notes)
     models = Table(title="loaded models", title_justify="left")
-    models.add_column("name", no_wrap=True)
-    for col in ("revision", "executor", "busy", "queue", "weights+KV", "unload"):
-        models.add_column(col, no_wrap=col == "weights+KV")
+    for col in ("name", "revision", "executor", "busy", "weights+KV", "unload"):
+        models.add_column(col, no_wrap=True)
     for m in snapshot.loaded_models:
         slots = f"{m.busy}/{m.slots}" if m.slots is not None else "-"
+        if m.queued:
+            slots += f" +{m.queued}"
         where = m.assigned_executor
         if m.device_layers is not None and m.total_layers is not None:
-            where += f" ({m.device_layers}/{m.total_layers})"
-        models.add_row(m.name, m.revision or "-", where, slots,
-                       str(m.queued if m.queued is not None else "-"),
+            where += f" {m.device_layers}/{m.total_layers}"
+        models.add_row(m.name, _revision(m.revision), where, slots,
                        _weights_kv(m.weights_bytes, m.kv_bytes),
                        _idle_unload(m.unload_in_ms, m.keep_alive_ms))
-    if not snapshot.loaded_models:
-        models.caption = "none"
-    elif any(m.device_layers is not None for m in snapshot.loaded_models):
-        models.caption = "executor (layers on its devices / layers)"
+    notes = []
+    if any(m.queued for m in snapshot.loaded_models):
+        notes.append("busy: slots decoding / slots, +queued")
+    if any(m.device_layers is not None for m in snapshot.loaded_models):
+        notes.append("executor: layers on its devices / layers")
+    models.caption = "none" if not snapshot.loaded_models else "; ".join(notes) or None
     footer = f"active requests: {snapshot.active_requests}"
     requests = None
     if snapshot.requests:
-        requests = Table(title="active requests", title_justify="left")
+        requests = Table(title="active requests", title_justify="left", box=None,
+                         pad_edge=False, header_style="bold underline")
         for col in ("id", "model", "who", "state", "age", "tokens"):
-            requests.add_column(col, no_wrap=col != "model")
+            requests.add_column(col, no_wrap=True, justify="right" if col == "tokens" else "left")
         for r in snapshot.requests:
             requests.add_row(r.request_id, r.model, r.principal, r.state,
                              _duration(r.age_ms), str(r.tokens))
@@ -152,21 +170,28 @@ def local_executors_view(executors: Iterable[Any]) -> Table:
     return table
 
 
-def models_view(rows: Sequence[dict[str, Any]], note: str | None = None) -> Table:
+def models_view(rows: Sequence[dict[str, Any]], note: str | None = None, *,
+                wide: bool = False) -> Table:
     """The registry, one row per model (the rows ``everycycle models --json`` prints);
-    ``note``: a line on how models load here (the CPU kernels' verdict)."""
+    ``note``: a line on how models load here (the CPU kernels' verdict). It reads whole
+    at 80 columns; ``wide`` adds where each comes from and its revision."""
     from rich.table import Table
 
     table = Table(title="models", title_justify="left")
     table.add_column("name", no_wrap=True)
-    for col in ("kind", "source", "revision", "on disk", "ctx x slots", "weights+KV"):
-        table.add_column(col)
+    cols = ["kind", *(["source", "revision"] if wide else []), "on disk", "ctx×slots",
+            "weights+KV"]
+    for col in cols:
+        folded = col in ("source", "revision")
+        table.add_column(col, no_wrap=not folded, overflow="fold" if folded else "ellipsis")
     for r in rows:
         mark = " *" if r["default"] else ""
-        table.add_row(f"{r['name']}{mark}", r["kind"], r["source"], r["revision"] or "-",
-                      "yes" if r["available"] else "no", f"{r['context']} x {r['parallel']}",
+        where = [r["source"], _revision(r["revision"])] if wide else []
+        table.add_row(f"{r['name']}{mark}", r["kind"], *where,
+                      "yes" if r["available"] else "no", f"{r['context']}×{r['parallel']}",
                       _weights_kv(r.get("weights_bytes"), r.get("kv_bytes")))
-    table.caption = "* the default model" + (f"\n{note}" if note else "")
+    table.caption = ("* the default model" + ("" if wide else "; --wide: source, revision")
+                     + (f"\n{note}" if note else ""))
     return table
 
 
@@ -187,22 +212,31 @@ def keys_view(rows: Sequence[dict[str, Any]]) -> Table:
     return table
 
 
+def _count(n: int) -> str:
+    """``9,999``, ``12.3k``, ``1.23M``: a count that fits its column."""
+    if n < 10_000:
+        return f"{n:,}"
+    if n < 1_000_000:
+        return f"{n / 1000:.1f}k"
+    return f"{n / 1_000_000:.2f}M"
+
+
 def usage_view(rows: Sequence[Any], by: str) -> Table:
     """``everycycle usage``: one row per key, model or day, and a total."""
     from rich.table import Table
 
-    table = Table(title=f"usage by {by} (tokens: prompt in, generated out)",
-                  title_justify="left")
+    table = Table(title=f"usage by {by}", title_justify="left")
     table.add_column(by, no_wrap=True)
-    for col in ("requests", "finished", "cancelled", "rejected", "failed", "in", "out"):
-        table.add_column(col, justify="right")
+    for col in ("reqs", "done", "cancel", "reject", "fail", "in", "out"):
+        table.add_column(col, justify="right", no_wrap=True)
     fields = ("requests", "finished", "cancelled", "rejected", "failed", "prompt_tokens",
               "generated_tokens")
     for r in rows:
-        table.add_row(r.group, *(f"{getattr(r, f):,}" for f in fields))
+        table.add_row(r.group, *(_count(getattr(r, f)) for f in fields))
     if len(rows) > 1:
         table.add_section()
-        table.add_row("total", *(f"{sum(getattr(r, f) for r in rows):,}" for f in fields))
+        table.add_row("total", *(_count(sum(getattr(r, f) for r in rows)) for f in fields))
+    table.caption = "tokens: prompt in, generated out (--json: exact counts)"
     if not rows:
         table.caption = "no requests in the audit log for this period"
     return table
