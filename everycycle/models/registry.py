@@ -301,7 +301,7 @@ def load_registry(models_file: Path | None = None) -> Registry:
         if i > 0 and not f.exists():
             continue
         entries, file_default, hosts = _parse(f)
-        if models_file is not None and not entries and not hosts:
+        if models_file is not None and not entries and not hosts and not file_default:
             raise ConfigError(f"{f} is empty: it names no models (add a [models.NAME] table "
                               "with a path, package or hf_repo)")
         rpc.extend(h for h in hosts if h not in rpc)
