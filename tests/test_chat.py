@@ -215,6 +215,7 @@ def test_chat_banner_system_and_help_alias_on_a_terminal(models_file: Path) -> N
         child.expect_exact("(system prompt: be brief)")
         child.sendline("/?")
         child.expect_exact("/clear")
+        child.expect_exact(">>>")
         child.sendeof()
         child.expect(pexpect.EOF)
     finally:
@@ -233,3 +234,22 @@ def test_chat_with_a_completion_model_says_what_works(tmp_path: Path, tiny_gguf:
     assert out.stderr.strip() == ('everycycle: base is a completion model: it continues text '
                                   'and has no chat; try everycycle run -m base "Once upon a '
                                   'time"')
+
+
+def test_typing_during_an_answer_is_not_echoed_and_ctrl_c_says_stopped(
+        models_file: Path) -> None:
+    child = spawn_chat(models_file, "--no-daemon", "-n", "6000", "--temperature", "0")
+    try:
+        child.expect_exact(">>>")
+        child.sendline("tell me a long story")
+        child.expect(r"\S{20}")  # the answer streams
+        child.send("banana")  # typed while it streams
+        time.sleep(0.3)
+        child.sendintr()
+        child.expect_exact("(stopped)")
+        assert b"banana" not in child.before  # not echoed into the answer
+        child.expect_exact(">>>")  # (Ctrl-C also discarded the typed-ahead input, as
+        child.sendeof()           # the terminal does for an interrupt)
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)

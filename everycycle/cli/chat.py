@@ -12,8 +12,9 @@ what was shown of it; Ctrl-C on an empty prompt, Ctrl-D and ``/bye`` leave.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -228,35 +229,66 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
     ok = False
     failed: ErrorKind | None = None
     interrupt = Interrupt()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(interrupt.watch, client, req.request_id)
-        try:
-            if on_loading is not None:
-                on_loading("thinking…")
-            async for event in client.request(req):
-                if isinstance(event, Accepted) and event.queue_position and on_loading:
-                    on_loading(f"queued: position {event.queue_position}")
-                elif isinstance(event, Tokens):
-                    if on_loading is not None:
-                        on_loading("")
-                    if event.chunk.text:
-                        shown.append(event.chunk.text)
-                        out.write(event.chunk.text)
-                        out.flush()
-                    ok = event.finished
-                elif isinstance(event, Usage) and event.finish_reason in ("length", "context"):
-                    cut = (f"(cut off after {event.generated_tokens} tokens: "
-                           + ("-n)" if event.finish_reason == "length" else "the context is full)"))
-                elif isinstance(event, Error):
-                    if on_loading is not None:
-                        on_loading("")
-                    if not interrupt.pressed:
-                        failed = event.kind
-                        sys.stderr.write(f"\neverycycle: {event.kind.value}: {event.message}\n")
-        finally:
-            tg.cancel_scope.cancel()
+    with _no_echo():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(interrupt.watch, client, req.request_id)
+            try:
+                if on_loading is not None:
+                    on_loading("loading…")  # (the words `run` uses)
+                async for event in client.request(req):
+                    if isinstance(event, Accepted) and on_loading:
+                        on_loading(f"queued: position {event.queue_position}"
+                                   if event.queue_position else "generating…")
+                    elif isinstance(event, Tokens):
+                        if on_loading is not None:
+                            on_loading("")
+                        if interrupt.pressed:
+                            continue  # stopped: what still comes is not shown
+                        if event.chunk.text:
+                            shown.append(event.chunk.text)
+                            out.write(event.chunk.text)
+                            out.flush()
+                        ok = event.finished
+                    elif isinstance(event, Usage) and event.finish_reason in ("length", "context"):
+                        cut = (f"(cut off after {event.generated_tokens} tokens: "
+                               + ("-n)" if event.finish_reason == "length" else "the context is full)"))
+                    elif isinstance(event, Error):
+                        if on_loading is not None:
+                            on_loading("")
+                        if not interrupt.pressed:
+                            failed = event.kind
+                            sys.stderr.write(f"\neverycycle: {event.kind.value}: {event.message}\n")
+            finally:
+                tg.cancel_scope.cancel()
     out.write("\n")
     out.flush()
-    if cut is not None:
+    if interrupt.pressed:
+        sys.stderr.write("(stopped)\n")
+    elif cut is not None:
         sys.stderr.write(cut + "\n")
     return "".join(shown), ok, failed
+
+
+@contextlib.contextmanager
+def _no_echo() -> Iterator[None]:
+    """While an answer streams, what the user types is not echoed into it ("generating…
+    banana"); it stays in the terminal's input and reaches the next prompt (a Ctrl-C
+    discards it, as the terminal does for an interrupt)."""
+    if not sys.stdin.isatty():
+        yield
+        return
+    import termios
+
+    fd = sys.stdin.fileno()
+    try:
+        saved = termios.tcgetattr(fd)
+    except termios.error:
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~termios.ECHO
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
