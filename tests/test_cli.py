@@ -498,3 +498,29 @@ def test_usage_comes_only_to_a_generate_that_asks() -> None:
     assert decode_event(line.rstrip(b"\n")) == Usage("r", 7, 3, 5, "length")
     assert not is_terminal(Usage("r", 7, 3, 5, "length"))
     assert b"usage" not in encode(Generate("g", "m", "p"))  # a seed line stays as it was
+
+
+def test_show_a_model(models_file: Path) -> None:
+    out = ec("show", "tiny", "--models", str(models_file))
+    assert out.returncode == 0, out.stderr
+    assert "architecture     llama" in out.stdout and "chat template:" in out.stdout
+    assert "<start_of_turn>" in out.stdout
+    info = json.loads(ec("show", "tiny", "--json", "--models", str(models_file)).stdout)
+    assert (info["name"], info["context"], info["kind"]) == ("tiny", 8192, "chat")
+    out = ec("show", "missing", "--models", str(models_file))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_rm_removes_only_your_own_entries(tiny_gguf: Path) -> None:
+    from everycycle.models.registry import add_user_entry, load_registry
+
+    add_user_entry("mine", {"path": str(tiny_gguf), "context": 256})
+    add_user_entry("other one", {"path": str(tiny_gguf), "context": 512})
+    assert {"mine", "other one"} <= set(load_registry().models)
+    out = ec("rm", "mine")
+    assert out.returncode == 0 and "removed 'mine'" in out.stderr, out.stderr
+    names = set(load_registry().models)
+    assert "mine" not in names and "other one" in names
+    out = ec("rm", "smollm2-135m")  # shipped: not the user's to remove
+    assert out.returncode == 2 and "shipped" in out.stderr
+    assert ec("rm", "nosuch").returncode == 2

@@ -190,3 +190,69 @@ def _available(spec: Any) -> bool:
     except EverycycleError:
         return False
     return True
+
+
+@app.command()
+def show(
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="A registry name.")],
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+    models: ModelsOpt = None,
+) -> None:
+    """Show a model: its entry, its GGUF's metadata, chat template and sampling defaults
+    (Ollama's `show`).
+
+    \b
+    Example:
+      everycycle show smollm2-135m
+    """
+    from ..engine.gguf import read_metadata
+    from ..models.registry import load_registry, local_file
+
+    try:
+        spec = load_registry(models).get(model)
+        path = local_file(spec)
+        meta = read_metadata(path)
+    except EverycycleError as exc:
+        exit_for(exc)
+    arch = str(meta.get("general.architecture", "?"))
+    info: dict[str, Any] = {
+        "name": spec.name, "source": spec.source, "revision": spec.revision,
+        "file": str(path), "kind": "completion" if spec.format is Format.RAW else "chat",
+        "architecture": arch, "model_name": meta.get("general.name"),
+        "context_trained": meta.get(f"{arch}.context_length"),
+        "context": spec.context, "parallel": spec.parallel, "executor": spec.executor,
+        "parameters": dict(spec.sampling) or None,
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    if as_json:
+        sys.stdout.write(json.dumps(info) + "\n")
+        return
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        if key == "chat_template" or value is None:
+            continue
+        shown = (", ".join(f"{k} {v}" for k, v in value.items()) if isinstance(value, dict)
+                 else str(value))
+        sys.stdout.write(f"{key.replace('_', ' '):<{width}}  {shown}\n")
+    template = info["chat_template"]
+    sys.stdout.write("chat template:\n" + ("".join(f"  {ln}\n" for ln in
+                                                   str(template).splitlines())
+                                           if template else "  (none)\n"))
+
+
+@app.command()
+def rm(model: Annotated[str, typer.Argument(
+        metavar="MODEL", help="A model you added (your models.toml).")]) -> None:
+    """Remove a model from your models.toml (its downloaded file stays in the cache).
+
+    \b
+    Example:
+      everycycle rm qwen
+    """
+    from ..models.registry import remove_user_entry
+
+    try:
+        where = remove_user_entry(model)
+    except EverycycleError as exc:
+        exit_for(exc)
+    sys.stderr.write(f"everycycle: removed '{model}' from {where}\n")
