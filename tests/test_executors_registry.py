@@ -195,7 +195,7 @@ def test_models_file_replaces_both(models_file: Path) -> None:
         ("[models.x]\npath = 'a'\nbogus = 1\n", r"\[models.x\]: unknown key 'bogus'"),
         ("[models.x]\ncontext = 5\n", r"\[models.x\] needs exactly one source"),
         ("[models.x]\npath = 'a'\npackage = 'b'\n", "exactly one source"),
-        ("[models.x]\npath = 'a'\ncontext = 'big'\n", r"\[models.x\].context must be a int"),
+        ("[models.x]\npath = 'a'\ncontext = 'big'\n", r"\[models.x\].context must be a whole number"),
         ("[models.x]\npath = 'a'\nparallel = 0\n", "parallel must be between"),
         ("[models.x]\nhf_repo = 'a/b'\n", "hf_repo needs hf_file"),
         ("[models.x]\npath = 'a'\nsha256 = 'abc'\n", "sha256 must be 64"),

@@ -405,7 +405,7 @@ def test_the_daemon_takes_speculative_per_model_and_request(
     bad.write_text(f'[models.x]\npath = "{tiny_gguf}"\nspeculative = "yes"\n')
     out = subprocess.run([*EC, "models", "--models", str(bad)], capture_output=True, text=True,
                          timeout=60, check=False)
-    assert out.returncode == 2 and "speculative must be a bool" in out.stderr
+    assert out.returncode == 2 and "speculative must be a boolean" in out.stderr
 
 
 def _batches_exact(path: Path, tokens: list[int]) -> bool:

@@ -56,8 +56,9 @@ def test_fleet_at_80_columns() -> None:
         daemon_rss=37 * MIB,
     )
     text = render(fleet_view(snap))
+    assert "idle" not in text.split("qwen2.5-0.5b")[0].splitlines()[-1]  # busy is not idle
     whole(text, ["smollm2-135m", "pypi-0.1.2", "aaaaaaaaaaaa", "cuda 24/24", "4/4 +2",
-                 "5m idle", "in 4m59s", "92+360 MiB", "0e027cbc1e344af7ba61dcc091e0f280",
+                 "busy", "in 4m59s", "92+360 MiB", "0e027cbc1e344af7ba61dcc091e0f280",
                  "running", "last died: SIGSEGV (segmentation fault)"])
 
 

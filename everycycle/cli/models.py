@@ -161,10 +161,17 @@ def _needs(spec: Any) -> dict[str, int | None]:
     from ..engine.memory import plan
     from ..models.registry import local_file
 
-    if spec.package is not None and spec.package_file is None:
-        return {"weights_bytes": None, "kv_bytes": None}  # would import the package
     try:
-        needs = plan(local_file(spec), context=spec.context, parallel=spec.parallel,
+        if spec.package is not None and spec.package_file is None:
+            # Finding it would import the weights package: only a file verified before.
+            from ..models.hub import verified_path
+
+            found = verified_path(spec.sha256) if spec.sha256 else None
+            if found is None:
+                return {"weights_bytes": None, "kv_bytes": None}
+        else:
+            found = local_file(spec)
+        needs = plan(found, context=spec.context, parallel=spec.parallel,
                      kv_cache_type=spec.kv_cache_type)
     except EverycycleError:
         return {"weights_bytes": None, "kv_bytes": None}

@@ -116,7 +116,8 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
             where += f" {m.device_layers}/{m.total_layers}"
         models.add_row(m.name, _revision(m.revision), where, slots,
                        _weights_kv(m.weights_bytes, m.kv_bytes),
-                       _idle_unload(m.unload_in_ms, m.keep_alive_ms))
+                       "busy" if m.busy or m.queued  # (not unloaded while it has work)
+                       else _idle_unload(m.unload_in_ms, m.keep_alive_ms))
     notes = []
     if any(m.queued for m in snapshot.loaded_models):
         notes.append("busy: slots decoding / slots, +queued")

@@ -187,7 +187,8 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
             continue
         ok = isinstance(value, int | float) if expected is float else isinstance(value, expected)
         if not ok or (isinstance(value, bool) and expected is not bool):
-            kind = "number" if expected is float else expected.__name__
+            kind = {float: "number", int: "whole number", str: "string", bool: "boolean",
+                    list: "list"}.get(expected, expected.__name__)
             raise ConfigError(f"{where}.{key} must be a {kind}")
     sources = [s for s in _SOURCES if s in raw]
     if len(sources) != 1:
@@ -374,7 +375,10 @@ def _package_file(spec: ModelSpec) -> Path:
         module = importlib.import_module(spec.package)
     except ImportError:
         raise missing from None
-    return Path(module.assemble())  # the package checks its own sha256
+    path = Path(module.assemble())  # the package checks its own sha256
+    if spec.sha256:
+        hub.verify(path, spec.sha256)  # (remembered: `models` finds it again unimported)
+    return path
 
 
 def _toml_value(value: object) -> str:
