@@ -3,8 +3,6 @@ daemon's memory stays within its documented bound (SECURITY.md)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from conftest import SpawnDaemon
 from soak import soak
 
@@ -15,8 +13,7 @@ RSS_BOUND = 96 * 2**20
 """The most the daemon's RSS may grow over the soak (SECURITY.md)."""
 
 
-def test_hostile_clients_mixed_with_normal_ones(spawn_daemon: SpawnDaemon, tmp_path: Path,
-                                                capsys: object) -> None:
+def test_hostile_clients_mixed_with_normal_ones(spawn_daemon: SpawnDaemon) -> None:
     proc = spawn_daemon("--http", "127.0.0.1:0")
     with SyncClient() as c:
         c.load("tiny4")

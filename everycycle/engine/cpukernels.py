@@ -39,6 +39,7 @@ FAULT_ENV = "EVERYCYCLE_CPU_PROBE_FAULT"
 """For tests: ``sigill`` makes the probe's child execute an illegal instruction (ud2)
 where it would decode, as a CPU that cannot run its kernels does."""
 CACHE_NAME = "cpu-kernels.json"
+_OFF = "CPU extra buffer types (AMX, repacked weights) off"
 PROBE_TIMEOUT = 120.0
 
 
@@ -135,14 +136,13 @@ def run_probe() -> Verdict:
                               stderr=subprocess.PIPE, env=env, timeout=PROBE_TIMEOUT,
                               check=False)
     except subprocess.TimeoutExpired:
-        return Verdict(False, f"CPU extra buffer types (AMX, repacked weights) off: a probe "
-                              f"using them hung for {PROBE_TIMEOUT:g} s")
+        return Verdict(False, f"{_OFF}: a probe using them hung for {PROBE_TIMEOUT:g} s")
     except OSError as exc:
         log.warning("cannot run the CPU kernel probe: %s", exc)
         return Verdict(True, None, "unprobed")
     if done.returncode < 0:
-        return Verdict(False, "CPU extra buffer types (AMX, repacked weights) off: a probe "
-                              f"using them died with {signal_cause(done.returncode)}")
+        return Verdict(False, f"{_OFF}: a probe using them died with "
+                              f"{signal_cause(done.returncode)}")
     if done.returncode != 0:
         # The probe itself could not run (not the kernels): say so, keep llama.cpp's
         # default, and try again next time.
@@ -165,8 +165,7 @@ def decide(state_dir: Path) -> Verdict:
     if wanted in ("on", "1", "true"):
         return Verdict(True, None, "override")
     if wanted in ("off", "0", "false"):
-        return Verdict(False, f"CPU extra buffer types (AMX, repacked weights) off: {ENV}=off",
-                       "override")
+        return Verdict(False, f"{_OFF}: {ENV}=off", "override")
     if wanted not in ("auto", ""):
         log.warning("%s=%s: expected auto, on or off; probing", ENV, wanted)
     with _memo_lock:

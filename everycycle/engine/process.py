@@ -167,7 +167,8 @@ class EngineProcess:
         with theirs:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "everycycle.engine.process", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True)
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=2,
+                close_fds=True)  # (stdout: the daemon's stderr; `run`'s stdout is text only)
         self._conn = Connection(mine.detach())
         self.pid: int | None = self._proc.pid
         try:
