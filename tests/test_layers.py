@@ -25,21 +25,16 @@ ALLOWED = {
 
 def imported_layers(path: Path) -> set[str]:
     """The top-level everycycle modules/packages that ``path`` imports."""
-    layer = path.parent.name
+    package = path.relative_to(ROOT).parent.parts
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level:
-            parts = (node.module or "").split(".")
-            if node.level == 1:
-                if path.parent == ROOT:
-                    found.add(parts[0])
-                else:
-                    found.add(layer)
-            elif node.level == 2:
-                if parts[0]:
-                    found.add(parts[0])
-                else:
-                    found.update(alias.name for alias in node.names)
+            base = package[:len(package) - (node.level - 1)]
+            target = [*base, *(node.module or "").split(".")] if node.module else list(base)
+            if target:
+                found.add(target[0])
+            else:
+                found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom | ast.Import):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [
                 a.name for a in node.names]
@@ -49,16 +44,29 @@ def imported_layers(path: Path) -> set[str]:
     return found - {"__version__"}
 
 
+def _files(name: str) -> list[Path]:
+    """The source files of top-level module or package ``name``."""
+    package = ROOT / name
+    return sorted(package.rglob("*.py")) if package.is_dir() else [ROOT / f"{name}.py"]
+
+
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
 def test_imports_only_go_down(layer: str) -> None:
-    for path in sorted((ROOT / layer).glob("*.py")):
+    for path in _files(layer):
         bad = imported_layers(path) - GROUND - ALLOWED[layer] - {layer}
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
 @pytest.mark.parametrize("module", sorted(GROUND))
 def test_the_ground_imports_no_layer(module: str) -> None:
-    assert imported_layers(ROOT / f"{module}.py") <= GROUND
+    for path in _files(module):
+        assert imported_layers(path) <= GROUND, path
+
+
+def test_no_module_is_over_500_lines() -> None:
+    long = {str(path.relative_to(ROOT)): n for path in ROOT.rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > 500}
+    assert not long, long
 
 
 @pytest.mark.parametrize("module", ["everycycle.models.hub", "everycycle.models.registry",

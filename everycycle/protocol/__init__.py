@@ -1,0 +1,91 @@
+"""The wire protocol: requests, events, and their one-line JSON encoding. No I/O.
+
+Every message is a frozen dataclass whose constructor validates it (``validation``),
+so an object that exists is an object that may go on the wire. ``encode`` turns one
+into a line of bytes exactly as serde_json encodes the seed's Rust types;
+``decode_request`` / ``decode_event`` turn one line back and raise
+:class:`~everycycle.errors.ProtocolError` for anything else (``codec``).
+``LineFramer`` splits a byte stream into lines and enforces the 1 MiB limit
+(``framing``).
+"""
+
+from ..errors import ErrorKind
+from .codec import decode_event, decode_request, encode
+from .events import (
+    Accepted,
+    ActiveRequest,
+    Done,
+    Embeddings,
+    Error,
+    ExecutorSummary,
+    FleetDescription,
+    FleetSnapshot,
+    LoadedModel,
+    PrincipalLoad,
+    ServerEvent,
+    TokenChunk,
+    Tokens,
+    Usage,
+    is_terminal,
+)
+from .framing import MAX_LINE_BYTES, LineFramer
+from .requests import (
+    Auth,
+    Cancel,
+    DescribeFleet,
+    Embed,
+    Format,
+    Generate,
+    Load,
+    Message,
+    Request,
+    Role,
+    Shutdown,
+    Unload,
+)
+from .validation import (
+    MAX_EMBED_INPUTS,
+    MAX_TOKENS_LIMIT,
+    check_model_name,
+    validate_request_id,
+)
+
+__all__ = [
+    "MAX_EMBED_INPUTS",
+    "MAX_LINE_BYTES",
+    "MAX_TOKENS_LIMIT",
+    "Accepted",
+    "ActiveRequest",
+    "Auth",
+    "Cancel",
+    "DescribeFleet",
+    "Done",
+    "Embed",
+    "Embeddings",
+    "Error",
+    "ErrorKind",
+    "ExecutorSummary",
+    "FleetDescription",
+    "FleetSnapshot",
+    "Format",
+    "Generate",
+    "LineFramer",
+    "Load",
+    "LoadedModel",
+    "Message",
+    "PrincipalLoad",
+    "Request",
+    "Role",
+    "ServerEvent",
+    "Shutdown",
+    "TokenChunk",
+    "Tokens",
+    "Unload",
+    "Usage",
+    "check_model_name",
+    "decode_event",
+    "decode_request",
+    "encode",
+    "is_terminal",
+    "validate_request_id",
+]

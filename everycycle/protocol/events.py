@@ -1,0 +1,213 @@
+"""Daemon → client events: the seed's four, and the extensions (Done, Embeddings, Usage).
+
+Fields marked ``skip_none`` are everycycle extensions: written only when set, so the
+seed's own lines still round-trip byte for byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ..errors import ErrorKind
+from .validation import COUNT, TOKEN_ID_MAX, U32, check_range, check_text, message
+from .validation import validate_request_id as _validate_request_id
+
+_EXT = {"skip_none": True}
+
+
+@message(ranges={"queue_position": U32})
+class Accepted:
+    """The request was admitted; ``queue_position`` requests are ahead of it."""
+
+    request_id: str
+    queue_position: int
+
+
+# TokenChunk and Tokens go out once per decode step per stream: their checks are written
+# out by hand, the cheapest that says the same as the shared ones.
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """Generated text and the token ids it came from; ``text`` is whole UTF-8."""
+
+    text: str
+    ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.text.isascii():
+            check_text("text", self.text)
+        if self.ids and not 0 <= min(self.ids) <= max(self.ids) <= TOKEN_ID_MAX:
+            for i in self.ids:
+                check_range("token id", i, 0, TOKEN_ID_MAX)
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """A chunk of generated text; the last one of a request has ``finished``."""
+
+    request_id: str
+    chunk: TokenChunk
+    finished: bool
+
+    def __post_init__(self) -> None:
+        _validate_request_id(self.request_id)  # ASCII; the chunk checked its own text
+
+
+@message(ranges={"device_count": U32, "memory_total": COUNT, "memory_free": COUNT})
+class ExecutorSummary:
+    """One ggml backend and its devices, as the fleet reports it."""
+
+    name: str
+    vendor: str
+    device_count: int
+    memory_total: int | None = field(default=None, metadata=_EXT)
+    memory_free: int | None = field(default=None, metadata=_EXT)
+    status: str | None = field(default=None, metadata=_EXT)
+    """``unreachable`` for a remote executor that cannot be reached; absent when fine."""
+
+
+@message(names=(), ranges={
+    "slots": U32, "busy": U32, "queued": U32, "device_layers": U32, "total_layers": U32,
+    "unload_in_ms": COUNT, "keep_alive_ms": (-1, COUNT[1]), "weights_bytes": COUNT,
+    "kv_bytes": COUNT, "engine_pid": COUNT, "engine_rss": COUNT, "engine_restarts": COUNT})
+class LoadedModel:
+    """A model resident on an executor; ``revision`` is its pinned commit, if any."""
+
+    name: str
+    revision: str | None
+    assigned_executor: str
+    slots: int | None = field(default=None, metadata=_EXT)
+    busy: int | None = field(default=None, metadata=_EXT)
+    queued: int | None = field(default=None, metadata=_EXT)
+    weights_bytes: int | None = field(default=None, metadata=_EXT)
+    kv_bytes: int | None = field(default=None, metadata=_EXT)
+    lookup: bool | None = field(default=None, metadata=_EXT)
+    """Whether greedy requests use prompt lookup by default: on unless models.toml says
+    otherwise or this model's batched decoding is not bit-exact on this build."""
+    lookup_drafted: int | None = field(default=None, metadata=_EXT)
+    """Prompt-lookup draft tokens proposed so far, and those the model confirmed."""
+    lookup_accepted: int | None = field(default=None, metadata=_EXT)
+    device_layers: int | None = field(default=None, metadata=_EXT)
+    """Repeating layers on the executor's devices (the rest on the CPU); GPU only."""
+    total_layers: int | None = field(default=None, metadata=_EXT)
+    unload_in_ms: int | None = field(default=None, metadata=_EXT)
+    """When the model will be unloaded for being idle; absent: never, or busy now."""
+    keep_alive_ms: int | None = field(default=None, metadata=_EXT)
+    """How long it stays loaded once idle (-1: always)."""
+    engine_pid: int | None = field(default=None, metadata=_EXT)
+    """The process id of its engine process (absent in embedded mode)."""
+    engine_rss: int | None = field(default=None, metadata=_EXT)
+    """Its engine process's resident memory, in bytes."""
+    engine_restarts: int | None = field(default=None, metadata=_EXT)
+    """How many times its engine was restarted after dying."""
+    engine_exit: str | None = field(default=None, metadata=_EXT)
+    """How its engine last died, e.g. ``SIGILL (illegal instruction)``."""
+    state: str | None = field(default=None, metadata=_EXT)
+    """``restarting`` while its engine restarts, ``failed`` after a crash loop (until
+    ``Load``); absent while it serves."""
+
+
+@message(names=(), ranges={"age_ms": COUNT, "tokens": COUNT})
+class ActiveRequest:
+    """One request running or queued: what ``everycycle cancel`` needs to find it."""
+
+    request_id: str
+    model: str
+    principal: str
+    state: str
+    """``admitting``, ``queued`` or ``running``."""
+    age_ms: int
+    tokens: int
+    """Tokens generated so far."""
+
+
+@message(ranges={"active_requests": U32})
+class PrincipalLoad:
+    """One principal's active (running + queued) requests."""
+
+    name: str
+    active_requests: int
+
+
+@message(ranges={"active_requests": U32, "daemon_rss": COUNT})
+class FleetSnapshot:
+    """The daemon's executors, resident models and active (running + queued) requests."""
+
+    hostname: str
+    executors: tuple[ExecutorSummary, ...]
+    loaded_models: tuple[LoadedModel, ...]
+    active_requests: int
+    http: str | None = field(default=None, metadata=_EXT)
+    """Where the daemon serves its HTTP API (``http://HOST:PORT``), if it does."""
+    daemon_rss: int | None = field(default=None, metadata=_EXT)
+    """The daemon process's resident memory, in bytes."""
+    principals: tuple[PrincipalLoad, ...] | None = field(default=None, metadata=_EXT)
+    """Active requests per principal; present when more than one principal is active."""
+    rpc: bool | None = field(default=None, metadata=_EXT)
+    """Whether the daemon's llama.cpp has the RPC backend (remote executors)."""
+    requests: tuple[ActiveRequest, ...] | None = field(default=None, metadata=_EXT)
+    """The active requests, oldest first (the first 100)."""
+    cpu_kernels: str | None = field(default=None, metadata=_EXT)
+    """Why the CPU's extra kernels (AMX, repacked weights) are off, when they are."""
+
+
+@dataclass(frozen=True, slots=True)
+class FleetDescription:
+    """Answer to DescribeFleet (a newtype around FleetSnapshot: no request id)."""
+
+    snapshot: FleetSnapshot
+    newtype: ClassVar[bool] = True
+
+
+@message(empty_id=True)
+class Error:
+    """Terminal failure of a request; ``request_id`` is "" when none could be read."""
+
+    request_id: str
+    kind: ErrorKind
+    message: str
+
+
+@message()
+class Done:
+    """Terminal success of Load, Unload, Cancel and Shutdown (an extension)."""
+
+    request_id: str
+
+
+@message()
+class Embeddings:
+    """Terminal success of Embed: one vector per input, in input order (an extension)."""
+
+    request_id: str
+    vectors: tuple[tuple[float, ...], ...]
+
+
+@message(ranges={"prompt_tokens": COUNT, "cached_tokens": COUNT, "generated_tokens": COUNT})
+class Usage:
+    """What a finished generation cost, just before its last Tokens (an extension, sent
+    only to a Generate that asked for it with ``usage: true``)."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens reused from the slot's cache (not prefilled again)."""
+    generated_tokens: int
+    finish_reason: str
+    """``eos``, ``stop``, ``length`` (max_tokens) or ``context`` (the context is full)."""
+
+
+ServerEvent = Accepted | Tokens | FleetDescription | Error | Done | Embeddings | Usage
+
+EVENTS: dict[str, type[ServerEvent]] = {
+    c.__name__: c for c in (Accepted, Tokens, FleetDescription, Error, Done, Embeddings, Usage)
+}
+
+
+def is_terminal(event: ServerEvent) -> bool:
+    """True for the one event that ends a request."""
+    if isinstance(event, Tokens):
+        return event.finished
+    return not isinstance(event, Accepted | Usage)

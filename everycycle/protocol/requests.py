@@ -1,0 +1,195 @@
+"""Client → daemon requests: the seed's, and the extensions (messages, Embed, Auth)."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import field
+
+from ..errors import ProtocolError
+from .validation import (
+    DEADLINE,
+    KEEP_ALIVE,
+    MAX_EMBED_INPUTS,
+    MAX_GRAMMAR_CHARS,
+    MAX_MESSAGES,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
+    MAX_TOKENS_LIMIT,
+    U32_MAX,
+    message,
+)
+
+_EXT = {"skip_none": True}
+
+
+class Format(enum.Enum):
+    """How a Generate prompt is turned into tokens."""
+
+    CHAT = "chat"
+    """Apply the model's own chat template (the default where the GGUF has one)."""
+    RAW = "raw"
+    """Tokenize the prompt as is."""
+
+
+class Role(enum.Enum):
+    """Who said a conversation message."""
+
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+
+
+@message()
+class Message:
+    """One turn of a conversation (an extension: ``Generate.messages``)."""
+
+    role: Role
+    content: str
+
+
+@message(ranges={
+    "max_tokens": (1, MAX_TOKENS_LIMIT), "temperature": (0.0, 100.0), "top_p": (0.0, 1.0),
+    "top_k": (0, 1_000_000), "min_p": (0.0, 1.0), "repeat_penalty": (0.01, 10.0),
+    "seed": (0, U32_MAX - 1), "deadline_ms": DEADLINE, "keep_alive_ms": KEEP_ALIVE})
+class Generate:
+    """Generate text with ``model`` from ``prompt`` or from a conversation, ``messages``.
+
+    Exactly one of the two is given. ``messages`` (an extension) is rendered with the
+    model's chat template; unset options take the model's defaults.
+    """
+
+    request_id: str
+    model: str
+    prompt: str | None = field(default=None, metadata=_EXT)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    format: Format | None = None
+    auto_load: bool | None = None
+    deadline_ms: int | None = None
+    messages: tuple[Message, ...] | None = field(default=None, metadata=_EXT)
+    json_schema: str | None = field(default=None, metadata=_EXT)
+    """A JSON Schema (as JSON text) the output must validate against (an extension)."""
+    grammar: str | None = field(default=None, metadata=_EXT)
+    """A GBNF grammar the output must follow, root rule ``root`` (an extension)."""
+    keep_alive_ms: int | None = field(default=None, metadata=_EXT)
+    """How long the model stays loaded once idle, from now on (-1: always; an extension)."""
+    speculative: bool | None = field(default=None, metadata=_EXT)
+    """Prompt-lookup decoding for a greedy request (default: the model's, on; an
+    extension). The output is the same either way; only the speed differs."""
+    usage: bool | None = field(default=None, metadata=_EXT)
+    """Send a ``Usage`` event before the last Tokens (an extension)."""
+
+    def _validate(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ProtocolError("give exactly one of `prompt` and `messages`")
+        if self.messages is not None:
+            if not self.messages:
+                raise ProtocolError("`messages` must not be empty")
+            if len(self.messages) > MAX_MESSAGES:
+                raise ProtocolError(f"at most {MAX_MESSAGES} messages")
+            if self.format is Format.RAW:
+                raise ProtocolError("`messages` need the chat template: format `raw` is for "
+                                    "`prompt`")
+        if self.json_schema is not None and self.grammar is not None:
+            raise ProtocolError("give at most one of `json_schema` and `grammar`")
+        for name in ("json_schema", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= len(value) <= MAX_GRAMMAR_CHARS:
+                raise ProtocolError(f"`{name}` must be 1-{MAX_GRAMMAR_CHARS} characters")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as exc:
+                raise ProtocolError(f"`json_schema` is not JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise ProtocolError("`json_schema` must be a JSON object")
+        if self.stop is not None:
+            if len(self.stop) > MAX_STOPS:
+                raise ProtocolError(f"at most {MAX_STOPS} stop strings")
+            for s in self.stop:
+                if not 1 <= len(s) <= MAX_STOP_CHARS:
+                    raise ProtocolError(f"stop strings must be 1-{MAX_STOP_CHARS} characters")
+
+
+@message()
+class DescribeFleet:
+    """Ask for a FleetSnapshot."""
+
+    request_id: str
+
+
+@message()
+class Cancel:
+    """Cancel the active request ``target`` (any connection of the same user)."""
+
+    request_id: str
+    target: str
+
+
+@message(names=("model", "executor"), ranges={"keep_alive_ms": KEEP_ALIVE})
+class Load:
+    """Make ``model`` resident, on ``executor`` if given."""
+
+    request_id: str
+    model: str
+    executor: str | None = None
+    keep_alive_ms: int | None = field(default=None, metadata=_EXT)
+    """As Generate's (an extension)."""
+
+
+@message()
+class Unload:
+    """Release ``model``; its active requests are cancelled first."""
+
+    request_id: str
+    model: str
+
+
+@message()
+class Shutdown:
+    """Stop the daemon gracefully."""
+
+    request_id: str
+
+
+@message()
+class Auth:
+    """First line on a TCP connection: the bearer token."""
+
+    token: str
+
+
+@message(ranges={"keep_alive_ms": KEEP_ALIVE, "deadline_ms": DEADLINE})
+class Embed:
+    """Embed each string of ``input`` with ``model`` (an extension); answered by one
+    Embeddings event, after Accepted like a Generate."""
+
+    request_id: str
+    model: str
+    input: tuple[str, ...]
+    auto_load: bool | None = None
+    deadline_ms: int | None = None
+    keep_alive_ms: int | None = field(default=None, metadata=_EXT)
+
+    def _validate(self) -> None:
+        if not self.input:
+            raise ProtocolError("`input` must hold at least one string")
+        if len(self.input) > MAX_EMBED_INPUTS:
+            raise ProtocolError(f"at most {MAX_EMBED_INPUTS} inputs per request")
+        if any(not s for s in self.input):
+            raise ProtocolError("`input` strings must not be empty")
+
+
+Request = Generate | DescribeFleet | Cancel | Load | Unload | Shutdown | Auth | Embed
+
+REQUESTS: dict[str, type[Request]] = {
+    c.__name__: c for c in (Generate, DescribeFleet, Cancel, Load, Unload, Shutdown, Auth,
+                            Embed)
+}
