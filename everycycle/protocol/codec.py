@@ -95,25 +95,31 @@ def _compile_encoder(tp: Any) -> _Encoder:
 
 
 def _struct_encoder(cls: type[Any]) -> _Encoder:
+    """An encoder for dataclass ``cls``, written out as Python source (as dataclasses
+    writes ``__init__``): one concatenation, no loop over the fields at encoding time."""
     hints = _hints(cls)
     fields = dataclasses.fields(cls)
     if getattr(cls, "newtype", False):
         inner = _compile_encoder(hints[fields[0].name])
         name = fields[0].name
         return lambda v: inner(getattr(v, name))
-    plan = [(f.name, f'"{f.name}":', _compile_encoder(hints[f.name]),
-             bool(f.metadata.get("skip_none"))) for f in fields]
-
-    def struct(obj: Any) -> str:
-        parts = []
-        for name, key, enc, skip_none in plan:
-            value = getattr(obj, name)
-            if value is None and skip_none:
-                continue
-            parts.append(key + enc(value))
-        return "{" + ",".join(parts) + "}"
-
-    return struct
+    scope: dict[str, Any] = {}
+    lines = ["def encode(obj):", "    parts = []"]
+    for i, f in enumerate(fields):
+        scope[f"e{i}"] = _compile_encoder(hints[f.name])
+        if f.metadata.get("skip_none"):
+            lines += [f"    if obj.{f.name} is not None:",
+                      f"        parts.append('\"{f.name}\":' + e{i}(obj.{f.name}))"]
+        else:
+            lines.append(f"    parts.append('\"{f.name}\":' + e{i}(obj.{f.name}))")
+    lines.append("    return '{' + ','.join(parts) + '}'")
+    if not any(f.metadata.get("skip_none") for f in fields):  # one expression
+        terms = " + ".join(f"'{',' if i else ''}\"{f.name}\":' + e{i}(obj.{f.name})"
+                           for i, f in enumerate(fields))
+        lines = ["def encode(obj):", f"    return '{{' + {terms or repr('')} + '}}'"]
+    exec("\n".join(lines), scope)  # noqa: S102 - source built from field names only
+    encoder: _Encoder = scope["encode"]
+    return encoder
 
 
 _ENCODERS: dict[type[Any], Callable[[Any], bytes]] = {}
