@@ -25,19 +25,13 @@ import anyio
 import anyio.abc
 
 from .. import paths
-from ..errors import (
-    AlreadyRunningError,
-    ConfigError,
-    ErrorKind,
-    LineTooLongError,
-    ProtocolError,
-    unwrap_groups,
-)
+from ..errors import AlreadyRunningError, ConfigError, unwrap_groups
 from ..mailbox import Mailbox
 from ..models.registry import DEFAULT_KEEP_ALIVE, load_registry
-from ..protocol import Auth, Error, LineFramer, ServerEvent, decode_request, encode
+from ..protocol import Error, ServerEvent
 from ..sockets import wake_reader
 from .audit import AuditLog
+from .connection import AuthFailed, ServerConnection
 from .keys import LOCAL, KeyStore, Principal, load_or_create_token
 from .supervisor import Limits, Outcome, Supervisor
 
@@ -131,10 +125,9 @@ MAX_PENDING_REQUESTS = 64
 class _Connection:
     """One client connection: its outgoing lines and identity (a supervisor Peer)."""
 
-    def __init__(self, *, allow_paths: bool) -> None:
+    def __init__(self, protocol: ServerConnection[Principal], *, allow_paths: bool) -> None:
+        self.protocol = protocol
         self.allow_paths = allow_paths
-        self.principal: Principal = LOCAL
-        """The Unix socket's user is "local"; a TCP connection is whoever its Auth names."""
         self.outgoing: Mailbox[bytes] = Mailbox()
         """Encoded lines for the connection's writer; closed when the connection ends."""
         self.unsent = 0
@@ -144,10 +137,15 @@ class _Connection:
         self._room: anyio.Event | None = None
         self.overflowed = False
 
+    @property
+    def principal(self) -> Principal:
+        """The Unix socket's user is "local"; a TCP connection is whoever its Auth names."""
+        return self.protocol.principal or LOCAL
+
     def emit(self, event: ServerEvent) -> None:
         if self.outgoing.closed:
             return
-        line = encode(event)
+        line = self.protocol.send(event)
         self.unsent += len(line)
         if self.unsent > MAX_UNSENT_HARD_BYTES:
             self.overflowed = True
@@ -349,9 +347,9 @@ class Daemon:
             tg.start_soon(self._serve_connection, stream, is_tcp)
 
     async def _serve_connection(self, stream: anyio.abc.ByteStream, is_tcp: bool) -> None:
-        conn = _Connection(allow_paths=not is_tcp)
-        if not is_tcp:
-            conn.principal = self.keys.principal("local")
+        conn = _Connection(ServerConnection(
+            None if is_tcp else self.keys.principal(LOCAL.name), self.keys.authenticate),
+            allow_paths=not is_tcp)
         self._connections.add(conn)
         try:
             async with anyio.create_task_group() as tg:
@@ -377,7 +375,7 @@ class Daemon:
 
                 tg.start_soon(writer)
                 try:
-                    await self._read_loop(stream, conn, tg, need_auth=is_tcp)
+                    await self._read_loop(stream, conn, tg)
                 finally:
                     self.supervisor.disconnect(conn)
                     conn.close()
@@ -389,54 +387,28 @@ class Daemon:
                 await stream.aclose()
 
     async def _read_loop(self, stream: anyio.abc.ByteStream, conn: _Connection,
-                         tg: anyio.abc.TaskGroup, *, need_auth: bool) -> None:
-        framer = LineFramer()
-        authed = not need_auth
-        while True:
+                         tg: anyio.abc.TaskGroup) -> None:
+        protocol = conn.protocol
+        while protocol.closed is None:
             await conn.wait_for_room()
             if conn.outgoing.closed:
                 return
             try:
                 data = await stream.receive(65536)
             except anyio.EndOfStream:
-                if framer.pending:
-                    data = b"\n"  # its last line, unterminated (printf '…' | nc -N)
-                else:
-                    # The client sent all it will (a half-close): answer it, then close.
-                    await self._after_eof(stream, conn)
-                    return
+                data = b""
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                 return
-            try:
-                for line in framer.feed(data):
-                    try:
-                        request = decode_request(line)
-                    except ProtocolError as exc:
-                        conn.emit(Error(exc.request_id, ErrorKind.INVALID, exc.message))
-                        if not authed:
-                            return
-                        continue
-                    if not authed:
-                        if not isinstance(request, Auth):
-                            conn.emit(Error("", ErrorKind.INVALID, "authentication required"))
-                            self.audit.write({"event": "auth", "outcome": "missing"})
-                            return
-                        principal = self.keys.authenticate(request.token)
-                        if principal is None:
-                            conn.emit(Error("", ErrorKind.REJECTED, "invalid token"))
-                            self.audit.write({"event": "auth", "outcome": "refused"})
-                            return
-                        conn.principal = principal
-                        authed = True
-                        continue
-                    if isinstance(request, Auth):
-                        conn.emit(Error("", ErrorKind.INVALID, "Auth is only for TCP connections"
-                                        if not need_auth else "already authenticated"))
-                        continue
-                    tg.start_soon(conn.handle, self.supervisor, request)
-            except LineTooLongError as exc:
-                conn.emit(Error("", ErrorKind.INVALID, exc.message))
-                return
+            for item in protocol.receive_data(data):
+                if isinstance(item, Error):
+                    conn.emit(item)
+                elif isinstance(item, AuthFailed):
+                    self.audit.write({"event": "auth", "outcome": item.outcome})
+                else:
+                    tg.start_soon(conn.handle, self.supervisor, item)
+        if protocol.closed == "end of stream":
+            # The client sent all it will (a half-close): answer it, then close.
+            await self._after_eof(stream, conn)
 
     HALF_CLOSE_POLL_S = 0.02
 

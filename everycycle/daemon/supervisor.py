@@ -162,7 +162,9 @@ class Peer(Protocol):
     """Whoever sent the request: receives its events without blocking."""
 
     allow_paths: bool
-    principal: Principal
+
+    @property
+    def principal(self) -> Principal: ...
 
     def emit(self, event: ServerEvent) -> None: ...
 
