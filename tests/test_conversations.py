@@ -50,7 +50,7 @@ async def test_messages_are_rendered_with_the_chat_template(models_file: Path,
                                                    temperature=0.0)]
         assert events[0] == Accepted(events[0].request_id, 0)  # type: ignore[union-attr]
         assert isinstance(events[-1], Tokens) and events[-1].finished
-        assert daemon.supervisor._models["tiny"].engine.pid is not None
+        assert daemon.supervisor.residency.models["tiny"].engine.pid is not None
     # the template, applied by hand to the same turns in this process
     runner = Runner(tiny_gguf, context=256, parallel=1, notify=lambda batch: None)
     try:
@@ -142,7 +142,7 @@ async def test_failing_requests_with_long_deadlines_leave_nothing_behind(
             assert isinstance(ev, Error) and ev.kind is ErrorKind.INVALID
         await anyio.sleep(0.1)
         assert len(asyncio.all_tasks()) <= tasks_before
-        assert daemon.supervisor._active == {}
+        assert daemon.supervisor.requests.active == {}
         # 1,000 x 200 KB prompts held by sleeping tasks would be 200 MB
         assert rss_kib() - rss_before < 40_000
 

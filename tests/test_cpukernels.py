@@ -78,7 +78,7 @@ async def test_models_load_without_extra_buffers_after_a_sigill(
                                               temperature=0.0)]
         assert isinstance(events[-1], Tokens) and events[-1].finished
         snap = await c.describe_fleet()
-        assert daemon.supervisor._models["tiny"].options.extra_bufts is False
+        assert daemon.supervisor.residency.models["tiny"].options.extra_bufts is False
     assert snap.cpu_kernels is not None and "SIGILL" in snap.cpu_kernels
 
 

@@ -146,7 +146,7 @@ async def test_a_dead_engine_fails_its_requests_and_the_daemon_serves_on(
         await c.send(encode(Load("l", "tiny")))
         await c.until_terminal("l")
         # Fault injection: the model's engine is gone under the supervisor's feet.
-        await anyio.to_thread.run_sync(daemon.supervisor._models["tiny"].engine.close)
+        await anyio.to_thread.run_sync(daemon.supervisor.residency.models["tiny"].engine.close)
         await c.send(encode(Generate("g", "tiny", "hi", max_tokens=2)))
         events = await c.until_terminal("g")
         assert isinstance(events[-1], Error) and events[-1].kind is ErrorKind.INTERNAL

@@ -120,11 +120,8 @@ class Peer:
     def __init__(self) -> None:
         self.events: list[ServerEvent] = []
 
-    def emit(self, event: ServerEvent) -> None:
+    def emit(self, event: ServerEvent, outcome: Outcome | None = None) -> None:
         self.events.append(event)
-
-    def finished(self, outcome: Outcome) -> None:
-        pass
 
     def of(self, rid: str) -> list[ServerEvent]:
         return [e for e in self.events if getattr(e, "request_id", None) == rid]

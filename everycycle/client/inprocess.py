@@ -35,11 +35,9 @@ class _EmbeddedPeer:
         self._client = client
         self.principal = LOCAL
 
-    def emit(self, event: ServerEvent) -> None:
-        self._client._deliver(self._client._conn.receive_event(event))
-
-    def finished(self, outcome: Outcome) -> None:
+    def emit(self, event: ServerEvent, outcome: Outcome | None = None) -> None:
         """As over a socket, the terminal event says all a client learns."""
+        self._client._deliver(self._client._conn.receive_event(event))
 
 
 class EmbeddedClient(BaseClient):

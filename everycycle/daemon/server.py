@@ -142,7 +142,8 @@ class _Connection:
         """The Unix socket's user is "local"; a TCP connection is whoever its Auth names."""
         return self.protocol.principal or LOCAL
 
-    def emit(self, event: ServerEvent) -> None:
+    def emit(self, event: ServerEvent, outcome: Outcome | None = None) -> None:
+        """The socket protocol carries no usage report: the terminal event is all."""
         if self.outgoing.closed:
             return
         line = self.protocol.send(event)
@@ -178,9 +179,6 @@ class _Connection:
         finally:
             self.pending -= 1
             self._wake()
-
-    def finished(self, outcome: Outcome) -> None:
-        """The socket protocol carries no usage report: the terminal event is all."""
 
     def close(self) -> None:
         self.outgoing.close()

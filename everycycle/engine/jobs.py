@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import EverycycleError
+from ..errors import EverycycleError, InvalidRequestError
 
 EMBED_MAX_TOKENS = 2048
 """The longest input an embedding request may hold, in tokens."""
@@ -62,6 +62,20 @@ class Job:
     n_reused: int = 0
     n_generated: int = 0
     _cancel_reason: str | None = None
+
+    def check_fits(self, n_ctx_slot: int) -> None:
+        """Raise InvalidRequestError unless the job fits a slot of ``n_ctx_slot`` tokens:
+        a prompt shorter than the context, embedding inputs of 1-EMBED_MAX_TOKENS."""
+        if self.embed_inputs is not None:
+            for i, tokens in enumerate(self.embed_inputs):
+                if not 0 < len(tokens) <= EMBED_MAX_TOKENS:
+                    raise InvalidRequestError(
+                        f"input[{i}] is {len(tokens)} tokens; at most {EMBED_MAX_TOKENS}")
+        elif not self.tokens:
+            raise InvalidRequestError("the prompt is empty after tokenization")
+        elif len(self.tokens) >= n_ctx_slot:
+            raise InvalidRequestError(
+                f"prompt is {len(self.tokens)} tokens; the context holds {n_ctx_slot}")
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -275,16 +275,7 @@ class Runner:
     def submit(self, job: Job) -> None:
         """Queue ``job``; it starts in the next free slot. Raises InvalidRequestError
         when the prompt does not fit the context."""
-        if job.embed_inputs is not None:
-            if any(not 0 < len(t) <= EMBED_MAX_TOKENS for t in job.embed_inputs):
-                raise InvalidRequestError(
-                    f"each input must be 1-{EMBED_MAX_TOKENS} tokens")
-        elif not job.tokens:
-            raise InvalidRequestError("the prompt is empty after tokenization")
-        elif len(job.tokens) >= self.n_ctx_slot:
-            raise InvalidRequestError(
-                f"prompt is {len(job.tokens)} tokens; the context holds {self.n_ctx_slot}"
-            )
+        job.check_fits(self.n_ctx_slot)
         with self._cond:
             if self._closing:
                 raise InternalError("the model is being unloaded")
@@ -314,6 +305,7 @@ class Runner:
             L = self._L
             if self._embedder is not None:
                 self._embedder.close()
+            self._samplers.close()
             L.llama_batch_free(self._batch)
             L.llama_free(self._ctx)
             L.llama_model_free(self._model)

@@ -7,6 +7,8 @@ when the grammar refuses that token, as llama-server does.
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,12 @@ class Samplers:
         self._all = np.zeros(n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
         self._ids = np.arange(n_vocab, dtype=np.int32)
         self._one = _OneCandidate(L)
+        self._checked: OrderedDict[str, Any] = OrderedDict()
+        """Grammars compiled by ``check`` and not used yet: a job takes its own."""
+        self._lock = threading.Lock()
+
+    CHECKED_KEEP = 8
+    """Compiled grammars kept between admission and a slot (more are compiled again)."""
 
     def chain(self, s: Sampling) -> Any:
         """llama.cpp's sampler chain for ``s`` (its grammar aside: see ``grammar``); None
@@ -73,10 +81,16 @@ class Samplers:
         return chain
 
     def grammar(self, gbnf: str) -> Any:
-        """llama.cpp's grammar sampler for ``gbnf`` (root rule ``root``).
+        """llama.cpp's grammar sampler for ``gbnf`` (root rule ``root``): the one ``check``
+        compiled when it did, else a new one.
 
         Raises InvalidRequestError with llama.cpp's own parse error, which says where.
         """
+        with self._lock:
+            ready = self._checked.pop(gbnf, None)
+        return ready if ready is not None else self._compile(gbnf)
+
+    def _compile(self, gbnf: str) -> Any:
         with log_capture() as captured, stderr_text() as printed:
             sampler = self._L.llama_sampler_init_grammar(self._vocab, gbnf.encode("utf-8"),
                                                          b"root")
@@ -89,8 +103,24 @@ class Samplers:
         return sampler
 
     def check(self, gbnf: str) -> None:
-        """Compile ``gbnf`` once; raise InvalidRequestError saying where it is broken."""
-        self._L.llama_sampler_free(self.grammar(gbnf))
+        """Compile ``gbnf`` (raising InvalidRequestError saying where it is broken) and
+        keep it for the job that asked, so that it is compiled once."""
+        sampler = self._compile(gbnf)
+        with self._lock:
+            old = self._checked.pop(gbnf, None)
+            self._checked[gbnf] = sampler
+            spill = [old] if old is not None else []
+            while len(self._checked) > self.CHECKED_KEEP:
+                spill.append(self._checked.popitem(last=False)[1])
+        for extra in spill:
+            self._L.llama_sampler_free(extra)
+
+    def close(self) -> None:
+        """Free the grammars compiled and not taken."""
+        with self._lock:
+            spill, self._checked = list(self._checked.values()), OrderedDict()
+        for sampler in spill:
+            self._L.llama_sampler_free(sampler)
 
     def free(self, sampler: Any) -> None:
         if sampler is not None:

@@ -1,0 +1,80 @@
+"""The daemon's HTTP API: every dialect's routes, health and Prometheus metrics, in one
+Starlette app served by uvicorn inside the daemon's own task group and event loop.
+
+Each dialect is one module whose routes map HTTP requests onto protocol requests for
+the same Supervisor as the socket (``exchange``); this module only assembles them and
+answers what belongs to no dialect.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import anyio.abc
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..keys import KeyStore
+from ..metrics import CONTENT_TYPE, Metrics
+from ..supervisor import Supervisor
+from .common import HttpError, Reader
+from .openai import OpenAI, error_response
+
+log = logging.getLogger(__name__)
+
+
+class HttpApi:
+    """The Starlette app over a Supervisor; ``spawn`` starts request tasks in the daemon's
+    task group (a request outlives the HTTP exchange that asked for it only until the
+    supervisor ends it)."""
+
+    def __init__(self, supervisor: Supervisor, metrics: Metrics, *, keys: KeyStore,
+                 require_key: bool) -> None:
+        self.supervisor = supervisor
+        self.metrics = metrics
+        self.reader = Reader(supervisor, keys, require_key=require_key)
+        self._tg: anyio.abc.TaskGroup | None = None
+        self.app = Starlette(routes=[
+            *OpenAI(self, self.reader).routes(),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ])
+        self.app.add_exception_handler(HttpError, self._http_error)  # type: ignore[arg-type]
+        self.app.add_exception_handler(404, self._not_found)
+        self.app.add_exception_handler(405, self._not_allowed)
+        self.app.add_exception_handler(Exception, self._internal)
+
+    def bind(self, tg: anyio.abc.TaskGroup) -> None:
+        self._tg = tg
+
+    def spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        assert self._tg is not None, "HttpApi.bind was not called"
+        self._tg.start_soon(fn, *args)
+
+    async def _http_error(self, request: HttpRequest, exc: HttpError) -> Response:
+        headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
+        return error_response(exc.status, exc.message, exc.code, headers)
+
+    async def _internal(self, request: HttpRequest, exc: Exception) -> Response:
+        """A bug costs one request a JSON 500, never a plain-text page."""
+        log.exception("HTTP %s %s failed", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+    async def _not_found(self, request: HttpRequest, exc: Exception) -> Response:
+        return error_response(404, f"no route {request.method} {request.url.path}",
+                              "not_found")
+
+    async def _not_allowed(self, request: HttpRequest, exc: Exception) -> Response:
+        return error_response(405, f"{request.method} is not allowed on {request.url.path}",
+                              "method_not_allowed")
+
+    async def health(self, request: HttpRequest) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(self, request: HttpRequest) -> Response:
+        self.reader.auth(request)
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,136 @@
+"""What every dialect reads from an HTTP request the same way: who asks (auth), the
+JSON body (bounded), the model, the request id and the deadline."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from typing import Any
+
+from starlette.requests import Request as HttpRequest
+
+from ...errors import EverycycleError, ProtocolError
+from ...protocol import validate_request_id
+from ..keys import LOCAL, KeyStore, Principal
+from ..supervisor import Supervisor
+
+MAX_BODY_BYTES = 4 << 20
+
+
+class HttpError(Exception):
+    """An HTTP error answer: status, message, an error code; each dialect shapes it."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+class Reader:
+    """Reads requests for one supervisor and key store."""
+
+    def __init__(self, supervisor: Supervisor, keys: KeyStore, *, require_key: bool) -> None:
+        self.supervisor = supervisor
+        self.keys = keys
+        self.require_key = require_key
+
+    def auth(self, request: HttpRequest) -> Principal:
+        """Who is asking: the key's principal (``Authorization: Bearer`` or
+        ``x-api-key``). Without --http-auth on loopback, a request with no key (or one
+        we do not know: OpenAI clients always send some) is "local"."""
+        given = request.headers.get("authorization", "")
+        scheme, _, secret = given.partition(" ")
+        secret = secret.strip() if scheme.lower() == "bearer" else ""
+        secret = secret or request.headers.get("x-api-key", "").strip()
+        principal = self.keys.authenticate(secret) if secret else None
+        if principal is None:
+            if self.require_key:
+                raise HttpError(401, "a valid bearer token is required "
+                                "(`everycycle daemon --show-token` or `everycycle keys add`)",
+                                "invalid_api_key")
+            principal = self.keys.principal(LOCAL.name)
+        request.state.principal = principal
+        return principal
+
+    async def json(self, request: HttpRequest) -> dict[str, Any]:
+        """The authenticated request's body, a JSON object of at most MAX_BODY_BYTES."""
+        self.auth(request)
+        length = request.headers.get("content-length") or "0"
+        size = int(length) if length.isascii() and length.isdigit() else MAX_BODY_BYTES + 1
+        if size > MAX_BODY_BYTES:
+            raise HttpError(413, f"request body over {MAX_BODY_BYTES} bytes", "too_large")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > MAX_BODY_BYTES:
+                raise HttpError(413, f"request body over {MAX_BODY_BYTES} bytes", "too_large")
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            raise HttpError(400, f"the body is not JSON: {exc}", "invalid_json") from None
+        if not isinstance(data, dict):
+            raise HttpError(400, "the body must be a JSON object", "invalid_json")
+        return data
+
+    def model(self, request: HttpRequest, name: object, listing: str) -> str:
+        """The model a request names (the default when none); ``listing`` says where
+        the models are listed. Raises HttpError (400, or 404 for an unknown model)."""
+        registry = self.supervisor.registry
+        restricted = request.state.principal.limits.models is not None
+        if name is None or name == "":
+            try:
+                return registry.default_name()
+            except EverycycleError as exc:
+                raise HttpError(400, exc.message, "model_required") from None
+        if not isinstance(name, str):
+            raise HttpError(400, "`model` must be a string", "invalid_type")
+        if name not in registry.models and not restricted:
+            # (A key limited to some models hears the same for every other model,
+            # existing or not: the supervisor's Invalid.)
+            raise HttpError(404, f"model '{name}' not found ({listing} lists them)",
+                            "model_not_found")
+        return name
+
+    def visible(self, principal: Principal) -> list[str]:
+        """The registry's models that ``principal`` may use."""
+        registry = self.supervisor.registry
+        allowed = principal.limits.models
+        if allowed is None:
+            return list(registry.models)
+        names = set()
+        for name in allowed:
+            with contextlib.suppress(EverycycleError):
+                names.add(registry.get(name).name)
+        return [name for name in registry.models if name in names]
+
+
+def request_id(request: HttpRequest, prefix: str) -> str:
+    """The ``x-request-id`` the client chose, else a fresh ``PREFIX-<hex>``."""
+    given = request.headers.get("x-request-id")
+    if given is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    try:
+        return validate_request_id(given)
+    except ProtocolError as exc:
+        raise HttpError(400, f"x-request-id: {exc.message}", "invalid_request_id") from None
+
+
+def deadline(request: HttpRequest) -> int | None:
+    """The ``x-deadline-ms`` header. Raises HttpError (400) for a malformed one."""
+    value = request.headers.get("x-deadline-ms")
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit() and len(value) <= 12):
+        raise HttpError(400, "x-deadline-ms must be a number of milliseconds (0-999999999999)",
+                        "invalid_deadline")
+    return int(value)
+
+
+def protocol_errors(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, a protocol message; its ProtocolError as a 400."""
+    try:
+        return fn(*args, **kwargs)
+    except ProtocolError as exc:
+        raise HttpError(400, exc.message, "invalid_value") from None

@@ -1,0 +1,154 @@
+"""The exchange with the supervisor that every API dialect shares: one HTTP request
+runs as one protocol request with an id, on the same supervisor as the socket, with
+the same queue positions, deadlines, quotas, audit and metrics.
+
+An ``Exchange`` is the ASGI response: it hands the request to the supervisor, then
+gives the dialect's ``respond`` the request's events as they come, each terminal
+event with its Outcome. A client that disconnects (or a write that fails) cancels
+the request on the supervisor within one decode step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, MutableMapping
+from typing import Any, Protocol
+
+import anyio
+
+from ...errors import ErrorKind
+from ...mailbox import Mailbox
+from ...protocol import Embed, Error, Generate, ServerEvent
+from ..keys import Principal
+from ..outcome import Outcome
+from ..supervisor import Supervisor
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Events = AsyncIterator[tuple[ServerEvent, Outcome | None]]
+
+STATUS = {
+    ErrorKind.INVALID: 400,
+    ErrorKind.MODEL_NOT_LOADED: 503,
+    ErrorKind.REJECTED: 429,
+    ErrorKind.CANCELLED: 499,
+    ErrorKind.INTERNAL: 500,
+}
+"""The HTTP status of each terminal error kind, in every dialect."""
+
+
+class Spawner(Protocol):
+    """Where request tasks run (the daemon's task group), and the supervisor."""
+
+    supervisor: Supervisor
+
+    def spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None: ...
+
+
+class HttpPeer:
+    """The supervisor's view of one HTTP request: its events, queued for the handler."""
+
+    allow_paths = False
+
+    def __init__(self, principal: Principal) -> None:
+        self.principal = principal
+        self.box: Mailbox[tuple[ServerEvent, Outcome | None]] = Mailbox()
+
+    def emit(self, event: ServerEvent, outcome: Outcome | None = None) -> None:
+        self.box.put((event, outcome))
+
+    async def events(self) -> Events:
+        """The request's events as they come, until the box is closed."""
+        while True:
+            try:
+                batch = await self.box.take()
+            except anyio.EndOfStream:
+                return
+            for item in batch:
+                yield item
+
+
+def retry_after(outcome: Outcome | None) -> str:
+    """Whole seconds to wait before trying a refused request again (at least 1)."""
+    wait = outcome.retry_after_s if outcome and outcome.retry_after_s else 1.0
+    return str(max(1, math.ceil(wait)))
+
+
+def dumps(obj: object) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class Exchange:
+    """One protocol request for one HTTP exchange; a dialect subclasses ``respond``."""
+
+    def __init__(self, api: Spawner, req: Generate | Embed, principal: Principal) -> None:
+        self.api = api
+        self.req = req
+        self.principal = principal
+
+    async def respond(self, events: Events, send: Send) -> None:
+        """Answer the client from the request's events (the dialect's shape)."""
+        raise NotImplementedError
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        peer = HttpPeer(self.principal)
+        sup = self.api.supervisor
+        self.api.spawn(sup.handle, peer, self.req)
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    while True:
+                        message = await receive()
+                        if message["type"] == "http.disconnect":
+                            sup.disconnect(peer)  # cancelled within one decode step
+                            tg.cancel_scope.cancel()
+                            return
+
+                tg.start_soon(watch)
+                try:
+                    await self.respond(peer.events(), send)
+                except OSError:  # the client went away while we wrote
+                    sup.disconnect(peer)
+                tg.cancel_scope.cancel()
+        finally:
+            sup.disconnect(peer)
+            peer.box.close()
+
+    # ------------------------------------------------------------------ writing
+
+    def headers(self, content_type: str, length: int | None = None
+                ) -> list[tuple[bytes, bytes]]:
+        headers = [(b"content-type", content_type.encode()),
+                   (b"x-request-id", self.req.request_id.encode())]
+        if length is not None:
+            headers.append((b"content-length", str(length).encode()))
+        return headers
+
+    async def send_json(self, send: Send, status: int, body: bytes,
+                        extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        """A whole JSON answer."""
+        headers = self.headers("application/json", len(body)) + (extra or [])
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def send_error(self, send: Send, event: Error, outcome: Outcome | None,
+                         body: bytes) -> None:
+        """A terminal Error as a whole answer with its status (and Retry-After)."""
+        status = STATUS[event.kind]
+        extra = [(b"retry-after", retry_after(outcome).encode())] if status == 429 else []
+        await self.send_json(send, status, body, extra)
+
+    async def start_stream(self, send: Send, content_type: str) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*self.headers(content_type), (b"cache-control", b"no-cache")]})
+
+    @staticmethod
+    async def write(send: Send, data: bytes) -> None:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    @staticmethod
+    async def end_stream(send: Send) -> None:
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,284 @@
+"""The request lifecycle: active requests, each model's lane (running, queued,
+admitting), queue positions, cancellation, deadlines and the one terminal event.
+
+Rules, each upheld here and nowhere else:
+
+1. Every request gets exactly one terminal event (``finish``), and nothing after it;
+   a Generate or Embed's terminal event carries its Outcome to the peer.
+2. ``Accepted`` precedes any ``Tokens``; a queued request hears a fresh ``Accepted``
+   each time its position changes (``_announce``), and ``Accepted{0}`` when it starts.
+3. A cancel (Cancel, deadline, disconnect, unload, shutdown) of a queued request ends
+   it at once; of a running one, within one decode step (the engine's promise); of
+   one still being admitted, once its admission finishes.
+
+A request knows its model by name and the engine it runs on; lanes are kept by model
+name, so nothing here points back at residency.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.abc
+
+from ..engine.contract import Engine
+from ..engine.jobs import Job, Output
+from ..errors import ErrorKind, EverycycleError, RejectedError
+from ..protocol import (
+    Accepted,
+    Embed,
+    Embeddings,
+    Error,
+    Generate,
+    ServerEvent,
+    TokenChunk,
+    Tokens,
+    Usage,
+)
+from .outcome import Outcome, Peer
+from .quota import Quotas
+
+log = logging.getLogger(__name__)
+
+Report = Callable[[Outcome, Generate | Embed], None]
+
+
+@dataclass(eq=False)
+class Active:
+    """One Generate or Embed request from admission to its terminal event."""
+
+    req: Generate | Embed
+    peer: Peer
+    admitted: float
+    model: str = ""
+    """Its model's name once known (the request may name an alias or a path)."""
+    state: str = "admitting"  # admitting | queued | running
+    job: Job | None = None
+    engine: Engine | None = None
+    """The engine it runs on, once running."""
+    executor: str | None = None
+    started: float | None = None
+    cancel_reason: str | None = None
+    deadline: anyio.CancelScope | None = None
+    first_token: float | None = None
+    n_prompt: int = 0
+    n_out: int = 0
+
+
+@dataclass(eq=False)
+class Lane:
+    """One model's requests: running on its engine, queued for a slot, being admitted."""
+
+    running: set[Active] = field(default_factory=set)
+    queue: list[Active] = field(default_factory=list)
+    admitting: int = 0
+    """Requests between admission and a slot or the queue: never unload under them."""
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.queue or self.admitting)
+
+
+class Requests:
+    """Every active request and every model's lane."""
+
+    def __init__(self, quotas: Quotas, report: Report) -> None:
+        self.quotas = quotas
+        self._report = report
+        self.active: dict[str, Active] = {}
+        self.lanes: dict[str, Lane] = {}
+        self.tg: anyio.abc.TaskGroup | None = None
+        """Where deadline tasks run (the supervisor's task group)."""
+        self.all_ended: anyio.Event | None = None
+        """Set when the last request ends, once someone waits for that."""
+
+    def lane(self, model: str) -> Lane:
+        lane = self.lanes.get(model)
+        if lane is None:
+            lane = self.lanes[model] = Lane()
+        return lane
+
+    def busy(self, model: str) -> bool:
+        lane = self.lanes.get(model)
+        return lane is not None and lane.busy
+
+    def of(self, peer: Peer) -> list[Active]:
+        return [a for a in self.active.values() if a.peer is peer]
+
+    def track(self, active: Active) -> None:
+        """``active`` is admitted from now on; its deadline, if any, starts now."""
+        req = active.req
+        self.active[req.request_id] = active
+        if req.deadline_ms is not None:
+            # The scope exists before anything can finish the request, so finish can
+            # always cancel it: the deadline task never outlives its request.
+            assert self.tg is not None
+            active.deadline = anyio.CancelScope(
+                deadline=anyio.current_time() + req.deadline_ms / 1000)
+            self.tg.start_soon(self._deadline, active, active.deadline, req.deadline_ms)
+
+    async def _deadline(self, active: Active, scope: anyio.CancelScope, ms: int) -> None:
+        with scope:
+            await anyio.sleep_forever()
+        # Reached by the deadline, or by finish cancelling the scope; then the request
+        # is gone and cancel does nothing.
+        self.cancel(active, f"deadline of {ms} ms passed")
+
+    # ------------------------------------------------------------------ slots and queue
+
+    def place(self, active: Active, engine: Engine | None, max_queue: int) -> None:
+        """Start ``active`` on ``engine`` if a slot is free and nobody waits, else queue
+        it (``engine`` None: the model does not serve now; it waits for its restart).
+        Raises RejectedError when the queue is full."""
+        lane = self.lane(active.model)
+        if lane.queue or engine is None or len(lane.running) >= engine.parallel:
+            if len(lane.queue) >= max_queue:
+                raise RejectedError(f"queue full ({len(lane.queue)} waiting)")
+            lane.queue.append(active)
+            active.state = "queued"
+            active.peer.emit(Accepted(active.req.request_id, len(lane.queue)))
+        else:
+            self._start(active, engine)
+
+    def _start(self, active: Active, engine: Engine) -> None:
+        assert active.job is not None
+        active.state = "running"
+        active.started = time.monotonic()
+        active.engine = engine
+        self.lane(active.model).running.add(active)
+        active.peer.emit(Accepted(active.req.request_id, 0))
+        try:
+            engine.submit(active.job)
+        except EverycycleError as exc:  # e.g. the engine thread died: this request ends here
+            self.finish(active, Error(active.req.request_id, exc.kind, exc.message))
+
+    def advance(self, model: str, engine: Engine) -> None:
+        """Start queued requests of ``model`` in ``engine``'s free slots."""
+        lane = self.lane(model)
+        moved = False
+        while lane.queue and len(lane.running) < engine.parallel:
+            self._start(lane.queue.pop(0), engine)
+            moved = True
+        if moved:
+            self._announce(lane)
+
+    @staticmethod
+    def _announce(lane: Lane) -> None:
+        """Tell every queued request its position (after the queue moved)."""
+        for i, waiting in enumerate(lane.queue):
+            waiting.peer.emit(Accepted(waiting.req.request_id, i + 1))
+
+    # ------------------------------------------------------------------ endings
+
+    def cancel(self, active: Active, reason: str) -> None:
+        rid = active.req.request_id
+        if self.active.get(rid) is not active:
+            return
+        if active.cancel_reason is None:
+            active.cancel_reason = reason
+        if active.state == "running":
+            if active.engine is not None and active.job is not None:
+                active.engine.cancel(active.job, reason)
+        elif active.state == "queued":
+            lane = self.lane(active.model)
+            lane.queue.remove(active)
+            self.finish(active, Error(rid, ErrorKind.CANCELLED, reason))
+            self._announce(lane)
+
+    def cancel_model(self, model: str, reason: str) -> None:
+        lane = self.lane(model)
+        for active in list(lane.queue) + list(lane.running):
+            self.cancel(active, reason)
+
+    def end_running(self, model: str, kind: ErrorKind, message: str,
+                    engine: Engine | None = None) -> None:
+        """End the running requests of ``model`` (of ``engine`` only, when given) now."""
+        for active in list(self.lane(model).running):
+            if engine is None or active.engine is engine:
+                self.finish(active, Error(active.req.request_id, kind, message))
+
+    def fail_queue(self, model: str, message: str) -> None:
+        lane = self.lane(model)
+        for active in list(lane.queue):
+            lane.queue.remove(active)
+            self.finish(active, Error(active.req.request_id, ErrorKind.INTERNAL, message))
+
+    def finish(self, active: Active, event: ServerEvent, reason: str | None = None) -> None:
+        """Send the one terminal event of ``active`` with its Outcome, report it, and
+        forget the request. ``reason`` is the engine's finish reason when it finished."""
+        rid = active.req.request_id
+        if self.active.get(rid) is not active:
+            return
+        del self.active[rid]
+        if not self.active and self.all_ended is not None:
+            self.all_ended.set()
+        if active.deadline is not None:
+            active.deadline.cancel()
+        now = time.monotonic()
+        if active.model:
+            self.lane(active.model).running.discard(active)
+        started = active.started or now
+        outcome = Outcome(
+            request_id=rid,
+            model=active.model or active.req.model,
+            executor=active.executor,
+            kind=event.kind if isinstance(event, Error) else None,
+            finish_reason=reason,
+            prompt_tokens=active.n_prompt,
+            cached_tokens=active.job.n_reused if active.job else 0,
+            generated_tokens=active.n_out,
+            queue_wait_s=started - active.admitted,
+            ttft_s=None if active.first_token is None else active.first_token - active.admitted,
+            duration_s=now - active.admitted,
+            principal=active.peer.principal.name,
+        )
+        active.peer.emit(event, outcome)
+        self._report(outcome, active.req)
+
+    # ------------------------------------------------------------------ engine outputs
+
+    def _count(self, active: Active, event: Tokens) -> None:
+        """Count the ids a client is sent: what usage, quotas and the audit log charge."""
+        n = len(event.chunk.ids)
+        if n:
+            active.n_out += n
+            self.quotas.generated(active.peer.principal, n)
+
+    def on_outputs(self, batch: list[tuple[Job, Output]]) -> set[str]:
+        """Deliver one decode step's outputs; returns the models whose slots freed."""
+        freed: set[str] = set()
+        for job, out in batch:
+            active: Active = job.tag
+            rid = active.req.request_id
+            if self.active.get(rid) is not active:
+                continue
+            if active.first_token is None and out.ids:
+                active.first_token = time.monotonic()
+            if not out.finished:
+                event = Tokens(rid, TokenChunk(out.text, out.ids), False)
+                self._count(active, event)
+                active.peer.emit(event)
+                continue
+            freed.add(active.model)
+            if out.reason == "cancelled":
+                reason = active.cancel_reason or "cancelled"
+                self.finish(active, Error(rid, ErrorKind.CANCELLED, reason))
+            elif out.reason == "error":
+                error = out.error
+                self.finish(active, Error(rid, error.kind if error else ErrorKind.INTERNAL,
+                                          error.message if error else "generation failed"))
+            elif out.embeddings is not None:
+                vectors = tuple(tuple(v) for v in out.embeddings)
+                self.finish(active, Embeddings(rid, vectors), out.reason)
+            else:
+                last = Tokens(rid, TokenChunk(out.text, out.ids), True)
+                self._count(active, last)
+                if isinstance(active.req, Generate) and active.req.usage:
+                    active.peer.emit(Usage(rid, active.n_prompt, job.n_reused, active.n_out,
+                                           out.reason or "eos"))
+                self.finish(active, last, out.reason)
+        return freed

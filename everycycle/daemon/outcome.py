@@ -1,0 +1,92 @@
+"""What the supervisor promises its peers: admission limits, the Peer contract, and the
+Outcome each generation ends with (what metrics, the audit log and HTTP usage report)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import ErrorKind
+from ..protocol import MAX_TOKENS_LIMIT, Embed, Generate, ServerEvent
+from .keys import LOCAL, Principal
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Admission bounds; beyond them a request is Rejected (queues) or Invalid (sizes)."""
+
+    max_queue: int = 64
+    """Queued (not yet running) requests per model."""
+    max_inflight: int = 32
+    """Active requests per connection."""
+    max_prompt_bytes: int = 512 * 1024
+    max_tokens: int = MAX_TOKENS_LIMIT
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a Generate or Embed request ended."""
+
+    request_id: str
+    model: str
+    executor: str | None
+    kind: ErrorKind | None
+    """None when the request finished; else the kind of its terminal Error."""
+    finish_reason: str | None
+    """The engine's reason when finished: eos, stop, length or context."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    queue_wait_s: float = 0.0
+    ttft_s: float | None = None
+    duration_s: float = 0.0
+    principal: str = LOCAL.name
+    limit: str | None = None
+    """The quota that refused it (a Rejected request), e.g. ``requests_per_minute``."""
+    retry_after_s: float | None = None
+    """When it was refused for a while: in how many seconds to try again."""
+
+
+class Peer(Protocol):
+    """Whoever sent the request: receives its events without blocking."""
+
+    allow_paths: bool
+
+    @property
+    def principal(self) -> Principal: ...
+
+    def emit(self, event: ServerEvent, outcome: Outcome | None = None) -> None:
+        """One event of a request. A Generate or Embed request's terminal event comes
+        with its ``outcome``; every other event comes without one."""
+
+
+def prompt_bytes(req: Generate | Embed) -> int:
+    """The UTF-8 size of what ``req`` asks the model to read."""
+    if isinstance(req, Embed):
+        return sum(len(text.encode("utf-8")) for text in req.input)
+    if req.messages is not None:
+        return sum(len(m.content.encode("utf-8")) for m in req.messages)
+    return len((req.prompt or "").encode("utf-8"))
+
+
+def audit_record(outcome: Outcome, req: Generate | Embed, *, prompts: bool) -> dict[str, Any]:
+    """The audit log's line for a request (its prompt only with ``prompts``)."""
+    record: dict[str, Any] = {
+        "request_id": outcome.request_id,
+        "principal": outcome.principal,
+        "model": outcome.model,
+        "executor": outcome.executor,
+        "prompt_tokens": outcome.prompt_tokens,
+        "cached_tokens": outcome.cached_tokens,
+        "output_tokens": outcome.generated_tokens,
+        "queue_wait_ms": round(outcome.queue_wait_s * 1000, 1),
+        "duration_ms": round(outcome.duration_s * 1000, 1),
+        "outcome": outcome.kind.value if outcome.kind else "Finished",
+    }
+    if outcome.limit is not None:
+        record["limit"] = outcome.limit
+    if prompts:
+        record["prompt"] = (list(req.input) if isinstance(req, Embed) else
+                            req.prompt if req.messages is None else
+                            [[m.role.value, m.content] for m in req.messages])
+    return record

@@ -1,0 +1,380 @@
+"""Residency: which models are loaded where, loading (one at a time per model),
+unloading, idle unloading, and engines that die (restart with backoff; a crash loop
+marks the model failed until ``load``).
+
+A model's requests live in the lifecycle's lanes (``Requests``), by model name: this
+module asks them whether a model is busy and tells them when its engine goes or
+comes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+
+from .. import paths
+from ..engine import cpukernels
+from ..engine import executors as ex
+from ..engine.contract import Engine, LoadOptions, Notify
+from ..engine.memory import plan
+from ..errors import (
+    ErrorKind,
+    EverycycleError,
+    InternalError,
+    InvalidRequestError,
+    ModelNotLoadedError,
+    RejectedError,
+    RequestCancelledError,
+)
+from ..models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry, local_file
+from .lifecycle import Requests
+from .remote import RemoteHosts, in_order
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[str, Path, LoadOptions, Notify, Callable[[Engine], None]], Engine]
+"""(model name, GGUF path, options, notify, on_death) -> a loaded Engine."""
+
+
+@dataclass(eq=False)
+class Resident:
+    """A loaded model: its engine and how it got there."""
+
+    spec: ModelSpec
+    engine: Engine
+    executor: str
+    path: Path
+    options: LoadOptions
+    """How its engine was loaded (a restart loads it the same way)."""
+    placement: ex.Placement | None = None
+    keep_alive: float = DEFAULT_KEEP_ALIVE
+    """Seconds it stays loaded once idle; negative: always."""
+    last_used: float = field(default_factory=time.monotonic)
+    """When it was loaded, or a request of it began or ended (monotonic)."""
+    restarts: int = 0
+    """Times its engine was started again after dying."""
+    deaths: list[float] = field(default_factory=list)
+    """When its engine died (monotonic), within the crash window."""
+    last_exit: str | None = None
+    """How its engine last died: ``SIGILL (illegal instruction)``, ..."""
+    failed: str | None = None
+    """Set after a crash loop: why its requests are refused until ``load``."""
+    up: anyio.Event | None = None
+    """Set while its engine restarts: waiters wait for it."""
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def remote(self) -> str | None:
+        """The RPC endpoint it runs on, if any."""
+        return self.placement.executor.remote if self.placement else None
+
+    @property
+    def serving(self) -> bool:
+        return self.failed is None and self.up is None and self.engine.dead is None
+
+    def touch(self, keep_alive_ms: int | None = None) -> None:
+        """A request uses it now; its keep_alive, if any, holds from now on."""
+        self.last_used = time.monotonic()
+        if keep_alive_ms is not None:
+            self.keep_alive = -1.0 if keep_alive_ms < 0 else keep_alive_ms / 1000
+
+
+class Residency:
+    """The resident models. Their engines' outputs go to ``notify``; a death comes
+    back through ``on_death`` (from the engine's thread) and then ``died`` (on the
+    event loop)."""
+
+    CRASH_WINDOW_S = 60.0
+    CRASH_LIMIT = 3
+    """This many engine deaths within the window, and the model is marked failed."""
+    RESTART_BACKOFF_S = 0.25
+    """The first restart's delay; it doubles with each death in the window."""
+
+    def __init__(self, registry: Registry, requests: Requests, remote: RemoteHosts, *,
+                 notify: Notify, on_death: Callable[[Engine], None], isolate: bool,
+                 engine_factory: EngineFactory | None, keep_alive: float) -> None:
+        self.registry = registry
+        self.requests = requests
+        self.remote = remote
+        self._notify = notify
+        self._on_death = on_death
+        self.isolate = isolate
+        """Each model in an engine process of its own (the daemon); off: in this process
+        (embedded mode), but for remote models."""
+        self.engine_factory = engine_factory
+        """Makes every engine when set (tests: a fake engine, a real class)."""
+        self.keep_alive = keep_alive
+        self.models: dict[str, Resident] = {}
+        self.local: list[ex.Executor] = []
+        """This machine's executors, as last discovered."""
+        self.engine_deaths: dict[tuple[str, str], int] = {}
+        """Engine processes that died unasked, by (model, cause: SIGILL, exit, ...)."""
+        self._loading: dict[str, anyio.Lock] = {}
+        self.tg: anyio.abc.TaskGroup | None = None
+        self.closing = False
+
+    def host_in_use(self, endpoint: str) -> Resident | None:
+        return next((m for m in self.models.values() if m.remote == endpoint), None)
+
+    def spec_for(self, name: str, *, allow_paths: bool) -> ModelSpec:
+        """The registry's entry for ``name``, or an entry for an absolute GGUF path of
+        this user's (where the connection may name paths). Raises InvalidRequestError."""
+        if name in self.registry.models:
+            return self.registry.get(name)
+        if name.endswith(".gguf") and ("/" in name):
+            if not allow_paths:
+                raise InvalidRequestError("model paths are not allowed on this connection")
+            path = Path(name)
+            if not path.is_absolute():
+                raise InvalidRequestError("a model path must be absolute")
+            try:
+                owner = path.stat().st_uid
+            except OSError as exc:
+                raise InvalidRequestError(f"{path}: {exc.strerror}") from None
+            if owner != os.getuid():
+                raise InvalidRequestError(f"{path} belongs to another user")
+            return ModelSpec(name=name, origin=path, path=path)
+        return self.registry.get(name)
+
+    # ------------------------------------------------------------------ loading
+
+    async def ensure_loaded(self, spec: ModelSpec, executor: str | None, *,
+                            allow_load: bool = True, retry_failed: bool = False) -> Resident:
+        """``spec``'s resident model, loading it if need be (once, however many ask)."""
+        model = self.models.get(spec.name)
+        if model is not None and model.engine.dead and model.remote and model.failed is None:
+            # Its remote host went away: load it again (or fail, naming the host).
+            self.remote.mark_down(model.remote, str(model.engine.dead))
+            await self.unload(spec.name, str(model.engine.dead))
+            model = None
+        if model is not None and model.failed is not None:
+            if not retry_failed:
+                raise InternalError(model.failed)
+            log.info("loading %s again after it failed", spec.name)
+            await self.unload(spec.name, model.failed)  # `load` clears the failed state
+            model = None
+        if model is not None:
+            if executor is not None and executor != model.executor:
+                raise InvalidRequestError(
+                    f"model '{spec.name}' is loaded on {model.executor}; unload it first")
+            return model
+        if not allow_load:
+            raise ModelNotLoadedError(f"model '{spec.name}' is not loaded")
+        async with self._loading.setdefault(spec.name, anyio.Lock()):
+            model = self.models.get(spec.name)
+            if model is not None:
+                return model
+            if self.closing:
+                raise RejectedError("daemon shutting down")
+            model = await anyio.to_thread.run_sync(self._load_blocking, spec, executor)
+            self.models[spec.name] = model
+            log.info("loaded %s on %s", spec.name, model.executor)
+            return model
+
+    def _load_blocking(self, spec: ModelSpec, executor: str | None) -> Resident:
+        path = local_file(spec, download=True)  # auto-pull a hub model (logged)
+        need = plan(path, context=spec.context, parallel=spec.parallel,
+                    kv_cache_type=spec.kv_cache_type)
+        wanted = executor or spec.executor
+        if wanted.startswith("rpc:"):
+            down = self.remote.down(wanted.removeprefix("rpc:").rpartition("/")[0])
+            if down is not None:
+                raise InternalError(down)
+        placement = ex.place(wanted, in_order(self.local, self.remote.executors()), need,
+                             max_layers=spec.gpu_layers)
+        options = self._options(spec, placement)
+        try:
+            engine = self.spawn(spec, path, options)
+        except InternalError as exc:
+            if placement.executor.remote is not None:  # the host went away: fleet says so
+                self.remote.mark_down(placement.executor.remote, exc.message)
+            raise
+        keep = spec.keep_alive if spec.keep_alive is not None else self.keep_alive
+        return Resident(spec=spec, engine=engine, executor=placement.name, path=path,
+                        options=options, placement=placement, keep_alive=keep)
+
+    def _options(self, spec: ModelSpec, placement: ex.Placement) -> LoadOptions:
+        offload = placement.offload
+        remote = placement.executor.remote
+        kernels = cpukernels.decide(paths.state_dir())
+        common = LoadOptions(context=spec.context, parallel=spec.parallel,
+                             n_threads=spec.threads, kv_cache_type=spec.kv_cache_type,
+                             extra_bufts=kernels.extra)
+        if remote is not None:
+            holder = self.host_in_use(remote)
+            if holder is not None:
+                raise RejectedError(
+                    f"RPC host {remote} is serving model '{holder.name}'; a ggml RPC "
+                    "server serves one model at a time: unload that one first")
+            assert offload is not None
+            device = int(placement.executor.name.rpartition("/")[2])
+            return replace(common, rpc_endpoints=(remote,), device_indices=(device,),
+                           n_gpu_layers=offload.n_gpu_layers)
+        return replace(common, executor=placement.executor.name,
+                       device_indices=(tuple(placement.device_indices)
+                                       if offload is not None else ()),
+                       n_gpu_layers=offload.n_gpu_layers if offload else 0,
+                       tensor_split=tuple(offload.split) if offload else ())
+
+    def spawn(self, spec: ModelSpec, path: Path, options: LoadOptions) -> Engine:
+        """An engine for ``spec``: a process of its own (the daemon; and a remote model
+        anywhere, since ggml-rpc aborts the process that loses its server), else a
+        Runner in this process (embedded mode). Blocking: run it on a worker thread."""
+        try:
+            if self.engine_factory is not None:
+                return self.engine_factory(spec.name, path, options, self._notify,
+                                           self._on_death)
+            if self.isolate or options.rpc_endpoints:
+                from ..engine.process import EngineProcess
+
+                return EngineProcess(path, options, notify=self._notify, label=spec.name,
+                                     on_death=self._on_death)
+            from ..engine.runner import Runner
+
+            return Runner.load(path, options, self._notify)
+        except EverycycleError:
+            raise
+        except Exception as exc:
+            raise InternalError(f"loading {spec.name} failed: {exc}") from exc
+
+    async def unload(self, name: str, reason: str) -> None:
+        """Cancel ``name``'s requests (with ``reason``) and release it."""
+        model = self.models.pop(name, None)
+        if model is None:
+            return
+        if model.up is not None:  # restarting: its waiters learn it is gone
+            model.up.set()
+            model.up = None
+        self.requests.cancel_model(name, reason)
+        await anyio.to_thread.run_sync(model.engine.close)
+        # Running jobs end through the engine's cancelled outputs; any not delivered yet
+        # end here (a late output for them is then ignored).
+        self.requests.end_running(name, ErrorKind.CANCELLED, reason, model.engine)
+
+    async def serving(self, model: Resident) -> None:
+        """Return once ``model``'s engine serves. Raises InternalError when the model
+        failed, RequestCancelledError when it was unloaded meanwhile."""
+        while True:
+            if self.models.get(model.name) is not model:
+                raise RequestCancelledError(f"model '{model.name}' unloaded")
+            if model.failed is not None:
+                raise InternalError(model.failed)
+            if model.up is None and model.engine.exit_cause is not None and not model.remote:
+                # It died and the supervisor has not heard yet (the death is on its way
+                # through the handoff): its restart is a matter of time.
+                model.up = anyio.Event()
+            if model.up is None:
+                return
+            await model.up.wait()
+
+    # ------------------------------------------------------------------ idle
+
+    def idle_left(self, model: Resident, now: float) -> float | None:
+        """Seconds until ``model`` is unloaded for being idle; None: busy, or never."""
+        if self.requests.busy(model.name) or model.keep_alive < 0 or not model.serving:
+            return None
+        return model.last_used + model.keep_alive - now
+
+    async def reap_idle(self) -> None:
+        """Unload each model idle for its keep_alive (never one with requests)."""
+        while True:
+            delay = 1.0
+            for name, model in list(self.models.items()):
+                left = self.idle_left(model, time.monotonic())
+                if left is None:
+                    continue
+                if left <= 0 and self.models.get(name) is model:
+                    log.info("unloading %s: idle for %gs", name, model.keep_alive)
+                    await self.unload(name, f"model '{name}' unloaded: idle")
+                else:
+                    delay = min(delay, left)
+            await anyio.sleep(max(0.02, delay))
+
+    # ------------------------------------------------------------------ deaths
+
+    async def watch_deaths(self, deaths: deque[Engine], due: Callable[[], anyio.Event]
+                           ) -> None:
+        """Handle each engine death ``deaths`` receives; ``due()`` is set on arrival."""
+        while True:
+            event = due()
+            while deaths:
+                self.died(deaths.popleft())
+            await event.wait()
+
+    def died(self, engine: Engine) -> None:
+        """A model's engine process died: its running requests have had their errors;
+        restart it with backoff (its queue waits), or after a crash loop mark it failed."""
+        model = next((m for m in self.models.values() if m.engine is engine), None)
+        if model is None or self.tg is None:
+            return  # unloaded meanwhile, or the supervisor has stopped
+        name = model.name
+        cause = engine.exit_cause or "ended"
+        key = (name, cause.split(" ", 1)[0].rstrip(","))
+        self.engine_deaths[key] = self.engine_deaths.get(key, 0) + 1
+        model.last_exit = cause
+        message = engine.dead or f"engine for {name} died: {cause}"
+        log.error("%s", message)
+        # (Their errors normally came first.)
+        self.requests.end_running(name, ErrorKind.INTERNAL, message, engine)
+        if model.remote:
+            # Its host went away: the next request loads it again, or fails naming it.
+            self.requests.fail_queue(name, message)
+            return
+        self._count_death(model, cause)
+
+    def _count_death(self, model: Resident, cause: str) -> None:
+        now = time.monotonic()
+        model.deaths = [t for t in model.deaths if now - t < self.CRASH_WINDOW_S] + [now]
+        name = model.name
+        if len(model.deaths) >= self.CRASH_LIMIT:
+            model.failed = (f"model '{name}' failed: its engine died {len(model.deaths)} times "
+                            f"in {self.CRASH_WINDOW_S:g} s (last: {cause}); "
+                            f"`everycycle load {name}` tries again")
+            log.error("%s", model.failed)
+            self.requests.fail_queue(name, model.failed)
+            if model.up is not None:
+                model.up.set()
+                model.up = None
+            return
+        if self.closing or self.tg is None:
+            return
+        if model.up is None:
+            model.up = anyio.Event()
+        delay = self.RESTART_BACKOFF_S * 2 ** (len(model.deaths) - 1)
+        self.tg.start_soon(self._restart, model, delay)
+
+    async def _restart(self, model: Resident, delay: float) -> None:
+        await anyio.sleep(delay)
+        name = model.name
+        if self.models.get(name) is not model or model.failed is not None:
+            return
+        log.info("restarting the engine for %s", name)
+        try:
+            engine = await anyio.to_thread.run_sync(self.spawn, model.spec, model.path,
+                                                    model.options)
+        except EverycycleError as exc:
+            if self.models.get(name) is model and model.failed is None:
+                model.last_exit = exc.message
+                self._count_death(model, exc.message)
+            return
+        if self.models.get(name) is not model or model.failed is not None:
+            await anyio.to_thread.run_sync(engine.close)
+            return
+        model.engine = engine
+        model.restarts += 1
+        up, model.up = model.up, None
+        if up is not None:
+            up.set()
+        self.requests.advance(name, engine)
