@@ -9,37 +9,22 @@ bytes and hands each request its events.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
 
 from .. import paths
-from ..errors import DaemonUnavailableError, EverycycleError, RequestFailedError, unwrap_groups
+from ..errors import DaemonUnavailableError, EverycycleError, unwrap_groups
 from ..mailbox import Mailbox
-from ..protocol import (
-    Auth,
-    Cancel,
-    DescribeFleet,
-    Done,
-    Embed,
-    Embeddings,
-    Error,
-    FleetDescription,
-    FleetSnapshot,
-    Generate,
-    Load,
-    Message,
-    Request,
-    ServerEvent,
-    Shutdown,
-    Unload,
-    is_terminal,
-)
+from ..protocol import Auth, Message, Request, ServerEvent, is_terminal
 from ..sockets import wake_reader
-from .connection import ClientConnection, Routed, new_request_id
+from . import calls
+from .connection import ClientConnection, Routed
+
+T = TypeVar("T")
 
 __all__ = ["BaseClient", "Client", "connect"]
 
@@ -95,63 +80,33 @@ class BaseClient:
             self._boxes.pop(rid, None)
             self._conn.abandon(rid)
 
-    async def _one(self, request: Request) -> ServerEvent:
-        last: ServerEvent | None = None
-        async for event in self.request(request):
-            last = event
-        assert last is not None
-        if isinstance(last, Error):
-            raise RequestFailedError(last.message, kind=last.kind, request_id=last.request_id)
-        return last
+    async def run(self, call: calls.Call[T]) -> T:
+        """Send ``call``'s request; its result. Raises RequestFailedError (unless quiet)."""
+        try:
+            last: ServerEvent | None = None
+            async for event in self.request(call.request):
+                last = event
+            assert last is not None
+            return call.finish(last)
+        except EverycycleError:
+            if call.quiet:
+                return None  # type: ignore[return-value]  # a quiet Call's T is None
+            raise
 
     def generate(self, model: str, prompt: str | None = None, *,
                  messages: tuple[Message, ...] | None = None, request_id: str | None = None,
                  **options: Any) -> AsyncIterator[ServerEvent]:
         """Events of a Generate request (see protocol.Generate for ``options``)."""
-        req = Generate(request_id=request_id or new_request_id(), model=model, prompt=prompt,
-                       messages=messages, **options)
-        return self.request(req)
+        return self.request(calls.generate_request(model, prompt, messages=messages,
+                                                   request_id=request_id, **options))
 
-    async def embed(self, model: str, texts: Sequence[str], **options: Any
-              ) -> list[tuple[float, ...]]:
-        """One normalized vector per text, in order. Raises RequestFailedError."""
-        event = await self._one(Embed(new_request_id(), model, tuple(texts), **options))
-        assert isinstance(event, Embeddings)
-        return list(event.vectors)
-
-    async def describe_fleet(self) -> FleetSnapshot:
-        """The daemon's FleetSnapshot. Raises RequestFailedError."""
-        event = await self._one(DescribeFleet(new_request_id()))
-        assert isinstance(event, FleetDescription)
-        return event.snapshot
-
-    async def cancel(self, target: str) -> None:
-        """Cancel request ``target``. Raises RequestFailedError (Invalid if not active)."""
-        await self._one(Cancel(new_request_id(), target))
-
-    async def cancel_if_active(self, target: str) -> None:
-        """Cancel ``target`` if it is still running; never raises.
-
-        The request may end on its own just before the cancel arrives (Ctrl-C as the
-        last token streams, a reader closing the pipe): the daemon's "no active
-        request" answer, or a connection already gone, is then the expected outcome.
-        """
-        with contextlib.suppress(EverycycleError):
-            await self.cancel(target)
-
-    async def load(self, model: str, executor: str | None = None, *,
-                   keep_alive_ms: int | None = None) -> None:
-        """Make ``model`` resident. Raises RequestFailedError."""
-        event = await self._one(Load(new_request_id(), model, executor, keep_alive_ms))
-        assert isinstance(event, Done)
-
-    async def unload(self, model: str) -> None:
-        """Release ``model``. Raises RequestFailedError."""
-        await self._one(Unload(new_request_id(), model))
-
-    async def shutdown(self) -> None:
-        """Ask the daemon to stop gracefully. Raises RequestFailedError."""
-        await self._one(Shutdown(new_request_id()))
+    embed = calls.awaiting(calls.embed)
+    describe_fleet = calls.awaiting(calls.describe_fleet)
+    cancel = calls.awaiting(calls.cancel)
+    cancel_if_active = calls.awaiting(calls.cancel_if_active)
+    load = calls.awaiting(calls.load)
+    unload = calls.awaiting(calls.unload)
+    shutdown = calls.awaiting(calls.shutdown)
 
 
 class Client(BaseClient):

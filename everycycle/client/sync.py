@@ -8,30 +8,17 @@ from __future__ import annotations
 
 import socket as pysocket
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from .. import paths
-from ..errors import DaemonUnavailableError, RequestFailedError
-from ..protocol import (
-    Auth,
-    Cancel,
-    DescribeFleet,
-    Embed,
-    Embeddings,
-    Error,
-    FleetDescription,
-    FleetSnapshot,
-    Generate,
-    Load,
-    Message,
-    Request,
-    ServerEvent,
-    Shutdown,
-    Unload,
-)
-from .connection import ClientConnection, Routed, new_request_id
+from ..errors import DaemonUnavailableError, EverycycleError
+from ..protocol import Auth, Message, Request, ServerEvent
+from . import calls
+from .connection import ClientConnection, Routed
+
+T = TypeVar("T")
 
 __all__ = ["SyncClient"]
 
@@ -116,45 +103,26 @@ class SyncClient:
         finally:
             self._conn.abandon(rid)
 
-    def _one(self, request: Request) -> ServerEvent:
-        last = list(self.request(request))[-1]
-        if isinstance(last, Error):
-            raise RequestFailedError(last.message, kind=last.kind, request_id=last.request_id)
-        return last
+    def run(self, call: calls.Call[T]) -> T:
+        """Send ``call``'s request; its result. Raises RequestFailedError (unless quiet)."""
+        try:
+            return call.finish(list(self.request(call.request))[-1])
+        except EverycycleError:
+            if call.quiet:
+                return None  # type: ignore[return-value]  # a quiet Call's T is None
+            raise
 
     def generate(self, model: str, prompt: str | None = None, *,
                  messages: tuple[Message, ...] | None = None, request_id: str | None = None,
                  **options: Any) -> Iterator[ServerEvent]:
         """Events of a Generate request (see protocol.Generate for ``options``)."""
-        return self.request(Generate(request_id or new_request_id(), model, prompt,
-                                     messages=messages, **options))
+        return self.request(calls.generate_request(model, prompt, messages=messages,
+                                                   request_id=request_id, **options))
 
-    def embed(self, model: str, texts: Sequence[str], **options: Any
-              ) -> list[tuple[float, ...]]:
-        """One normalized vector per text, in order. Raises RequestFailedError."""
-        event = self._one(Embed(new_request_id(), model, tuple(texts), **options))
-        assert isinstance(event, Embeddings)
-        return list(event.vectors)
-
-    def describe_fleet(self) -> FleetSnapshot:
-        """The daemon's FleetSnapshot. Raises RequestFailedError."""
-        event = self._one(DescribeFleet(new_request_id()))
-        assert isinstance(event, FleetDescription)
-        return event.snapshot
-
-    def cancel(self, target: str) -> None:
-        """Cancel request ``target``. Raises RequestFailedError (Invalid if not active)."""
-        self._one(Cancel(new_request_id(), target))
-
-    def load(self, model: str, executor: str | None = None, *,
-             keep_alive_ms: int | None = None) -> None:
-        """Make ``model`` resident. Raises RequestFailedError."""
-        self._one(Load(new_request_id(), model, executor, keep_alive_ms))
-
-    def unload(self, model: str) -> None:
-        """Release ``model``. Raises RequestFailedError."""
-        self._one(Unload(new_request_id(), model))
-
-    def shutdown(self) -> None:
-        """Ask the daemon to stop gracefully. Raises RequestFailedError."""
-        self._one(Shutdown(new_request_id()))
+    embed = calls.blocking(calls.embed)
+    describe_fleet = calls.blocking(calls.describe_fleet)
+    cancel = calls.blocking(calls.cancel)
+    cancel_if_active = calls.blocking(calls.cancel_if_active)
+    load = calls.blocking(calls.load)
+    unload = calls.blocking(calls.unload)
+    shutdown = calls.blocking(calls.shutdown)
