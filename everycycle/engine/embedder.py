@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InternalError
+from ..errors import EverycycleError, InternalError
+from .jobs import Job, Output
 
 POOLING_NONE = 0
 POOLING_MEAN = 1
@@ -59,6 +60,24 @@ class Embedder:
         if not ctx:
             raise InternalError("llama.cpp could not create an embeddings context")
         return ctx
+
+    def run(self, jobs: Sequence[Job], out: list[tuple[Job, Output]]) -> None:
+        """Embed every input of ``jobs`` in shared batches; each job's Output (its
+        vectors, cancelled, or the error) goes on ``out``."""
+        try:
+            inputs = [tokens for job in jobs for tokens in job.embed_inputs or ()]
+            vectors = self.embed(inputs, cancelled=lambda: any(j._cancel_reason for j in jobs))
+        except EverycycleError as exc:
+            out.extend((job, Output("", (), True, "error", exc)) for job in jobs)
+            return
+        if vectors is None:
+            out.extend((job, Output("", (), True, "cancelled")) for job in jobs)
+            return
+        i = 0
+        for job in jobs:
+            n = len(job.embed_inputs or ())
+            out.append((job, Output("", (), True, "embedded", embeddings=vectors[i:i + n])))
+            i += n
 
     def embed(self, inputs: Sequence[Sequence[int]],
               cancelled: Callable[[], bool] = lambda: False) -> list[list[float]] | None:

@@ -40,6 +40,19 @@ or three common words in a row are no sign that the text copies (SmolLM2 explain
 code: 4% slower without this wait, on bench/lookup.py's "rename var")."""
 
 
+def accepted_prefix(draft: Sequence[int], greedy: Callable[[int], int]) -> list[int]:
+    """The tokens one-at-a-time greedy decoding takes from a verified draft: the
+    model's choice at each row (``greedy(i)``; row 0 is the slot's own) while it
+    agrees with the draft, then the first choice that differs (or follows it all)."""
+    taken: list[int] = []
+    for i in range(len(draft) + 1):
+        tok = greedy(i)
+        taken.append(tok)
+        if i == len(draft) or tok != draft[i]:
+            break
+    return taken
+
+
 def expected_accepted(rate: float, length: int) -> float:
     """The expected number of draft tokens accepted from a draft of ``length`` whose
     tokens are each right with probability ``rate`` given the ones before were."""

@@ -1,0 +1,78 @@
+"""One decoding slot of a Runner: its sequence in the KV cache, its job, its samplers,
+and the text it owes the client (whole UTF-8 characters, stop strings held back)."""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .jobs import Job, common_prefix, stop_split
+from .lookup import PromptLookup
+
+
+@dataclass(eq=False)
+class Slot:
+    seq: int
+    cached: list[int] = field(default_factory=list)
+    job: Job | None = None
+    sampler: Any = None
+    grammar: Any = None
+    """Greedy decoding under a grammar: the grammar sampler, consulted lazily."""
+    todo: list[int] = field(default_factory=list)
+    n_past: int = 0
+    last: int = -1
+    decoder: Any = None
+    held_text: str = ""
+    held_ids: list[int] = field(default_factory=list)
+    lookup: PromptLookup | None = None
+    draft: list[int] = field(default_factory=list)
+    """This step's draft, in batch rows ``draft_row`` on."""
+    draft_row: int = 0
+
+    def reset_text(self) -> None:
+        """A new job: nothing held back."""
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.held_text, self.held_ids = "", []
+
+    def add_text(self, token: int, piece: bytes, stops: Sequence[str]
+                 ) -> tuple[str, list[int]] | bool:
+        """Add a sampled token and its bytes. Returns the chunk to send now (text, ids),
+        True when a stop string ended the job, or False when the text is held back (a
+        character split across tokens, or what may be the start of a stop string)."""
+        self.held_ids.append(token)
+        self.held_text += self.decoder.decode(piece)
+        if self.decoder.getstate()[0]:
+            return False  # a character is split across tokens: wait for the rest
+        text = self.held_text
+        if stops:
+            cut, hold = stop_split(text, stops)
+            if cut is not None:
+                self.held_text = text[:cut]
+                return True
+            if hold:
+                return False
+        # A token may render as no text (a control token): its chunk still carries the
+        # id, so that every generated id reaches the client exactly once.
+        chunk = (text, self.held_ids)
+        self.held_text, self.held_ids = "", []
+        return chunk
+
+    def final_text(self, reason: str, stops: Sequence[str]
+                   ) -> tuple[str, list[int], str]:
+        """What is held back, at the end: (text, ids, reason); a stop string found in
+        the flushed text cuts it there and makes the reason ``stop``."""
+        text = self.held_text + self.decoder.decode(b"", True)
+        if reason != "stop" and stops:
+            cut, _ = stop_split(text, stops)
+            if cut is not None:
+                text, reason = text[:cut], "stop"
+        return text, self.held_ids, reason
+
+
+def best_slot(free: Sequence[Slot], tokens: Sequence[int]) -> tuple[Slot, int]:
+    """The free slot whose cached tokens share the longest prefix with ``tokens``, and
+    how many of them it can reuse (at least one token is left to get logits from)."""
+    slot = max(free, key=lambda s: common_prefix(s.cached, tokens))
+    return slot, min(common_prefix(slot.cached, tokens), len(tokens) - 1)

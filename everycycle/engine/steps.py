@@ -1,0 +1,357 @@
+"""The engine thread of a Runner: one decode step after another.
+
+Each step admits pending jobs into free slots (``_admit``), puts the pending work of
+every active slot — prefill chunks, one token per decoding slot, prompt-lookup drafts
+— into one ``llama_batch`` (``_build``), runs one ``llama_decode``, samples each slot
+with its own chain (``_sample``), and hands that step's outputs to ``notify`` in one
+call. Requests leave between steps, so a cancel takes effect within one step. A slot
+keeps its KV cells after a request ends; a new request sharing a prefix with them only
+prefills the rest. Every call into the llama_context happens on this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from ..errors import EverycycleError, InternalError, InvalidRequestError
+from .contract import Notify
+from .jobs import EMBED_MAX_TOKENS, Job, Output
+from .lookup import History, PromptLookup, StepCost, accepted_prefix, expected_accepted
+from .probes import batch_probe, put
+from .sampling import Samplers
+from .slots import Slot, best_slot
+from .vocab import Vocab
+
+log = logging.getLogger(__name__)
+
+
+class EngineThread:
+    """The decode loop's half of a Runner (``Runner`` sets these up and starts it)."""
+
+    _L: Any
+    path: Any
+    parallel: int
+    n_ctx_slot: int
+    vocab: Vocab
+    lookup_type: type[PromptLookup]
+    lookup_exact: bool
+    lookup_drafted: int
+    lookup_accepted: int
+    _notify: Notify
+    _ctx: Any
+    _mem: Any
+    _model: Any
+    _batch: Any
+    _n_batch: int
+    _n_vocab: int
+    _n_swa: int
+    _threads: int
+    _samplers: Samplers
+    _slots: list[Slot]
+    _pending: deque[Job]
+    _cond: threading.Condition
+    _closing: bool
+    _cost: StepCost
+    _history: History
+    _embedder: Any
+
+    def _run(self, probed: threading.Event) -> None:
+        # Every llama_decode of this context runs on this thread, the load-time probe
+        # too. OpenMP keeps a thread pool per calling thread: a decode on another thread
+        # would leave a second pool, and with more OpenMP threads than cores libgomp
+        # stops spinning at its barriers and sleeps at every one (SmolLM2 on 2 cores:
+        # ~150 futex sleeps per token, 25% slower).
+        try:
+            self.lookup_exact = self._probe()
+        except Exception:
+            log.exception("probing batched decoding failed for %s", self.path)
+        finally:
+            probed.set()
+        try:
+            self._loop()
+        except BaseException as exc:  # the thread must report, never vanish silently
+            log.exception("engine thread for %s failed", self.path)
+            err = InternalError(f"engine failed: {exc}")
+            with self._cond:
+                self._closing = True
+                jobs = [s.job for s in self._slots if s.job] + list(self._pending)
+                self._pending.clear()
+            self._safe_notify([(j, Output("", (), True, "error", err)) for j in jobs])
+
+    def _probe(self) -> bool:
+        """Whether batches are bit-exact here; times steps by row count meanwhile."""
+        toks = self.vocab.tokenize(
+            "The quick brown fox jumps over the lazy dog again and again", special=False)
+        exact, self._cost = batch_probe(
+            self._L, self._ctx, self._mem, self._batch, n_vocab=self._n_vocab,
+            n_batch=self._n_batch, n_ctx_slot=self.n_ctx_slot, toks=toks)
+        return exact
+
+    def _safe_notify(self, outputs: list[tuple[Job, Output]]) -> None:
+        if not outputs:
+            return
+        try:
+            self._notify(outputs)
+        except Exception:
+            log.exception("notify failed; %d outputs dropped", len(outputs))
+
+    def _loop(self) -> None:
+        while True:
+            out: list[tuple[Job, Output]] = []
+            embeds = self._admit(out)
+            if embeds is None:  # closing
+                self._safe_notify(out)
+                return
+            if embeds:
+                self._embed(embeds, out)
+            active = [s for s in self._slots if s.job is not None]
+            n, rows, prefill = self._build(active)
+            if n == 0:
+                self._safe_notify(out)
+                continue
+            self._batch.n_tokens = n
+            started = time.perf_counter()
+            rc = self._L.llama_decode(self._ctx, self._batch)
+            if rc != 0:
+                err = InternalError(f"llama_decode returned {rc}")
+                for s in active:
+                    self._finish(s, out, "error", err)
+                self._safe_notify(out)
+                continue
+            if not prefill:
+                self._cost.observe(n, time.perf_counter() - started)
+            self._sample(rows, out)
+            self._safe_notify(out)
+
+    def _admit(self, out: list[tuple[Job, Output]]) -> list[Job] | None:
+        """Wait for work; end cancelled jobs; start pending jobs in free slots. Returns
+        the embedding jobs to run this step, or None when the runner is closing."""
+        with self._cond:
+            while not (self._closing or self._pending or any(s.job for s in self._slots)):
+                self._cond.wait()
+            if self._closing:
+                for s in self._slots:
+                    if s.job is not None:
+                        self._finish(s, out, "cancelled")
+                for job in self._pending:
+                    out.append((job, Output("", (), True, "cancelled")))
+                self._pending.clear()
+                return None
+            for s in self._slots:
+                if s.job is not None and s.job._cancel_reason is not None:
+                    self._finish(s, out, "cancelled")
+            kept: deque[Job] = deque()
+            embeds: list[Job] = []
+            for job in self._pending:
+                if job._cancel_reason is not None:
+                    out.append((job, Output("", (), True, "cancelled")))
+                elif job.embed_inputs is not None:
+                    embeds.append(job)  # needs no slot: its own context
+                else:
+                    kept.append(job)
+            self._pending = kept
+            while self._pending and any(s.job is None for s in self._slots):
+                self._start(self._pending.popleft())
+            return embeds
+
+    def _build(self, active: list[Slot]) -> tuple[int, list[tuple[Slot, int]], bool]:
+        """Fill the batch: a token per decoding slot first, then drafts, then prefill
+        chunks. Returns (rows, the slots whose logits come from which row, whether any
+        prefill is in it)."""
+        batch = self._batch
+        n = 0
+        rows: list[tuple[Slot, int]] = []
+        for s in active:
+            if not s.todo:
+                put(batch, n, s.last, s.n_past, s.seq, True)
+                s.cached.append(s.last)
+                s.n_past += 1
+                rows.append((s, n))
+                n += 1
+        expected = float(len(rows))  # the tokens this step should yield
+        for s, _ in rows:  # prompt-lookup drafts after every slot has its row
+            if s.lookup is None:
+                continue
+            assert s.job is not None
+            room = min(self._n_batch - n, self.n_ctx_slot - s.n_past,
+                       s.job.max_tokens - s.job.n_generated - 1)
+            s.draft = s.lookup.propose(room, partial(self._cost.draft_len, n, expected))
+            s.draft_row = n
+            if s.draft:
+                expected += expected_accepted(s.lookup.rate, len(s.draft))
+            for tok in s.draft:
+                put(batch, n, tok, s.n_past, s.seq, True)
+                s.cached.append(tok)
+                s.n_past += 1
+                n += 1
+        prefill = False
+        for s in active:
+            if not s.todo or n >= self._n_batch:
+                continue
+            prefill = True
+            take = s.todo[: self._n_batch - n]
+            del s.todo[: len(take)]
+            for j, tok in enumerate(take):
+                last = not s.todo and j == len(take) - 1
+                put(batch, n, tok, s.n_past, s.seq, last)
+                s.cached.append(tok)
+                s.n_past += 1
+                if last:
+                    rows.append((s, n))
+                n += 1
+        return n, rows, prefill
+
+    def _sample(self, rows: list[tuple[Slot, int]], out: list[tuple[Job, Output]]) -> None:
+        """Each slot's next token from its row (or its draft verified)."""
+        L = self._L
+        for s, row in rows:
+            assert s.job is not None
+            if s.draft:
+                self._verify(s, row, out)
+                continue
+            if s.sampler is None:
+                logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, row),
+                                               shape=(self._n_vocab,))
+                tok = int(logits.argmax())
+                if s.grammar is not None:
+                    try:
+                        tok = self._samplers.grammar_greedy(s.grammar, logits, tok)
+                    except InvalidRequestError as exc:
+                        self._finish(s, out, "error", exc)
+                        continue
+            elif s.grammar is not None:
+                logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, row),
+                                               shape=(self._n_vocab,))
+                try:
+                    tok = self._samplers.sample_constrained(s.sampler, s.grammar, logits)
+                except InvalidRequestError as exc:
+                    self._finish(s, out, "error", exc)
+                    continue
+            else:
+                tok = L.llama_sampler_sample(s.sampler, self._ctx, row)
+            self._take(s, tok, s.n_past, out)
+
+    def _start(self, job: Job) -> None:
+        """Put ``job`` in the free slot whose cached tokens share the longest prefix."""
+        L = self._L
+        slot, reuse = best_slot([s for s in self._slots if s.job is None], job.tokens)
+        if reuse > 0 and self._n_swa > 0:
+            # A sliding-window layer has dropped the cells before its window: the
+            # prefix can be reused only if the window before position `reuse` is all
+            # still there (llama-server's rule), else the slot starts over.
+            pos_min = L.llama_memory_seq_pos_min(self._mem, slot.seq)
+            if pos_min > 0 and pos_min >= reuse - self._n_swa:
+                reuse = 0
+        L.llama_memory_seq_rm(self._mem, slot.seq, reuse if reuse else -1, -1)
+        del slot.cached[reuse:]
+        slot.job = job
+        greedy = job.sampling.temperature <= 0.0 and job.sampling.repeat_penalty == 1.0
+        # Under a grammar, as llama-server does it: the argmax (or a sample), and the
+        # whole vocabulary masked only when the grammar refuses that token.
+        slot.grammar = (self._samplers.grammar(job.sampling.grammar)
+                        if job.sampling.grammar is not None else None)
+        slot.sampler = self._samplers.chain(job.sampling)  # (None: plain greedy)
+        slot.lookup = (self.lookup_type(job.tokens, self._history)
+                       if job.lookup and greedy and job.sampling.grammar is None else None)
+        slot.draft = []
+        slot.todo = list(job.tokens[reuse:])
+        slot.n_past = reuse
+        slot.reset_text()
+        job.n_prompt, job.n_reused, job.n_generated = len(job.tokens), reuse, 0
+
+    def _finish(self, slot: Slot, out: list[tuple[Job, Output]], reason: str,
+                error: EverycycleError | None = None) -> None:
+        job = slot.job
+        assert job is not None
+        text, ids = "", list[int]()
+        if reason not in ("cancelled", "error"):
+            if slot.lookup is not None:  # (a model with lookup off keeps no history)
+                self._history.add(slot.cached, job.n_prompt)
+            text, ids, reason = slot.final_text(reason, job.stop)
+        out.append((job, Output(text, tuple(ids), True, reason, error)))
+        for sampler in (slot.sampler, slot.grammar):
+            self._samplers.free(sampler)
+        slot.sampler = slot.grammar = None
+        slot.job = None
+        slot.todo = []
+        if reason == "error":  # the KV cells may be half-written
+            self._L.llama_memory_seq_rm(self._mem, slot.seq, -1, -1)
+            slot.cached.clear()
+
+    def _emit(self, slot: Slot, token: int, out: list[tuple[Job, Output]]) -> bool:
+        """Add a sampled token's text; True if a stop string ended the job."""
+        job = slot.job
+        assert job is not None
+        chunk = slot.add_text(token, self.vocab.piece(token), job.stop)
+        if isinstance(chunk, bool):
+            return chunk
+        out.append((job, Output(chunk[0], tuple(chunk[1]))))
+        return False
+
+    def _take(self, s: Slot, tok: int, n_past: int, out: list[tuple[Job, Output]]) -> bool:
+        """Handle one generated token, sampled with ``n_past`` tokens in the slot's cache;
+        True if it ended the job."""
+        running = s.job
+        assert running is not None
+        if self.vocab.is_eog(tok):
+            self._finish(s, out, "eos")
+            return True
+        running.n_generated += 1
+        s.last = tok
+        if s.lookup is not None:
+            s.lookup.append(tok)
+        if self._emit(s, tok, out):
+            self._finish(s, out, "stop")
+        elif running.n_generated >= running.max_tokens:
+            self._finish(s, out, "length")
+        elif n_past + 1 >= self.n_ctx_slot:
+            self._finish(s, out, "context")
+        else:
+            return False
+        return True
+
+    def _verify(self, s: Slot, row: int, out: list[tuple[Job, Output]]) -> None:
+        """Check a slot's draft against the model's own greedy choices (its own row
+        ``row``, then the draft's rows); keep the longest agreeing prefix and drop the
+        rest of the draft from the KV cache. The tokens taken are exactly those
+        one-at-a-time greedy decoding would have produced."""
+        L = self._L
+        draft = s.draft
+        s.draft = []
+        k = len(draft)
+        start = s.n_past - k - 1  # the position of the slot's own row (its last token)
+        rows = [row, *range(s.draft_row, s.draft_row + k)]
+        taken = accepted_prefix(draft, lambda i: int(np.ctypeslib.as_array(
+            L.llama_get_logits_ith(self._ctx, rows[i]), shape=(self._n_vocab,)).argmax()))
+        accepted = len(taken) - 1  # draft tokens confirmed
+        if accepted < k:
+            L.llama_memory_seq_rm(self._mem, s.seq, start + 1 + accepted, -1)
+            del s.cached[len(s.cached) - (k - accepted):]
+            s.n_past = start + 1 + accepted
+        assert s.lookup is not None
+        s.lookup.verified(k, accepted)
+        self.lookup_drafted += k
+        self.lookup_accepted += accepted
+        for i, tok in enumerate(taken):
+            if self._take(s, tok, start + 1 + i, out):
+                return
+
+    def _embed(self, jobs: list[Job], out: list[tuple[Job, Output]]) -> None:
+        """Embed every input of ``jobs`` in shared batches (on the engine thread)."""
+        from .embedder import Embedder
+
+        try:
+            if self._embedder is None:
+                self._embedder = Embedder(self._L, self._model, n_threads=self._threads,
+                                          n_batch=EMBED_MAX_TOKENS)
+        except EverycycleError as exc:
+            out.extend((job, Output("", (), True, "error", exc)) for job in jobs)
+            return
+        self._embedder.run(jobs, out)
