@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from everycycle import paths
 from everycycle.cli import app
+from everycycle.client import SyncClient
 from everycycle.protocol import FleetDescription, decode_event
 
 
@@ -228,6 +229,23 @@ def test_daemon_detach_then_stop(models_file: Path) -> None:
     wait_until(gone, "the daemon process to exit", timeout=10)
 
 
+def _read_until(fd: int, marker: bytes, timeout: float = 30) -> bytes:
+    """What ``fd`` gives up to and including ``marker``; fails after ``timeout``."""
+    import select
+
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while marker not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {marker!r} in {seen[-300:]!r}"
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            chunk = os.read(fd, 65536)
+            assert chunk, f"the stream ended before {marker!r}: {seen[-300:]!r}"
+            seen += chunk
+    return seen
+
+
 def _read_all(fd: int) -> bytes:
     import select
 
@@ -260,7 +278,12 @@ def test_status_line_on_a_terminal_and_only_text_on_stdout(
                              "--temperature", "0", "hello"], stdout=subprocess.PIPE,
                             stderr=slave)
     os.close(slave)
-    time.sleep(1.0)
+
+    def queued() -> bool:
+        with SyncClient() as c:
+            return any(m.queued for m in c.describe_fleet().loaded_models)
+
+    wait_until(queued, "the second run to be queued")
     blocker.kill()
     blocker.communicate()
     out, _ = proc.communicate(timeout=30)
@@ -280,13 +303,18 @@ def test_verbose_status_without_a_terminal(daemon: subprocess.Popen[bytes],
 
 
 def test_fleet_watch_refreshes_until_interrupted(daemon: subprocess.Popen[bytes]) -> None:
-    proc = subprocess.Popen([*EC, "fleet", "--watch"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-    time.sleep(2.5)
+    import pty
+
+    master, slave = pty.openpty()  # a terminal: the live view draws as it goes
+    proc = subprocess.Popen([*EC, "fleet", "--watch"], stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    err = _read_until(master, b"executors on")  # it has drawn the table
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=20)
+    out, _ = proc.communicate(timeout=20)
+    err += _read_all(master)
+    os.close(master)
     assert proc.returncode == 0, err
-    assert out == b"" and b"executors on" in err
+    assert out == b"" and b"Traceback" not in err
 
 
 def test_a_model_without_a_chat_template_says_so_once(tmp_path: Path) -> None:
@@ -342,13 +370,18 @@ def test_load_unload_and_stop_say_what_they_did(daemon: subprocess.Popen[bytes])
 
 
 def test_fleet_watch_says_when_the_daemon_goes_away(daemon: subprocess.Popen[bytes]) -> None:
-    watch = subprocess.Popen([*EC, "fleet", "--watch"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    import pty
+
+    master, slave = pty.openpty()
+    watch = subprocess.Popen([*EC, "fleet", "--watch"], stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
     try:
-        time.sleep(1.5)
+        seen = _read_until(master, b"executors on")  # it is watching
         assert ec("stop").returncode == 0
-        _, err = watch.communicate(timeout=30)
+        watch.communicate(timeout=30)
+        err = (seen + _read_all(master)).decode("utf-8", "replace")
     finally:
+        os.close(master)
         if watch.poll() is None:
             watch.kill()
     assert watch.returncode == 69

@@ -70,7 +70,13 @@ def idle() -> bool:
 
 def settle(pid: int) -> tuple[int, int]:
     wait_until(idle, "the daemon to be idle", timeout=10)
-    time.sleep(0.2)  # connections closed by clients are reaped
+    # Connections closed by clients are reaped: their descriptors stop changing.
+    def steady() -> bool:
+        before = fds(pid)
+        time.sleep(0.05)
+        return fds(pid) == before
+
+    wait_until(steady, "the daemon's descriptors to settle", timeout=10)
     return fds(pid), rss_kib(pid)
 
 

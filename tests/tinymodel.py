@@ -13,6 +13,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from everycycle.engine.ggufwrite import finish, write_hparams
+
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{{ '<start_of_turn>' + message['role'] + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
@@ -63,22 +65,9 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
         w.add_sliding_window(sliding_window)
         w.add_key_length(n_embd // n_head)
         w.add_value_length(n_embd // n_head)
-    w.add_context_length(N_CTX)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head)
-    w.add_rope_dimension_count(n_embd // n_head)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    write_hparams(w, n_ctx=N_CTX, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, n_head=n_head,
+                  file_type=gguf.LlamaFileType.ALL_F32, tokens=tokens, scores=scores,
+                  types=types)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     if chat_template is not None:
@@ -121,10 +110,7 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
         t(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
         t(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
         w.add_tensor(f"blk.{i}.ffn_down.weight", _no_write_to_dim0(rng, n_embd, n_ff))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path
 
 

@@ -243,28 +243,17 @@ def write_probe_model(path: Path) -> None:
     import gguf as g  # the reference GGUF writer
     import numpy as n
 
+    from .ggufwrite import finish, write_hparams
+
     n_embd, n_ff, n_head, n_layer = 256, 512, 4, 1
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = ([g.TokenType.UNKNOWN, g.TokenType.CONTROL, g.TokenType.CONTROL]
              + [g.TokenType.BYTE] * 256)
     rng = n.random.default_rng(7)
     w = g.GGUFWriter(str(path), "llama")
-    w.add_context_length(256)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head)
-    w.add_rope_dimension_count(n_embd // n_head)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(g.LlamaFileType.MOSTLY_Q4_0)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_types([int(t) for t in types])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    write_hparams(w, n_ctx=256, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, n_head=n_head,
+                  file_type=g.LlamaFileType.MOSTLY_Q4_0, tokens=tokens,
+                  scores=[0.0] * len(tokens), types=[int(t) for t in types])
 
     def f32(name: str, *shape: int) -> None:
         w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(n.float32))
@@ -285,10 +274,7 @@ def write_probe_model(path: Path) -> None:
         q4(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
         q4(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
         q4(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 if __name__ == "__main__":

@@ -252,30 +252,29 @@ class OpenAI:
 
     async def chat_completions(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)
-        model = self.reader.model(request, data.get("model"), "GET /v1/models")
-        messages = _messages(data.get("messages"))
-        options = _options(request, data)
-        options.update(_response_format(data.get("response_format")))
-        rid = request_id(request, "chatcmpl")
-        req = protocol_errors(Generate, rid, model, messages=messages, **options)
-        return self._generation(request, data, req, _Shape(chat=True, request_id=rid,
-                                                          model=model))
+        return self._completion(request, data, "chatcmpl",
+                                messages=_messages(data.get("messages")))
 
     async def completions(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)
-        model = self.reader.model(request, data.get("model"), "GET /v1/models")
         prompt = data.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise HttpError(400, "`prompt` must be a string (one prompt per request)",
                             "invalid_prompt")
+        return self._completion(request, data, "cmpl", prompt=prompt, format=Format.RAW)
+
+    def _completion(self, request: HttpRequest, data: dict[str, Any], prefix: str,
+                    **fields: Any) -> _Generation:
+        """A chat completion (``messages``) or a text completion (``prompt``)."""
+        model = self.reader.model(request, data.get("model"), "GET /v1/models")
         options = _options(request, data)
         options.update(_response_format(data.get("response_format")))
-        rid = request_id(request, "cmpl")
-        req = protocol_errors(Generate, rid, model, prompt, format=Format.RAW, **options)
-        return self._generation(request, data, req, _Shape(chat=False, request_id=rid,
-                                                          model=model))
+        rid = request_id(request, prefix)
+        req = protocol_errors(Generate, rid, model, **fields, **options)
+        shape = _Shape(chat="messages" in fields, request_id=rid, model=model)
+        return self._generation(request, data, req, shape)
 
     async def embeddings(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)

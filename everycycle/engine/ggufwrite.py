@@ -1,0 +1,38 @@
+"""Writing small random-weight GGUFs with the ``gguf`` package: the CPU-kernel probe's
+model (cpukernels.py), and the test suite's tiny models."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def write_hparams(w: Any, *, n_ctx: int, n_embd: int, n_layer: int, n_ff: int, n_head: int,
+                  file_type: int, tokens: Sequence[str], scores: Sequence[float],
+                  types: Sequence[int]) -> None:
+    """A llama-shaped model's hyperparameters and SentencePiece-style vocabulary
+    (<unk> 0, <s> 1, </s> 2) on the GGUFWriter ``w``."""
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(file_type)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(list(tokens))
+    w.add_token_scores(list(scores))
+    w.add_token_types(list(types))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+
+def finish(w: Any) -> None:
+    """Write ``w``'s header, metadata and tensors, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
