@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from .. import __version__, paths
+from .. import __version__
 from ..errors import (
     ConfigError,
     DaemonUnavailableError,
@@ -27,11 +27,8 @@ from ..errors import (
 from ..protocol import (
     Accepted,
     Error,
-    FleetDescription,
-    FleetSnapshot,
     Format,
     Generate,
-    LoadedModel,
     Tokens,
     Usage,
     encode,
@@ -39,7 +36,6 @@ from ..protocol import (
 from .common import (
     EXIT_CODES,
     EXIT_INTERRUPTED,
-    EXIT_UNAVAILABLE,
     MaxTokensOpt,
     ModelOpt,
     ModelsOpt,
@@ -51,7 +47,6 @@ from .common import (
     TemperatureOpt,
     VerboseOpt,
     app,
-    call,
     exit_for,
     fail,
     prepull,
@@ -444,214 +439,6 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
-def _fleet(socket: Path | None) -> Any:
-    return call(socket, lambda c: c.describe_fleet(), unavailable_raises=True)
-
-
-@app.command()
-def fleet(
-    as_json: Annotated[bool, typer.Option("--json", help="Print the FleetSnapshot line.")]
-    = False,
-    watch: Annotated[bool, typer.Option("--watch", help="Refresh live until Ctrl-C.")] = False,
-    hosts: Annotated[list[str] | None, typer.Option(
-        "--host", metavar="HOST:PORT|SOCKET",
-        help="A daemon's TCP address or socket path (repeat: one view of several).")] = None,
-    token: Annotated[str | None, typer.Option(
-        "--token", envvar="EVERYCYCLE_TOKEN",
-        help="Key for TCP daemons (default: this user's daemon token).")] = None,
-    socket: SocketOpt = None,
-) -> None:
-    """Show executors, loaded models and active requests.
-
-    \b
-    Example:
-      everycycle fleet --json
-      everycycle fleet --host box1:7000 --host box2:7000
-    """
-    if hosts:
-        raise typer.Exit(_fleets(hosts, token, as_json))
-    try:
-        snap = _fleet(socket)
-    except DaemonUnavailableError as exc:
-        sys.stderr.write(f"everycycle: {exc.message}\n")
-        if not as_json:
-            from rich.console import Console
-
-            from ..engine.executors import discover
-            from .render import local_executors_view
-
-            Console(stderr=True).print(local_executors_view(discover()))
-        raise typer.Exit(EXIT_UNAVAILABLE) from None
-    if as_json:
-        sys.stdout.buffer.write(encode(FleetDescription(snap)))
-        return
-    from rich.console import Console
-
-    from .render import fleet_view
-
-    console = Console(stderr=not sys.stdout.isatty())
-    if not watch:
-        console.print(fleet_view(snap))
-        return
-    from rich.live import Live
-
-    gone: DaemonUnavailableError | None = None
-    with contextlib.suppress(KeyboardInterrupt), Live(fleet_view(snap), console=console) as live:
-        while True:
-            time.sleep(1)
-            try:
-                live.update(fleet_view(_fleet(socket)))
-            except DaemonUnavailableError as exc:
-                gone = exc
-                break
-    if gone is not None:  # the frame above is the last one the daemon gave
-        sys.stderr.write(f"everycycle: the daemon went away ({gone.message})\n")
-        raise typer.Exit(EXIT_UNAVAILABLE)
-
-
-def _fleets(hosts: list[str], token: str | None, as_json: bool) -> int:
-    """``fleet --host …``: each daemon's snapshot, then a total; exit 69 if any is down."""
-    from ..client.sync import SyncClient
-
-    if token is None:
-        from ..daemon.keys import load_or_create_token
-
-        token = load_or_create_token() if paths.token_file().exists() else None
-    found: list[tuple[str, FleetSnapshot]] = []
-    failed = 0
-    for host in hosts:
-        is_path = "/" in host
-        address, _, port = host.rpartition(":")
-        if not is_path and (not address or not port.isdigit()):
-            fail(f"--host {host!r}: expected HOST:PORT or a socket path", 2)
-        try:
-            client = (SyncClient(Path(host), timeout=30) if is_path else
-                      SyncClient(tcp=(address.strip("[]"), int(port)), token=token, timeout=30))
-            with client:
-                found.append((host, client.describe_fleet()))
-        except EverycycleError as exc:
-            sys.stderr.write(f"everycycle: {host}: {exc.message}\n")
-            failed += 1
-    if as_json:
-        for _, snap in found:
-            sys.stdout.buffer.write(encode(FleetDescription(snap)))
-        sys.stdout.flush()
-    else:
-        from rich.console import Console
-
-        from .render import fleets_view
-
-        Console(stderr=not sys.stdout.isatty()).print(fleets_view(found, failed))
-    return EXIT_UNAVAILABLE if failed else 0
-
-
-@app.command()
-def load(
-    model: Annotated[str, typer.Argument(metavar="MODEL", help="A registry name (see `everycycle models`).")],
-    executor: Annotated[str | None, typer.Option(
-        "--executor", help="auto, cpu, cuda, cuda:1, metal, vulkan, …")] = None,
-    keep_alive: Annotated[str | None, typer.Option(
-        "--keep-alive", help="How long it stays loaded once idle: 5m, 1h, 0, -1 (always).")]
-    = None,
-    offline: OfflineOpt = False,
-    models: ModelsOpt = None,
-    socket: SocketOpt = None,
-) -> None:
-    """Load MODEL on the daemon.
-
-    \b
-    Example:
-      everycycle load gemma-3-270m --executor cpu
-    """
-    keep_ms = None
-    if keep_alive is not None:
-        from ..models.registry import parse_keep_alive
-
-        try:
-            seconds = parse_keep_alive(keep_alive)
-        except ValueError as exc:
-            fail(f"--{exc}", 2)
-        keep_ms = -1 if seconds < 0 else int(seconds * 1000)
-    try:
-        prepull(model, models, offline)
-    except EverycycleError as exc:
-        exit_for(exc)
-
-    def load_and_look(c: Any) -> LoadedModel | None:
-        c.load(model, executor, keep_alive_ms=keep_ms)
-        return next((m for m in c.describe_fleet().loaded_models if m.name == model), None)
-
-    loaded = call(socket, load_and_look)
-    where = f" on {loaded.assigned_executor}" if loaded is not None else ""
-    engine = (f" (engine pid {loaded.engine_pid})"
-              if loaded is not None and loaded.engine_pid is not None else "")
-    sys.stderr.write(f"everycycle: loaded {model}{where}{engine}\n")
-
-
-@app.command()
-def unload(
-    model: Annotated[str, typer.Argument(metavar="MODEL", help="A loaded model.")],
-    socket: SocketOpt = None,
-) -> None:
-    """Unload MODEL (its requests are cancelled).
-
-    \b
-    Example:
-      everycycle unload gemma-3-270m
-    """
-    call(socket, lambda c: c.unload(model))
-    sys.stderr.write(f"everycycle: unloaded {model}\n")
-
-
-@app.command()
-def cancel(
-    request_id: Annotated[str, typer.Argument(metavar="REQUEST_ID", help="As `fleet` lists it, or `run -v` prints it.")],
-    socket: SocketOpt = None,
-) -> None:
-    """Cancel a request by id.
-
-    \b
-    Example:
-      everycycle cancel 3f2a…
-    """
-    call(socket, lambda c: c.cancel(request_id))
-
-
-@app.command()
-def ps(socket: SocketOpt = None) -> None:
-    """Show loaded models and active requests (as `fleet`; Ollama's name for it).
-
-    \b
-    Example:
-      everycycle ps
-    """
-    fleet(as_json=False, watch=False, hosts=None, token=None, socket=socket)
-
-
-@app.command()
-def stop(
-    model: Annotated[str | None, typer.Argument(
-        metavar="[MODEL]", help="Unload this model instead (as `unload`); no MODEL: stop the daemon.")] = None,
-    socket: SocketOpt = None,
-) -> None:
-    """Shut the daemon down gracefully, or with MODEL unload that model.
-
-    \b
-    Example:
-      everycycle stop
-      everycycle stop gemma-3-270m
-    """
-    if model is not None:
-        unload(model, socket)
-        return
-    try:
-        call(socket, lambda c: c.shutdown(), unavailable_raises=True)
-    except DaemonUnavailableError as exc:  # nothing to stop: that is what was asked
-        sys.stderr.write(f"everycycle: {exc.message}: nothing to stop\n")
-        return
-    sys.stderr.write("everycycle: daemon stopped\n")
-
-
 def main() -> None:
     """Console-script entry point."""
     usage_error: type[Exception] = typer.BadParameter.__mro__[1]  # Click's UsageError
@@ -678,6 +465,7 @@ def main() -> None:
 
 # The other commands register themselves on ``app`` when imported.
 from . import daemon as _daemon_commands  # noqa: F401
+from . import fleet as _fleet_commands  # noqa: F401
 from . import keys as _keys_commands  # noqa: F401
 from . import models as _models_commands  # noqa: F401
 from . import rpc as _rpc_commands  # noqa: F401
