@@ -24,6 +24,7 @@ from everycycle.protocol import (
     Message,
     Role,
     Tokens,
+    Usage,
     encode,
 )
 
@@ -109,19 +110,29 @@ async def test_messages_over_the_byte_limit_are_invalid(models_file: Path) -> No
         assert "messages longer than 100 bytes" in ev.message
 
 
-async def test_messages_to_a_model_without_a_template_are_invalid(
+async def test_messages_to_a_model_without_a_template_are_rendered_as_chatml(
     models_file: Path, tmp_path: Path
 ) -> None:
     from tinymodel import write_tiny_gguf
 
     bare = write_tiny_gguf(tmp_path / "bare.gguf", chat_template=None)
     f = tmp_path / "m.toml"
-    f.write_text(f'[models.bare]\npath = "{bare}"\ncontext = 256\nparallel = 1\n')
-    async with running_daemon(f), Raw.open() as c:
-        await c.send(encode(Generate("m", "bare", messages=convo(("user", "hi")))))
-        ev = (await c.until_terminal("m"))[-1]
+    f.write_text(f'[models.bare]\npath = "{bare}"\ncontext = 256\nparallel = 1\n'
+                 f'[models.base]\npath = "{bare}"\ncontext = 256\nparallel = 1\n'
+                 'format = "raw"\n')
+    async with running_daemon(f, audit_prompts=True), Raw.open() as c:
+        await c.send(encode(Generate("m", "bare", messages=convo(("user", "hi")), max_tokens=3,
+                                     usage=True)))
+        events = await c.until_terminal("m")
+        assert isinstance(events[-1], Tokens), events[-1]
+        (usage,) = [e for e in events if isinstance(e, Usage)]
+        chatml = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        assert usage.prompt_tokens >= len(chatml.encode())  # (byte tokens, BOS, a space)
+        # A completion model (format raw) has no chat at all.
+        await c.send(encode(Generate("n", "base", messages=convo(("user", "hi")))))
+        ev = (await c.until_terminal("n"))[-1]
         assert isinstance(ev, Error) and ev.kind is ErrorKind.INVALID
-        assert "has no chat template" in ev.message
+        assert "completion model" in ev.message
         await c.send(encode(Generate("p", "bare", "hi", max_tokens=2, format=Format.RAW)))
         assert isinstance((await c.until_terminal("p"))[-1], Tokens)
 

@@ -16,6 +16,7 @@ import pytest
 
 from everycycle.daemon.keys import LOCAL
 from everycycle.daemon.supervisor import Outcome, Supervisor
+from everycycle.engine.chat import ChatPrompt
 from everycycle.engine.contract import Engine, LoadOptions, Notify
 from everycycle.engine.jobs import Job, Output
 from everycycle.errors import ErrorKind, InternalError
@@ -88,10 +89,13 @@ class FakeEngine:
             raise InternalError(self.dead)
         return [ord(c) % 256 for c in prompt]
 
-    def tokenize_chat(self, messages: Sequence[Message]) -> list[int]:
-        return self.tokenize("".join(m.content for m in messages))
+    def chat_prompt(self, messages: Sequence[Message], tools: object = None,
+                    think: bool | None = None, as_prompt: bool = False
+                    ) -> tuple[list[int], ChatPrompt]:
+        text = "".join(m.content for m in messages)
+        return self.tokenize(text), ChatPrompt(text)
 
-    def check_grammar(self, gbnf: str) -> None:
+    def check_grammar(self, gbnf: str, triggers: tuple[str, ...] = ()) -> None:
         pass
 
     def rss(self) -> int | None:

@@ -15,9 +15,10 @@ import numpy as np
 
 from everycycle.engine.ggufwrite import finish, write_hparams
 
-CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (  # Gemma's: the assistant's turns are the model's
     "{{ bos_token }}{% for message in messages %}"
-    "{{ '<start_of_turn>' + message['role'] + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 WORDS = [" ", "hello", "world", " the", " a", "ing", "é", "✓", "<start_of_turn>", "<end_of_turn>"]

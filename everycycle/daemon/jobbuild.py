@@ -1,25 +1,38 @@
-"""A protocol request to the engine Job that runs it: tokens, sampling, grammar.
+"""A protocol request to the engine Job that runs it: tokens, sampling, grammar, and
+how its output is split (answer, thinking, tool calls).
 
 Blocking (tokenizing, compiling a grammar): the supervisor calls it on a worker thread.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
+from ..engine.chat import ChatPrompt
+from ..engine.chatoutput import ChatOutput
 from ..engine.contract import Engine
 from ..engine.grammar import check_size as check_grammar_size
 from ..engine.grammar import schema_to_gbnf
 from ..engine.jobs import Job, Sampling
+from ..engine.tools import (
+    ToolFormat,
+    call_grammar,
+    constrained_from_start,
+    tool_names,
+    trigger_patterns,
+)
+from ..errors import InvalidRequestError
 from ..models.registry import ModelSpec
-from ..protocol import Embed, Format, Generate
+from ..protocol import Embed, Format, Generate, Message, Role, ToolChoice
 
 
-def sampling(req: Generate, model_defaults: Mapping[str, Any],
-             grammar: str | None = None) -> Sampling:
+def sampling(req: Generate, model_defaults: Mapping[str, Any], grammar: str | None = None,
+             triggers: tuple[str, ...] = ()) -> Sampling:
     """The request's options, else the model's (models.toml), else llama.cpp's defaults."""
-    values: dict[str, Any] = {**model_defaults, "grammar": grammar}
+    values: dict[str, Any] = {**model_defaults, "grammar": grammar,
+                              "grammar_triggers": triggers}
     for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed"):
         given = getattr(req, name)
         if given is not None:
@@ -27,35 +40,77 @@ def sampling(req: Generate, model_defaults: Mapping[str, Any],
     return Sampling(**values)
 
 
-def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: object) -> Job:
-    """The engine Job for ``req`` on ``engine``, routed by ``tag``.
+def _tools(req: Generate) -> list[dict[str, Any]] | None:
+    """The request's tools, unless ``tool_choice`` is none. Raises InvalidRequestError."""
+    if req.tools is None or req.tool_choice is ToolChoice.NONE:
+        return None
+    tools = json.loads(req.tools)  # (a JSON array: the protocol checked)
+    tool_names(tools)  # each one a well-formed function tool
+    if req.tool_name is not None and req.tool_name not in tool_names(tools):
+        raise InvalidRequestError(f"tool_name names '{req.tool_name}', which is not in tools")
+    return list(tools)
+
+
+def _tool_grammar(req: Generate, prompt: ChatPrompt, tools: list[dict[str, Any]]
+                  ) -> tuple[str, tuple[str, ...]]:
+    """The grammar that holds the model to well-formed calls, and its trigger patterns
+    (lazy under ``auto``: free text stays free until a call begins)."""
+    assert prompt.tool_format is not None
+    fmt = ToolFormat[prompt.tool_format]
+    forced = req.tool_choice is ToolChoice.REQUIRED or req.tool_name is not None
+    grammar = call_grammar(fmt, tools, forced=forced, name=req.tool_name,
+                           parallel=req.parallel_tool_calls is True)
+    if constrained_from_start(fmt, forced=forced):
+        return grammar, ()
+    return grammar, tuple(trigger_patterns(fmt))
+
+
+def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: object
+              ) -> tuple[Job, ChatOutput | None]:
+    """The engine Job for ``req`` on ``engine``, routed by ``tag``, and what splits its
+    output (None: the text is the answer).
 
     Raises InvalidRequestError for what cannot run: too long a prompt or input, a
-    schema or grammar that does not compile.
+    schema, grammar or tools that do not compile, a conversation for a completion model.
     """
     if isinstance(req, Embed):
         inputs = [engine.tokenize(text, Format.RAW) for text in req.input]
         job = Job(tokens=(), max_tokens=1, embed_inputs=inputs, tag=tag)
         job.check_fits(engine.n_ctx_slot)
-        return job
+        return job, None
+    tools = _tools(req)
+    prompt: ChatPrompt | None = None
     if req.messages is not None:
-        tokens = engine.tokenize_chat(req.messages)
+        if spec.format is Format.RAW:
+            raise InvalidRequestError(f"model '{spec.name}' is a completion model: it has no "
+                                      "chat; send a `prompt` instead of `messages`")
+        tokens, prompt = engine.chat_prompt(req.messages, tools, req.think)
+    elif (req.format or spec.format) is Format.RAW:
+        assert req.prompt is not None
+        tokens = engine.tokenize(req.prompt, Format.RAW)
     else:
         assert req.prompt is not None
-        tokens = engine.tokenize(req.prompt, req.format or spec.format)
+        tokens, prompt = engine.chat_prompt((Message(Role.USER, req.prompt),), None,
+                                            req.think, True)
     grammar = req.grammar
+    triggers: tuple[str, ...] = ()
     if req.json_schema is not None:
         grammar = schema_to_gbnf(req.json_schema)  # (its size checked)
     elif grammar is not None:
         check_grammar_size(grammar)
+    elif tools is not None and prompt is not None:
+        grammar, triggers = _tool_grammar(req, prompt, tools)
+    names = tool_names(tools) if tools is not None else None
+    output = (ChatOutput(prompt, names) if prompt is not None
+              and ChatOutput.needed(prompt, names) else None)
     # On by default only where a draft's batch cannot change the output (the engine
     # checked at load); asked for explicitly, it runs regardless.
     lookup = (req.speculative if req.speculative is not None
               else spec.speculative and engine.lookup_exact)
     job = Job(tokens=tokens, max_tokens=req.max_tokens or engine.n_ctx_slot,
-              sampling=sampling(req, spec.sampling, grammar), stop=req.stop or (), tag=tag,
-              lookup=lookup)
+              sampling=sampling(req, spec.sampling, grammar, triggers), stop=req.stop or (),
+              tag=tag, lookup=lookup, special=output is not None)
     job.check_fits(engine.n_ctx_slot)
     if grammar is not None:
-        engine.check_grammar(grammar)  # compiled once: the engine keeps it for the job
-    return job
+        engine.check_grammar(grammar, triggers)  # compiled once: the engine keeps it
+    return job, output

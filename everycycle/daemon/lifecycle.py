@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.abc
 
+from ..engine.chatoutput import ChatOutput
 from ..engine.contract import Engine
 from ..engine.jobs import Job, Output
 from ..errors import ErrorKind, EverycycleError, RejectedError
@@ -37,6 +38,7 @@ from ..protocol import (
     ServerEvent,
     TokenChunk,
     Tokens,
+    ToolCalls,
     Usage,
 )
 from .outcome import Outcome, Peer
@@ -67,6 +69,8 @@ class Active:
     first_token: float | None = None
     n_prompt: int = 0
     n_out: int = 0
+    output: ChatOutput | None = None
+    """What splits its output into answer, thinking and tool calls (None: all answer)."""
 
 
 @dataclass(eq=False)
@@ -235,6 +239,8 @@ class Requests:
             ttft_s=None if active.first_token is None else active.first_token - active.admitted,
             duration_s=now - active.admitted,
             principal=active.peer.principal.name,
+            tool_calls=len(active.output.calls) if active.output else 0,
+            malformed_calls=active.output.malformed if active.output else 0,
         )
         active.peer.emit(event, outcome)
         self._report(outcome, active.req)
@@ -259,7 +265,7 @@ class Requests:
             if active.first_token is None and out.ids:
                 active.first_token = time.monotonic()
             if not out.finished:
-                event = Tokens(rid, TokenChunk(out.text, out.ids), False)
+                event = Tokens(rid, self._chunk(active, out.text, out.ids), False)
                 self._count(active, event)
                 active.peer.emit(event)
                 continue
@@ -275,10 +281,27 @@ class Requests:
                 vectors = tuple(tuple(v) for v in out.embeddings)
                 self.finish(active, Embeddings(rid, vectors), out.reason)
             else:
-                last = Tokens(rid, TokenChunk(out.text, out.ids), True)
+                last = Tokens(rid, self._chunk(active, out.text, out.ids, final=True), True)
                 self._count(active, last)
+                reason = out.reason or "eos"
+                if active.output is not None and active.output.calls:
+                    active.peer.emit(ToolCalls(rid, tuple(active.output.calls)))
+                    reason = "tool_calls"
                 if isinstance(active.req, Generate) and active.req.usage:
                     active.peer.emit(Usage(rid, active.n_prompt, job.n_reused, active.n_out,
-                                           out.reason or "eos"))
-                self.finish(active, last, out.reason)
+                                           reason))
+                self.finish(active, last, reason)
         return freed
+
+    @staticmethod
+    def _chunk(active: Active, text: str, ids: tuple[int, ...], *, final: bool = False
+               ) -> TokenChunk:
+        """The chunk for the engine's ``text``: split into answer and thinking (and its
+        tool calls kept back) when the request's output needs it."""
+        if active.output is None:
+            return TokenChunk(text, ids)
+        answer, thought = active.output.feed(text)
+        if final:
+            more, more_thought = active.output.finish()
+            answer, thought = answer + more, thought + more_thought
+        return TokenChunk(answer, ids, thought or None)

@@ -110,6 +110,10 @@ class Metrics:
             "everycycle_rejections", "Requests rejected, per principal and limit "
             "(queue, or the quota that refused them).", ["principal", "limit"],
             registry=self.registry)
+        self.tool_calls = Counter(
+            "everycycle_tool_calls", "Tool calls parsed from models' output, and those "
+            "that did not parse (returned as text).", ["model", "outcome"],
+            registry=self.registry)
         self._supervisor = supervisor
         self.registry.register(_Fleet(supervisor))
         supervisor.observers.append(self.observe)
@@ -119,6 +123,10 @@ class Metrics:
         if model not in self._supervisor.registry.models and outcome.executor is None:
             model = "_unknown"  # a name a client made up: not a label of its own
         self.requests.labels(model, outcome_label(outcome)).inc()
+        if outcome.tool_calls:
+            self.tool_calls.labels(model, "parsed").inc(outcome.tool_calls)
+        if outcome.malformed_calls:
+            self.tool_calls.labels(model, "malformed").inc(outcome.malformed_calls)
         self.prompt_tokens.labels(model).inc(outcome.prompt_tokens)
         self.cached_tokens.labels(model).inc(outcome.cached_tokens)
         self.generated_tokens.labels(model).inc(outcome.generated_tokens)

@@ -45,6 +45,10 @@ class Outcome:
     """The quota that refused it (a Rejected request), e.g. ``requests_per_minute``."""
     retry_after_s: float | None = None
     """When it was refused for a while: in how many seconds to try again."""
+    tool_calls: int = 0
+    """Tool calls it made (its finish reason is then ``tool_calls``)."""
+    malformed_calls: int = 0
+    """Tool calls that did not parse: they reached the client as text."""
 
 
 class Peer(Protocol):

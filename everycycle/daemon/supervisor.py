@@ -22,6 +22,7 @@ import anyio.to_thread
 
 from .. import paths
 from ..engine import cpukernels
+from ..engine.chatoutput import ChatOutput
 from ..engine.contract import Engine
 from ..engine.jobs import Job, Output
 from ..errors import (
@@ -295,7 +296,7 @@ class Supervisor:
         lane = self.requests.lane(model.name)
         lane.admitting += 1  # (no await since it was found: the reaper cannot have it)
         try:
-            job = await self._job_on(model, active)
+            job, active.output = await self._job_on(model, active)
         finally:
             lane.admitting -= 1
         if active.cancel_reason is None and self.residency.models.get(model.name) is not model:
@@ -311,7 +312,7 @@ class Supervisor:
         self.requests.place(active, model.engine if model.serving else None,
                             self.limits.max_queue)
 
-    async def _job_on(self, model: Resident, active: Active) -> Job:
+    async def _job_on(self, model: Resident, active: Active) -> tuple[Job, ChatOutput | None]:
         """The request's Job on the model's engine once it serves; again on the
         restarted engine when it died meanwhile."""
         for attempt in range(3):

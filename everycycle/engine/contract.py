@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 from ..errors import ErrorKind, EverycycleError
 from ..protocol import Format, Message
+from .chat import ChatPrompt
 from .jobs import Job, Output, Sampling
 
 Notify = Callable[[list[tuple[Job, Output]]], None]
@@ -53,9 +54,14 @@ class Engine(Protocol):
 
     def tokenize(self, prompt: str, fmt: Format | None = None) -> list[int]: ...
 
-    def tokenize_chat(self, messages: Sequence[Message]) -> list[int]: ...
+    def chat_prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None
+                    = None, think: bool | None = None, as_prompt: bool = False
+                    ) -> tuple[list[int], ChatPrompt]:
+        """A conversation (and tools) through the model's chat template: its tokens, and
+        what the output will hold (``as_prompt``: one plain prompt, sent as is where the
+        model has no template). Raises InvalidRequestError when it cannot render."""
 
-    def check_grammar(self, gbnf: str) -> None:
+    def check_grammar(self, gbnf: str, triggers: tuple[str, ...] = ()) -> None:
         """Raise InvalidRequestError, saying where, for a grammar llama.cpp refuses."""
 
     def rss(self) -> int | None:
@@ -113,6 +119,7 @@ class SubmitJob(NamedTuple):
     stop: tuple[str, ...]
     embed_inputs: Sequence[Sequence[int]] | None
     lookup: bool
+    special: bool
 
 
 class CancelJob(NamedTuple):
@@ -121,7 +128,7 @@ class CancelJob(NamedTuple):
 
 
 class Call(NamedTuple):
-    """A synchronous question (tokenize, tokenize_chat, check_grammar)."""
+    """A synchronous question (tokenize, chat_prompt, check_grammar)."""
 
     cid: int
     method: str
@@ -181,5 +188,5 @@ class Closed(NamedTuple):
     pass
 
 
-CALLS = frozenset({"tokenize", "tokenize_chat", "check_grammar"})
+CALLS = frozenset({"tokenize", "chat_prompt", "check_grammar"})
 """The methods a ``Call`` may name."""

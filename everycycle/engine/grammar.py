@@ -157,12 +157,22 @@ _JSON_CHAR = (r'char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | '
 _UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                "dependentSchemas")
+"""Keywords whose value maps names to schemas: its keys are names, not keywords."""
+
+
 def _walk(schema: object, where: str) -> Iterator[tuple[dict[str, object], str]]:
-    """Every object in ``schema``, with where it is (``json_schema.properties.a``)."""
+    """Every schema object in ``schema``, with where it is (``json_schema.properties.a``);
+    a map of names to schemas (``properties``) is not itself one."""
     if isinstance(schema, dict):
         yield schema, where
         for key, value in schema.items():
-            yield from _walk(value, f"{where}.{key}")
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                for name, sub in value.items():
+                    yield from _walk(sub, f"{where}.{key}.{name}")
+            else:
+                yield from _walk(value, f"{where}.{key}")
     elif isinstance(schema, list):
         for i, value in enumerate(schema):
             yield from _walk(value, f"{where}[{i}]")

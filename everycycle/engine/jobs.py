@@ -26,6 +26,9 @@ class Sampling:
     seed: int | None = None
     grammar: str | None = None
     """A GBNF grammar (root rule ``root``) every output must follow."""
+    grammar_triggers: tuple[str, ...] = ()
+    """With these patterns, the grammar is lazy: it holds from the first match on
+    (llama.cpp's trigger patterns; the tool-call markers of ``auto`` tool choice)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,8 @@ class Job:
     """Set for an embedding job: the token sequences to embed (no generation)."""
     lookup: bool = True
     """Prompt-lookup drafts, verified in the batch (greedy jobs without a grammar)."""
+    special: bool = False
+    """Render control tokens as their text (tool-call and thinking markers may be)."""
     # Filled in by the runner, read by callers once the job finished:
     n_prompt: int = 0
     n_reused: int = 0

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InternalError
+from .chat import ChatPrompt
 from .contract import (
     CALLS,
     Call,
@@ -117,7 +118,8 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
         if isinstance(message, SubmitJob):
             job = Job(tokens=message.tokens, max_tokens=message.max_tokens,
                       sampling=message.sampling, stop=message.stop,
-                      embed_inputs=message.embed_inputs, lookup=message.lookup)
+                      embed_inputs=message.embed_inputs, lookup=message.lookup,
+                      special=message.special)
             jobs[message.jid] = job
             ids[id(job)] = message.jid
             try:
@@ -340,7 +342,7 @@ class EngineProcess:
             self._jids[id(job)] = jid
         try:
             self._send(SubmitJob(jid, list(job.tokens), job.max_tokens, job.sampling,
-                                 tuple(job.stop), job.embed_inputs, job.lookup))
+                                 tuple(job.stop), job.embed_inputs, job.lookup, job.special))
         except InternalError:
             with self._lock:
                 self._jobs.pop(jid, None)
@@ -358,12 +360,12 @@ class EngineProcess:
         result: list[int] = self._call("tokenize", *args)
         return result
 
-    def tokenize_chat(self, *args: Any) -> list[int]:
-        result: list[int] = self._call("tokenize_chat", *args)
+    def chat_prompt(self, *args: Any) -> tuple[list[int], ChatPrompt]:
+        result: tuple[list[int], ChatPrompt] = self._call("chat_prompt", *args)
         return result
 
-    def check_grammar(self, gbnf: str) -> None:
-        self._call("check_grammar", gbnf)
+    def check_grammar(self, gbnf: str, triggers: tuple[str, ...] = ()) -> None:
+        self._call("check_grammar", gbnf, triggers)
 
     def rss(self) -> int | None:
         """The child's resident memory (Linux: /proc; elsewhere unknown)."""

@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import InternalError, InvalidRequestError
-from ..protocol import Format, Message
+from ..errors import InternalError
+from ..protocol import Format, Message, Role
+from .chat import ChatFormat, ChatPrompt
 from .contract import LoadOptions, Notify
 from .jobs import EMBED_MAX_TOKENS, Job, Output
 from .llamaload import create_context, devices_for, load_model
@@ -123,6 +124,7 @@ class Runner(EngineThread):
         # Guards the model against use from other threads (tokenize) while close() frees it.
         self._life = threading.Lock()
         self._freed = False
+        self._chat_format: ChatFormat | None = None
         self.lookup_exact = False
         """Whether this model, on this build and device, gives each token the same logits
         in a multi-row batch as alone: then prompt-lookup drafts change nothing but speed,
@@ -137,37 +139,57 @@ class Runner(EngineThread):
 
     @property
     def has_chat_template(self) -> bool:
-        """True when the GGUF carries a chat template llama.cpp can render."""
-        return self.vocab.template is not None
+        """True when the GGUF carries a chat template."""
+        return self.vocab.template_source is not None
 
     def tokenize(self, prompt: str, fmt: Format | None = None) -> list[int]:
-        """Prompt to tokens: the chat template unless ``fmt`` is RAW or the model has none.
+        """Prompt to tokens: as the user's one turn through the chat template, unless
+        ``fmt`` is RAW or the model has no template (then as is).
 
         Safe from any thread, also while the runner closes. Raises InternalError once
         the model is unloaded.
         """
-        with self._life:
-            self._check_alive()
-            if fmt is not Format.RAW and self.vocab.template is not None:
-                return self.vocab.tokenize(self.vocab.render_chat(((b"user", prompt),)),
-                                           special=True)
-            return self.vocab.tokenize(prompt, special=False)
+        if fmt is Format.RAW:
+            with self._life:
+                self._check_alive()
+                return self.vocab.tokenize(prompt, special=False)
+        return self.chat_prompt((Message(Role.USER, prompt),), as_prompt=True)[0]
 
-    def tokenize_chat(self, messages: Sequence[Message]) -> list[int]:
-        """A conversation to tokens through the model's chat template, ready for the
-        assistant's turn. Raises InvalidRequestError when the model has no template
-        llama.cpp can render, InternalError once the model is unloaded."""
+    def chat_prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None
+                    = None, think: bool | None = None, as_prompt: bool = False
+                    ) -> tuple[list[int], ChatPrompt]:
+        """A conversation (and tools) through the model's chat template, ready for the
+        assistant's turn: its tokens, and what the output will hold. ``as_prompt``: the
+        one message is a plain prompt, sent as is to a model without a template. Raises
+        InvalidRequestError when the template refuses it, InternalError once the model
+        is unloaded."""
+        if as_prompt and self.vocab.template_source is None:
+            with self._life:
+                self._check_alive()
+                text = messages[0].content
+                return self.vocab.tokenize(text, special=False), ChatPrompt(text)
+        prompt = self._chat().render(messages, tools=tools, think=think)
         with self._life:
             self._check_alive()
-            if self.vocab.template is None:
-                why = ("has a chat template llama.cpp cannot render" if self.vocab.template_raw
-                       else "has no chat template")
-                raise InvalidRequestError(
-                    f"{self.path.name} {why}: send a `prompt` with format raw instead of "
-                    "`messages`"
-                )
-            turns = tuple((m.role.value.encode(), m.content) for m in messages)
-            return self.vocab.tokenize(self.vocab.render_chat(turns), special=True)
+            return self.vocab.tokenize(prompt.text, special=True), prompt
+
+    @property
+    def chat_renderer(self) -> str:
+        """``jinja``, ``llama.cpp`` or ``chatml`` (no template): how chats are rendered."""
+        return self._chat().renderer
+
+    def _chat(self) -> ChatFormat:
+        with self._life:
+            if self._chat_format is None:
+                vocab = self.vocab
+                self._chat_format = ChatFormat(
+                    vocab.template_source, bos=vocab.special_text("bos"),
+                    eos=vocab.special_text("eos"), strip_bos=vocab.add_bos,
+                    llama_render=vocab.render_chat if vocab.template is not None else None)
+                if vocab.template_source is None:
+                    log.info("%s has no chat template: chats are rendered as ChatML",
+                             self.path.name)
+            return self._chat_format
 
     def _check_alive(self) -> None:
         if self._freed:
@@ -182,14 +204,15 @@ class Runner(EngineThread):
             self._check_alive()
             return b"".join(self.vocab.piece(t) for t in ids).decode("utf-8", "replace")
 
-    def check_grammar(self, gbnf: str) -> None:
-        """Compile ``gbnf`` once to refuse a broken grammar before anything is queued.
+    def check_grammar(self, gbnf: str, triggers: tuple[str, ...] = ()) -> None:
+        """Compile ``gbnf`` (lazy from ``triggers``, when given) to refuse a broken
+        grammar before anything is queued; the job that asked gets it.
 
         Safe from any thread. Raises InvalidRequestError saying where it is broken.
         """
         with self._life:
             self._check_alive()
-            self._samplers.check(gbnf)
+            self._samplers.check(gbnf, triggers)
 
     def rss(self) -> int | None:
         return None

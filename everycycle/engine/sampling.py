@@ -41,7 +41,7 @@ class Samplers:
         self._all = np.zeros(n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
         self._ids = np.arange(n_vocab, dtype=np.int32)
         self._one = _OneCandidate(L)
-        self._checked: OrderedDict[str, Any] = OrderedDict()
+        self._checked: OrderedDict[tuple[str, tuple[str, ...]], Any] = OrderedDict()
         """Grammars compiled by ``check`` and not used yet: a job takes its own."""
         self._lock = threading.Lock()
 
@@ -80,20 +80,28 @@ class Samplers:
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
         return chain
 
-    def grammar(self, gbnf: str) -> Any:
-        """llama.cpp's grammar sampler for ``gbnf`` (root rule ``root``): the one ``check``
-        compiled when it did, else a new one.
+    def grammar(self, gbnf: str, triggers: tuple[str, ...] = ()) -> Any:
+        """llama.cpp's grammar sampler for ``gbnf`` (root rule ``root``), lazy from the
+        first match of one of ``triggers`` when given: the one ``check`` compiled when
+        it did, else a new one.
 
         Raises InvalidRequestError with llama.cpp's own parse error, which says where.
         """
         with self._lock:
-            ready = self._checked.pop(gbnf, None)
-        return ready if ready is not None else self._compile(gbnf)
+            ready = self._checked.pop((gbnf, triggers), None)
+        return ready if ready is not None else self._compile(gbnf, triggers)
 
-    def _compile(self, gbnf: str) -> Any:
+    def _compile(self, gbnf: str, triggers: tuple[str, ...]) -> Any:
+        L = self._L
         with log_capture() as captured, stderr_text() as printed:
-            sampler = self._L.llama_sampler_init_grammar(self._vocab, gbnf.encode("utf-8"),
-                                                         b"root")
+            if triggers:
+                patterns = (ctypes.c_char_p * len(triggers))(*[t.encode() for t in triggers])
+                sampler = L.llama_sampler_init_grammar_lazy_patterns(
+                    self._vocab, gbnf.encode("utf-8"), b"root", patterns, len(triggers),
+                    None, 0)
+            else:
+                sampler = L.llama_sampler_init_grammar(self._vocab, gbnf.encode("utf-8"),
+                                                       b"root")
         if not sampler:
             # llama.cpp prints where the parse failed straight to stderr, then logs a
             # generic error; the first says where.
@@ -102,13 +110,14 @@ class Samplers:
             raise InvalidRequestError(f"grammar: {detail}")
         return sampler
 
-    def check(self, gbnf: str) -> None:
+    def check(self, gbnf: str, triggers: tuple[str, ...] = ()) -> None:
         """Compile ``gbnf`` (raising InvalidRequestError saying where it is broken) and
         keep it for the job that asked, so that it is compiled once."""
-        sampler = self._compile(gbnf)
+        sampler = self._compile(gbnf, triggers)
+        key = (gbnf, triggers)
         with self._lock:
-            old = self._checked.pop(gbnf, None)
-            self._checked[gbnf] = sampler
+            old = self._checked.pop(key, None)
+            self._checked[key] = sampler
             spill = [old] if old is not None else []
             while len(self._checked) > self.CHECKED_KEEP:
                 spill.append(self._checked.popitem(last=False)[1])

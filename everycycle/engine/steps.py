@@ -255,7 +255,8 @@ class EngineThread:
         greedy = job.sampling.temperature <= 0.0 and job.sampling.repeat_penalty == 1.0
         # Under a grammar, as llama-server does it: the argmax (or a sample), and the
         # whole vocabulary masked only when the grammar refuses that token.
-        slot.grammar = (self._samplers.grammar(job.sampling.grammar)
+        slot.grammar = (self._samplers.grammar(job.sampling.grammar,
+                                               job.sampling.grammar_triggers)
                         if job.sampling.grammar is not None else None)
         slot.sampler = self._samplers.chain(job.sampling)  # (None: plain greedy)
         slot.lookup = (self.lookup_type(job.tokens, self._history)
@@ -289,7 +290,7 @@ class EngineThread:
         """Add a sampled token's text; True if a stop string ended the job."""
         job = slot.job
         assert job is not None
-        chunk = slot.add_text(token, self.vocab.piece(token), job.stop)
+        chunk = slot.add_text(token, self.vocab.piece(token, job.special), job.stop)
         if isinstance(chunk, bool):
             return chunk
         out.append((job, Output(chunk[0], tuple(chunk[1]))))

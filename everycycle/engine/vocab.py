@@ -25,11 +25,13 @@ class Vocab:
         self._vocab = L.llama_model_get_vocab(model)
         self.n_vocab: int = L.llama_vocab_n_tokens(self._vocab)
         tmpl = L.llama_model_chat_template(model, None)
-        self.template_raw = bool(tmpl)
-        """Whether the GGUF carries a template at all (llama.cpp may not render it)."""
+        self.template_source: str | None = tmpl.decode("utf-8", "replace") if tmpl else None
+        """The GGUF's ``tokenizer.chat_template``, if it has one."""
         self.template: bytes | None = (
             tmpl if tmpl and self._apply(tmpl, ((b"user", "x"),)) is not None else None)
         """The GGUF's chat template if llama.cpp can render it (probed once)."""
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
+        """Whether tokenizing adds BOS itself."""
 
     def tokenize(self, text: str, *, special: bool) -> list[int]:
         L = self._L
@@ -42,15 +44,23 @@ class Vocab:
             n = L.llama_tokenize(self._vocab, data, len(data), buf, -n, True, special)
         return list(buf[:n])
 
-    def piece(self, token: int) -> bytes:
-        """The bytes ``token`` renders as (a part of a character, perhaps)."""
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes ``token`` renders as (a part of a character, perhaps); a control
+        token renders as its text only with ``special``."""
         L = self._L
         buf = ctypes.create_string_buffer(64)
-        n = L.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+        n = L.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = L.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+            n = L.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
         return buf.raw[:n]
+
+    def special_text(self, which: str) -> str:
+        """The text of the ``bos`` or ``eos`` token ("" when the model has none)."""
+        L = self._L
+        token = L.llama_vocab_bos(self._vocab) if which == "bos" else L.llama_vocab_eos(
+            self._vocab)
+        return self.piece(token, special=True).decode("utf-8", "replace") if token >= 0 else ""
 
     def is_eog(self, token: int) -> bool:
         return bool(self._L.llama_vocab_is_eog(self._vocab, token))

@@ -25,6 +25,7 @@ from .events import (
     ServerEvent,
     TokenChunk,
     Tokens,
+    ToolCalls,
     Usage,
     is_terminal,
 )
@@ -41,6 +42,8 @@ from .requests import (
     Request,
     Role,
     Shutdown,
+    ToolCall,
+    ToolChoice,
     Unload,
 )
 from .validation import (
@@ -80,6 +83,9 @@ __all__ = [
     "Shutdown",
     "TokenChunk",
     "Tokens",
+    "ToolCall",
+    "ToolCalls",
+    "ToolChoice",
     "Unload",
     "Usage",
     "check_model_name",

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..errors import ErrorKind
+from .requests import ToolCall
 from .validation import COUNT, TOKEN_ID_MAX, U32, check_range, check_text, message
 from .validation import validate_request_id as _validate_request_id
 
@@ -30,14 +31,21 @@ class Accepted:
 
 @dataclass(frozen=True, slots=True)
 class TokenChunk:
-    """Generated text and the token ids it came from; ``text`` is whole UTF-8."""
+    """Generated text and the token ids it came from; ``text`` is whole UTF-8.
+
+    For a model that thinks before it answers, ``reasoning`` (an extension, absent when
+    empty) carries the thinking and ``text`` only the answer; with tools, the text of a
+    call is not in either: the calls come in a ``ToolCalls`` event."""
 
     text: str
     ids: tuple[int, ...]
+    reasoning: str | None = field(default=None, metadata=_EXT)
 
     def __post_init__(self) -> None:
         if not self.text.isascii():
             check_text("text", self.text)
+        if self.reasoning is not None and not self.reasoning.isascii():
+            check_text("reasoning", self.reasoning)
         if self.ids and not 0 <= min(self.ids) <= max(self.ids) <= TOKEN_ID_MAX:
             for i in self.ids:
                 check_range("token id", i, 0, TOKEN_ID_MAX)
@@ -199,10 +207,21 @@ class Usage:
     """``eos``, ``stop``, ``length`` (max_tokens) or ``context`` (the context is full)."""
 
 
-ServerEvent = Accepted | Tokens | FleetDescription | Error | Done | Embeddings | Usage
+@message()
+class ToolCalls:
+    """The tool calls a finished generation made, just before its last Tokens (an
+    extension, for a Generate with ``tools``)."""
+
+    request_id: str
+    calls: tuple[ToolCall, ...]
+
+
+ServerEvent = (Accepted | Tokens | FleetDescription | Error | Done | Embeddings | Usage
+               | ToolCalls)
 
 EVENTS: dict[str, type[ServerEvent]] = {
-    c.__name__: c for c in (Accepted, Tokens, FleetDescription, Error, Done, Embeddings, Usage)
+    c.__name__: c for c in (Accepted, Tokens, FleetDescription, Error, Done, Embeddings, Usage,
+                            ToolCalls)
 }
 
 
@@ -210,4 +229,4 @@ def is_terminal(event: ServerEvent) -> bool:
     """True for the one event that ends a request."""
     if isinstance(event, Tokens):
         return event.finished
-    return not isinstance(event, Accepted | Usage)
+    return not isinstance(event, Accepted | Usage | ToolCalls)

@@ -16,7 +16,9 @@ from .validation import (
     MAX_STOP_CHARS,
     MAX_STOPS,
     MAX_TOKENS_LIMIT,
+    MAX_TOOL_CALLS,
     U32_MAX,
+    check_name,
     message,
 )
 
@@ -38,14 +40,55 @@ class Role(enum.Enum):
     SYSTEM = "system"
     USER = "user"
     ASSISTANT = "assistant"
+    TOOL = "tool"
+    """A tool's result, answering the assistant's call ``tool_call_id``."""
+
+
+class ToolChoice(enum.Enum):
+    """Whether the model may, must or must not call one of a request's tools."""
+
+    AUTO = "auto"
+    NONE = "none"
+    REQUIRED = "required"
+
+
+@message(names=("name",))
+class ToolCall:
+    """A call of the tool ``name`` with ``arguments`` (a JSON object, as text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def _validate(self) -> None:
+        check_name("tool call id", self.id)
+        try:
+            args = json.loads(self.arguments)
+        except ValueError as exc:
+            raise ProtocolError(f"tool call arguments are not JSON: {exc}") from None
+        if not isinstance(args, dict):
+            raise ProtocolError("tool call arguments must be a JSON object")
 
 
 @message()
 class Message:
-    """One turn of a conversation (an extension: ``Generate.messages``)."""
+    """One turn of a conversation (an extension: ``Generate.messages``). An assistant's
+    turn may carry the ``tool_calls`` it made; a tool's turn answers ``tool_call_id``."""
 
     role: Role
     content: str
+    tool_calls: tuple[ToolCall, ...] | None = field(default=None, metadata=_EXT)
+    tool_call_id: str | None = field(default=None, metadata=_EXT)
+
+    def _validate(self) -> None:
+        if self.tool_calls is not None and self.role is not Role.ASSISTANT:
+            raise ProtocolError("only an assistant message carries tool_calls")
+        if self.tool_calls is not None and not 1 <= len(self.tool_calls) <= MAX_TOOL_CALLS:
+            raise ProtocolError(f"tool_calls must hold 1-{MAX_TOOL_CALLS} calls")
+        if self.tool_call_id is not None:
+            if self.role is not Role.TOOL:
+                raise ProtocolError("only a tool message answers a tool_call_id")
+            check_name("tool_call_id", self.tool_call_id)
 
 
 @message(ranges={
@@ -85,8 +128,21 @@ class Generate:
     extension). The output is the same either way; only the speed differs."""
     usage: bool | None = field(default=None, metadata=_EXT)
     """Send a ``Usage`` event before the last Tokens (an extension)."""
+    tools: str | None = field(default=None, metadata=_EXT)
+    """Function tools the model may call: a JSON array of OpenAI tool objects, as text
+    (an extension; with ``messages``). Calls come back in a ``ToolCalls`` event."""
+    tool_choice: ToolChoice | None = field(default=None, metadata=_EXT)
+    """``auto`` (the default with tools), ``none`` or ``required``."""
+    tool_name: str | None = field(default=None, metadata=_EXT)
+    """The one tool the model must call (implies ``required``)."""
+    parallel_tool_calls: bool | None = field(default=None, metadata=_EXT)
+    """Whether one answer may make several calls (default: no, as llama-server)."""
+    think: bool | None = field(default=None, metadata=_EXT)
+    """Whether a thinking model thinks first, where its template can say (the template's
+    own ``enable_thinking``); its thoughts arrive in ``TokenChunk.reasoning``."""
 
     def _validate(self) -> None:
+        self._validate_tools()
         if (self.prompt is None) == (self.messages is None):
             raise ProtocolError("give exactly one of `prompt` and `messages`")
         if self.messages is not None:
@@ -116,6 +172,29 @@ class Generate:
             for s in self.stop:
                 if not 1 <= len(s) <= MAX_STOP_CHARS:
                     raise ProtocolError(f"stop strings must be 1-{MAX_STOP_CHARS} characters")
+
+
+    def _validate_tools(self) -> None:
+        if self.tools is None:
+            if self.tool_choice is not None or self.tool_name is not None:
+                raise ProtocolError("`tool_choice` and `tool_name` need `tools`")
+            return
+        if self.messages is None:
+            raise ProtocolError("`tools` need `messages`")
+        if self.json_schema is not None or self.grammar is not None:
+            raise ProtocolError("give `tools` or a `json_schema`/`grammar`, not both")
+        if not 1 <= len(self.tools) <= MAX_GRAMMAR_CHARS:
+            raise ProtocolError(f"`tools` must be 1-{MAX_GRAMMAR_CHARS} characters")
+        try:
+            tools = json.loads(self.tools)
+        except ValueError as exc:
+            raise ProtocolError(f"`tools` is not JSON: {exc}") from None
+        if not isinstance(tools, list) or not tools:
+            raise ProtocolError("`tools` must be a non-empty JSON array")
+        if self.tool_name is not None:
+            check_name("tool_name", self.tool_name)
+            if self.tool_choice is ToolChoice.NONE:
+                raise ProtocolError("`tool_name` forces a call: `tool_choice` none refuses it")
 
 
 @message()

@@ -28,8 +28,6 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ...engine.grammar import JSON_OBJECT_SCHEMA
-from ...errors import ProtocolError
 from ...protocol import (
     Accepted,
     Embed,
@@ -37,11 +35,11 @@ from ...protocol import (
     Error,
     Format,
     Generate,
-    Message,
-    Role,
     Tokens,
+    ToolCalls,
 )
 from ..outcome import Outcome
+from . import openai_request as parse
 from .common import HttpError, Reader, deadline, protocol_errors, request_id
 from .exchange import STATUS, Events, Exchange, Send, Spawner, dumps
 
@@ -58,8 +56,6 @@ _TYPE = {
     500: "server_error",
     503: "model_not_loaded",
 }
-_ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER,
-          "assistant": Role.ASSISTANT}
 
 
 def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
@@ -76,7 +72,16 @@ def error_response(status: int, message: str, code: str | None = None,
 def _finish_reason(outcome: Outcome | None) -> str:
     if outcome is not None and outcome.finish_reason in ("length", "context"):
         return "length"
+    if outcome is not None and outcome.finish_reason == "tool_calls":
+        return "tool_calls"
     return "stop"
+
+
+def tool_calls(calls: ToolCalls, *, indexed: bool = False) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls`` (with ``index`` for a streamed delta)."""
+    return [{**({"index": i} if indexed else {}), "id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(calls.calls)]
 
 
 def _usage(outcome: Outcome | None) -> dict[str, Any]:
@@ -98,9 +103,10 @@ class _Shape:
     encoding: str = "float"
 
     def chunk(self, text: str | None, finish: str | None, *, role: bool = False,
-              usage: dict[str, Any] | None | bool = False) -> dict[str, Any]:
+              usage: dict[str, Any] | None | bool = False,
+              delta: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
-            delta: dict[str, Any] = {}
+            delta = dict(delta or {})
             if role:
                 delta["role"] = "assistant"
             if text is not None:
@@ -129,12 +135,18 @@ class _Shape:
         return {"object": "list", "data": data, "model": self.model,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    def whole(self, text: str, outcome: Outcome | None) -> dict[str, Any]:
+    def whole(self, text: str, outcome: Outcome | None, *, reasoning: str = "",
+              calls: ToolCalls | None = None) -> dict[str, Any]:
         finish = _finish_reason(outcome)
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
-                                                              "content": text},
-                                      "logprobs": None, "finish_reason": finish}
+            message: dict[str, Any] = {"role": "assistant",
+                                       "content": None if calls and not text else text}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = tool_calls(calls)
+            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None,
+                                      "finish_reason": finish}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -169,17 +181,24 @@ class _Generation(Exchange):
 
     async def _collect(self, events: Events, send: Send) -> None:
         text: list[str] = []
+        thought: list[str] = []
+        calls: ToolCalls | None = None
         async for event, outcome in events:
             if isinstance(event, Error):
                 await self.send_error(send, event, outcome, self._error_body(event))
                 return
             if isinstance(event, Embeddings):
                 answer = self.shape.embeddings(event, outcome)
+            elif isinstance(event, ToolCalls):
+                calls = event
+                continue
             elif isinstance(event, Tokens):
                 text.append(event.chunk.text)
+                thought.append(event.chunk.reasoning or "")
                 if not event.finished:
                     continue
-                answer = self.shape.whole("".join(text), outcome)
+                answer = self.shape.whole("".join(text), outcome, reasoning="".join(thought),
+                                          calls=calls)
             else:
                 continue
             await self.send_json(send, 200, json.dumps(answer, ensure_ascii=False).encode())
@@ -204,7 +223,13 @@ class _Generation(Exchange):
                     await self.write(send, _sse(self.shape.chunk("", None, role=True,
                                                                  usage=usage)))
                     role_sent = True
+            elif isinstance(event, ToolCalls):
+                await self.write(send, _sse(self.shape.chunk(None, None, usage=usage, delta={
+                    "tool_calls": tool_calls(event, indexed=True)})))
             elif isinstance(event, Tokens):
+                if event.chunk.reasoning and self.shape.chat:
+                    await self.write(send, _sse(self.shape.chunk(None, None, usage=usage, delta={
+                        "reasoning_content": event.chunk.reasoning})))
                 if event.chunk.text:
                     await self.write(send, _sse(self.shape.chunk(event.chunk.text, None,
                                                                  usage=usage)))
@@ -253,7 +278,8 @@ class OpenAI:
     async def chat_completions(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)
         return self._completion(request, data, "chatcmpl",
-                                messages=_messages(data.get("messages")))
+                                messages=parse.messages(data.get("messages")),
+                                **parse.tools(data), **parse.thinking(data))
 
     async def completions(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)
@@ -269,8 +295,8 @@ class OpenAI:
                     **fields: Any) -> _Generation:
         """A chat completion (``messages``) or a text completion (``prompt``)."""
         model = self.reader.model(request, data.get("model"), "GET /v1/models")
-        options = _options(request, data)
-        options.update(_response_format(data.get("response_format")))
+        options = parse.options(request, data)
+        options.update(parse.response_format(data.get("response_format")))
         rid = request_id(request, prefix)
         req = protocol_errors(Generate, rid, model, **fields, **options)
         shape = _Shape(chat="messages" in fields, request_id=rid, model=model)
@@ -318,95 +344,3 @@ class OpenAI:
         if name not in self.reader.visible(principal):
             raise HttpError(404, f"model '{name}' not found", "model_not_found")
         return JSONResponse(self._model_objects([name])[0])
-
-
-def _options(request: HttpRequest, data: dict[str, Any]) -> dict[str, Any]:
-    """The sampling and stopping options of a chat or text completion."""
-    n = data.get("n", 1)
-    if n != 1:
-        raise HttpError(400, "only n=1 is supported: send one request per completion",
-                        "unsupported_n")
-    options: dict[str, Any] = {}
-    max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
-    if max_tokens is not None:
-        options["max_tokens"] = max_tokens
-    for key in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed"):
-        if data.get(key) is not None:
-            options[key] = data[key]
-    stop = data.get("stop")
-    if isinstance(stop, str):
-        options["stop"] = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        options["stop"] = tuple(stop) or None
-    elif stop is not None:
-        raise HttpError(400, "`stop` must be a string or a list of strings", "invalid_type")
-    limit = deadline(request)
-    if limit is not None:
-        options["deadline_ms"] = limit
-    check_types(options)
-    return options
-
-
-def check_types(options: dict[str, Any]) -> None:
-    """Integers and numbers where Generate wants them (a bool is neither). Raises HttpError."""
-    for key, kind in (("max_tokens", int), ("top_k", int), ("seed", int)):
-        value = options.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
-            raise HttpError(400, f"`{key}` must be an integer", "invalid_type")
-    for key in ("temperature", "top_p", "min_p", "repeat_penalty"):
-        value = options.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise HttpError(400, f"`{key}` must be a number", "invalid_type")
-
-
-def _response_format(raw: object) -> dict[str, str]:
-    """OpenAI's ``response_format`` to Generate's ``json_schema``. Raises HttpError."""
-    if raw is None:
-        return {}
-    kind = raw.get("type") if isinstance(raw, dict) else None
-    if kind == "text":
-        return {}
-    if kind == "json_object":
-        return {"json_schema": JSON_OBJECT_SCHEMA}
-    if kind == "json_schema" and isinstance(raw, dict):
-        spec = raw.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise HttpError(400, "response_format.json_schema.schema must be an object",
-                             "invalid_response_format")
-        return {"json_schema": json.dumps(schema)}
-    raise HttpError(400, "response_format.type must be text, json_object or json_schema",
-                     "invalid_response_format")
-
-
-def _messages(raw: object) -> tuple[Message, ...]:
-    """OpenAI chat messages to protocol Messages. Raises HttpError (400)."""
-    if not isinstance(raw, list) or not raw:
-        raise HttpError(400, "`messages` must be a non-empty list", "invalid_messages")
-    out: list[Message] = []
-    for i, item in enumerate(raw):
-        if not isinstance(item, dict):
-            raise HttpError(400, f"messages[{i}] must be an object", "invalid_messages")
-        given = item.get("role")
-        role = _ROLES.get(given) if isinstance(given, str) else None
-        if role is None:
-            raise HttpError(400, f"messages[{i}].role must be system, developer, user or "
-                             f"assistant (got {json.dumps(given)[:40]})", "invalid_messages")
-        content = item.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise HttpError(400, f"messages[{i}].content: only text parts are "
-                                     "supported", "unsupported_content")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise HttpError(400, f"messages[{i}].content must be a string or text parts",
-                             "invalid_messages")
-        try:
-            out.append(Message(role, content))
-        except ProtocolError as exc:
-            raise HttpError(400, f"messages[{i}]: {exc.message}", "invalid_messages") from None
-    return tuple(out)

@@ -1,0 +1,190 @@
+"""Reading an OpenAI request: a chat's messages (with tool calls and results), its
+tools and tool choice, sampling and stopping options, and response formats, as the
+fields of a protocol Generate. Every mistake is an HttpError (400) naming the field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request as HttpRequest
+
+from ...engine.grammar import JSON_OBJECT_SCHEMA
+from ...errors import ProtocolError
+from ...protocol import Message, Role, ToolCall, ToolChoice
+from .common import HttpError, deadline
+
+_ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER,
+          "assistant": Role.ASSISTANT, "tool": Role.TOOL}
+
+
+def options(request: HttpRequest, data: dict[str, Any]) -> dict[str, Any]:
+    """The sampling and stopping options of a chat or text completion."""
+    n = data.get("n", 1)
+    if n != 1:
+        raise HttpError(400, "only n=1 is supported: send one request per completion",
+                        "unsupported_n")
+    options: dict[str, Any] = {}
+    max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
+    if max_tokens is not None:
+        options["max_tokens"] = max_tokens
+    for key in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed"):
+        if data.get(key) is not None:
+            options[key] = data[key]
+    stop = data.get("stop")
+    if isinstance(stop, str):
+        options["stop"] = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        options["stop"] = tuple(stop) or None
+    elif stop is not None:
+        raise HttpError(400, "`stop` must be a string or a list of strings", "invalid_type")
+    limit = deadline(request)
+    if limit is not None:
+        options["deadline_ms"] = limit
+    check_types(options)
+    return options
+
+
+def check_types(options: dict[str, Any]) -> None:
+    """Integers and numbers where Generate wants them (a bool is neither). Raises HttpError."""
+    for key, kind in (("max_tokens", int), ("top_k", int), ("seed", int)):
+        value = options.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise HttpError(400, f"`{key}` must be an integer", "invalid_type")
+    for key in ("temperature", "top_p", "min_p", "repeat_penalty"):
+        value = options.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise HttpError(400, f"`{key}` must be a number", "invalid_type")
+
+
+def response_format(raw: object) -> dict[str, str]:
+    """OpenAI's ``response_format`` to Generate's ``json_schema``. Raises HttpError."""
+    if raw is None:
+        return {}
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": JSON_OBJECT_SCHEMA}
+    if kind == "json_schema" and isinstance(raw, dict):
+        spec = raw.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise HttpError(400, "response_format.json_schema.schema must be an object",
+                             "invalid_response_format")
+        return {"json_schema": json.dumps(schema)}
+    raise HttpError(400, "response_format.type must be text, json_object or json_schema",
+                     "invalid_response_format")
+
+
+def _text(i: int, content: object, *, nullable: bool) -> str:
+    """A message's content: a string, or text parts joined (null where allowed)."""
+    if content is None and nullable:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise HttpError(400, f"messages[{i}].content: only text parts are supported",
+                                "unsupported_content")
+            parts.append(part["text"])
+        return "".join(parts)
+    if not isinstance(content, str):
+        raise HttpError(400, f"messages[{i}].content must be a string or text parts",
+                        "invalid_messages")
+    return content
+
+
+def _calls(i: int, raw: object) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls``."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(raw, list) or not raw:
+        raise HttpError(400, f"{where} must be a non-empty list", "invalid_messages")
+    out = []
+    for j, call in enumerate(raw):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise HttpError(400, f"{where}[{j}] must be {{id, type: function, function: "
+                            "{name, arguments}}", "invalid_messages")
+        args = function.get("arguments", "{}")
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        call_id = call.get("id") or f"call_{i}_{j}"
+        try:
+            out.append(ToolCall(str(call_id), function["name"], args))
+        except ProtocolError as exc:
+            raise HttpError(400, f"{where}[{j}]: {exc.message}", "invalid_messages") from None
+    return tuple(out)
+
+
+def messages(raw: object) -> tuple[Message, ...]:
+    """OpenAI chat messages to protocol Messages. Raises HttpError (400)."""
+    if not isinstance(raw, list) or not raw:
+        raise HttpError(400, "`messages` must be a non-empty list", "invalid_messages")
+    out: list[Message] = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise HttpError(400, f"messages[{i}] must be an object", "invalid_messages")
+        given = item.get("role")
+        role = _ROLES.get(given) if isinstance(given, str) else None
+        if role is None:
+            raise HttpError(400, f"messages[{i}].role must be system, developer, user, "
+                            f"assistant or tool (got {json.dumps(given)[:40]})",
+                            "invalid_messages")
+        calls = (_calls(i, item["tool_calls"]) if role is Role.ASSISTANT
+                 and item.get("tool_calls") else None)
+        content = _text(i, item.get("content"), nullable=calls is not None)
+        call_id = item.get("tool_call_id") if role is Role.TOOL else None
+        if role is Role.TOOL and not isinstance(call_id, str):
+            raise HttpError(400, f"messages[{i}].tool_call_id must be a string",
+                            "invalid_messages")
+        try:
+            out.append(Message(role, content, calls, call_id))
+        except ProtocolError as exc:
+            raise HttpError(400, f"messages[{i}]: {exc.message}", "invalid_messages") from None
+    return tuple(out)
+
+
+def tools(data: dict[str, Any]) -> dict[str, Any]:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` as Generate's fields."""
+    raw = data.get("tools")
+    choice = data.get("tool_choice")
+    if raw is None or raw == []:
+        if choice not in (None, "none", "auto"):
+            raise HttpError(400, "`tool_choice` needs `tools`", "invalid_tools")
+        return {}
+    if not isinstance(raw, list):
+        raise HttpError(400, "`tools` must be a list of tool objects", "invalid_tools")
+    fields: dict[str, Any] = {"tools": json.dumps(raw, ensure_ascii=False)}
+    if isinstance(choice, str) and choice in ("auto", "none", "required"):
+        fields["tool_choice"] = ToolChoice(choice)
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict) and isinstance(
+            choice["function"].get("name"), str):
+        fields["tool_name"] = choice["function"]["name"]
+    elif choice is not None:
+        raise HttpError(400, "`tool_choice` must be auto, none, required or "
+                        '{"type": "function", "function": {"name": ...}}', "invalid_tools")
+    parallel = data.get("parallel_tool_calls")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise HttpError(400, "`parallel_tool_calls` must be a boolean", "invalid_type")
+        fields["parallel_tool_calls"] = parallel
+    return fields
+
+
+def thinking(data: dict[str, Any]) -> dict[str, Any]:
+    """Whether a thinking model thinks: ``reasoning_effort`` (``none`` or ``minimal``:
+    no), or the extension ``think`` (a boolean), as Generate's ``think``."""
+    think = data.get("think")
+    if think is not None:
+        if not isinstance(think, bool):
+            raise HttpError(400, "`think` must be a boolean", "invalid_type")
+        return {"think": think}
+    effort = data.get("reasoning_effort")
+    if effort is None:
+        return {}
+    if effort not in ("none", "minimal", "low", "medium", "high"):
+        raise HttpError(400, "`reasoning_effort` must be none, minimal, low, medium or high",
+                        "invalid_value")
+    return {"think": effort not in ("none", "minimal")}

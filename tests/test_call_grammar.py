@@ -1,0 +1,205 @@
+"""everycycle.engine.tools.call_grammar, checked by llama.cpp itself: its GBNF parser compiles
+each grammar, and its grammar sampler (on SmolLM2's vocabulary, no weights) accepts the
+calls each format's model would write, token by token, and refuses malformed ones."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from everycycle.engine import tools as tc
+from everycycle.engine.toolparse import parse
+from everycycle.engine.tools import ToolFormat
+from everycycle.errors import InvalidRequestError
+
+llamacheck = pytest.importorskip("llamacheck")
+
+H, L, M, G = ToolFormat.HERMES, ToolFormat.LLAMA3, ToolFormat.MISTRAL, ToolFormat.GENERIC
+
+
+def fn(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": name, "description": f"{name} tool"}
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+TOOLS = [
+    fn("add", {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0},
+                                                "b": {"type": "number"}},
+               "required": ["a", "b"]}),
+    fn("get_weather", {"type": "object",
+                       "properties": {"city": {"type": "string"},
+                                      "unit": {"type": "string", "enum": ["c", "f"]}},
+                       "required": ["city"]}),
+    fn("now"),
+]
+ADD = '{"name": "add", "%s": {"a": 1, "b": 2.5}}'
+WEATHER = '{"name": "get_weather", "%s": {"city": "Paris", "unit": "c"}}'
+NOW = '{"name": "now", "%s": {}}'
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Any:
+    if not llamacheck.SMOLLM2.exists():
+        pytest.skip("SmolLM2's GGUF is not on this machine")
+    return llamacheck.smollm2()
+
+
+def key(fmt: ToolFormat) -> str:
+    return "parameters" if fmt is L else "arguments"
+
+
+def good_outputs(fmt: ToolFormat) -> list[str]:
+    k = key(fmt)
+    add, weather, now = ADD % k, WEATHER % k, NOW % k
+    if fmt is H:
+        return [f"<tool_call>\n{add}\n</tool_call>",
+                f"<tool_call>{weather}</tool_call>\n<tool_call>\n{now}\n</tool_call>"]
+    if fmt is L:
+        return [add, f"<|python_tag|>{weather}", f"{add}; {now}", f"<|python_tag|>{now}\n{add}"]
+    if fmt is M:
+        idd = ', "id": "abcDEF123"}'
+        return [f"[TOOL_CALLS][{add[:-1]}{idd}]",
+                f"[TOOL_CALLS] [{weather[:-1]}{idd}, {now[:-1]}{idd}]"]
+    return [f'{{"tool_calls": [{add}]}}', f'{{"tool_calls": [{weather}, {now}]}}',
+            '{"response": "Hello, \\"world\\" é"}']
+
+
+def bad_outputs(fmt: ToolFormat) -> list[str]:
+    k = key(fmt)
+    wrap = {H: "<tool_call>%s</tool_call>", L: "%s", M: "[TOOL_CALLS][%s]",
+            G: '{"tool_calls": [%s]}'}[fmt]
+    idd = ', "id": "abcDEF123"' if fmt is M else ""
+    return [
+        wrap % f'{{"name": "add", "{k}": {{"a": 1}}{idd}}}',  # a required argument missing
+        wrap % f'{{"name": "add", "{k}": {{"a": "one", "b": 2}}{idd}}}',  # wrong type
+        wrap % f'{{"name": "nope", "{k}": {{}}{idd}}}',  # unknown tool
+        wrap % f'{{"name": "get_weather", "{k}": {{"city": "X", "unit": "k"}}{idd}}}',  # enum
+        wrap % f'{{"name": "now", "{k}": {{}}{idd}',  # cut short
+        "Just text.",
+    ]
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+@pytest.mark.parametrize(("forced", "parallel"), list(itertools.product([False, True], repeat=2)))
+def test_grammar_compiles_in_llama_cpp(vocab: Any, fmt: ToolFormat, forced: bool,
+                                       parallel: bool) -> None:
+    gbnf = tc.call_grammar(fmt, TOOLS, forced=forced, parallel=parallel)
+    assert gbnf.startswith("root ::=") or "\nroot ::=" in gbnf
+    assert vocab.compiles(gbnf)
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_grammar_accepts_well_formed_calls_which_parse(vocab: Any, fmt: ToolFormat) -> None:
+    gbnf = tc.call_grammar(fmt, TOOLS, forced=False)
+    names = tc.tool_names(TOOLS)
+    for text in good_outputs(fmt):
+        assert vocab.accepts(gbnf, text), text
+        got = parse(fmt, text, names=names)
+        assert got.malformed == 0, text
+        assert got.calls or fmt is G, text
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_grammar_refuses_malformed_calls(vocab: Any, fmt: ToolFormat) -> None:
+    gbnf = tc.call_grammar(fmt, TOOLS, forced=False)
+    for text in bad_outputs(fmt):
+        assert not vocab.accepts(gbnf, text), text
+
+
+def test_forced_generic_refuses_a_plain_response(vocab: Any) -> None:
+    gbnf = tc.call_grammar(G, TOOLS, forced=True)
+    assert not vocab.accepts(gbnf, '{"response": "no"}')
+    assert vocab.accepts(gbnf, '{"tool_calls": [%s]}' % (NOW % "arguments"))
+
+
+def single(fmt: ToolFormat, call: str) -> str:
+    """One call, as ``fmt`` writes it."""
+    if fmt is M:
+        call = call[:-1] + ', "id": "abcDEF123"}'
+    return {H: "<tool_call>\n%s\n</tool_call>", L: "%s", M: "[TOOL_CALLS][%s]",
+            G: '{"tool_calls": [%s]}'}[fmt] % call
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_named_tool_only(vocab: Any, fmt: ToolFormat) -> None:
+    gbnf = tc.call_grammar(fmt, TOOLS, forced=True, name="get_weather")
+    assert vocab.accepts(gbnf, single(fmt, WEATHER % key(fmt)))
+    assert not vocab.accepts(gbnf, single(fmt, ADD % key(fmt)))
+    assert not vocab.accepts(gbnf, single(fmt, NOW % key(fmt)))
+
+
+@pytest.mark.parametrize("fmt", [H, L, M])
+def test_not_parallel_allows_one_call(vocab: Any, fmt: ToolFormat) -> None:
+    gbnf = tc.call_grammar(fmt, TOOLS, forced=False, parallel=False)
+    outputs = good_outputs(fmt)
+    assert vocab.accepts(gbnf, outputs[0])
+    assert not vocab.accepts(gbnf, outputs[-1] if fmt is not L else outputs[2])
+
+
+def test_lazy_patterns_start_the_grammar_at_the_trigger(vocab: Any) -> None:
+    hermes = tc.call_grammar(H, TOOLS, forced=False)
+    text = "Let me look.\n<tool_call>\n" + WEATHER % "arguments" + "\n</tool_call>"
+    assert vocab.accepts(hermes, text, tc.trigger_patterns(H))
+    assert vocab.accepts(hermes, "No call <tool here.", tc.trigger_patterns(H))
+    llama = tc.call_grammar(L, TOOLS, forced=False)
+    assert vocab.accepts(llama, " " + ADD % "parameters", tc.trigger_patterns(L))
+    assert vocab.accepts(llama, "Sure.<|python_tag|>" + NOW % "parameters",
+                         tc.trigger_patterns(L))
+    assert vocab.accepts(llama, 'A JSON answer later: {"name": 1}', tc.trigger_patterns(L))
+
+
+def test_defs_of_several_tools_do_not_collide(vocab: Any) -> None:
+    def with_defs(name: str, item: dict[str, Any]) -> dict[str, Any]:
+        return fn(name, {"type": "object", "$defs": {"Item": item},
+                         "properties": {"items": {"type": "array",
+                                                  "items": {"$ref": "#/$defs/Item"}}},
+                         "required": ["items"]})
+
+    tools = [with_defs("ints", {"type": "integer"}), with_defs("strs", {"type": "string"})]
+    gbnf = tc.call_grammar(H, tools, forced=True)
+    assert vocab.compiles(gbnf)
+    ok = ['<tool_call>{"name": "ints", "arguments": {"items": [1, 2]}}</tool_call>',
+          '<tool_call>{"name": "strs", "arguments": {"items": ["a"]}}</tool_call>']
+    bad = ['<tool_call>{"name": "ints", "arguments": {"items": ["a"]}}</tool_call>',
+           '<tool_call>{"name": "strs", "arguments": {"items": [1]}}</tool_call>']
+    assert all(vocab.accepts(gbnf, t) for t in ok)
+    assert not any(vocab.accepts(gbnf, t) for t in bad)
+
+
+def test_definitions_and_nested_refs_are_rewritten(vocab: Any) -> None:
+    tool = fn("t", {"type": "object", "definitions": {"P": {"type": "object", "properties": {
+        "q": {"$ref": "#/definitions/Q"}}}, "Q": {"type": "boolean"}},
+        "properties": {"p": {"$ref": "#/definitions/P"},
+                       "r": {"$ref": "#/properties/p"}}})
+    gbnf = tc.call_grammar(H, [tool], forced=True)
+    assert "t0-P ::=" in gbnf and "t0-params-properties-p" not in gbnf
+    call = '<tool_call>{"name": "t", "arguments": %s}</tool_call>'
+    assert vocab.accepts(gbnf, call % '{"p": {"q": true}, "r": {"q": false}}')
+    assert not vocab.accepts(gbnf, call % '{"p": {"q": 1}}')
+
+
+def test_numeric_bounds_are_dropped_not_refused(vocab: Any) -> None:
+    tools = [fn("n", {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": 1, "maximum": 9},
+        "y": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}}}})]
+    gbnf = tc.call_grammar(H, tools, forced=True)
+    assert vocab.accepts(gbnf, '<tool_call>{"name": "n", "arguments": {"x": 50}}</tool_call>')
+
+
+def test_a_property_named_like_a_bound() -> None:
+    tc.call_grammar(H, [fn("range", {"type": "object", "properties": {
+        "minimum": {"type": "integer"}, "maximum": {"type": "integer"}}})], forced=True)
+
+
+def test_grammar_errors() -> None:
+    with pytest.raises(InvalidRequestError, match="not in tools"):
+        tc.call_grammar(H, TOOLS, forced=True, name="missing")
+    with pytest.raises(InvalidRequestError, match="tools is empty"):
+        tc.call_grammar(H, [], forced=False)
+    with pytest.raises(InvalidRequestError, match="json_schema"):
+        tc.call_grammar(H, [fn("x", {"type": "object", "properties": {
+            "y": {"$ref": "https://example.com/s.json"}}})], forced=True)
