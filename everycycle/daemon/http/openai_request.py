@@ -38,6 +38,11 @@ def options(request: HttpRequest, data: dict[str, Any]) -> dict[str, Any]:
         options["stop"] = tuple(stop) or None
     elif stop is not None:
         raise HttpError(400, "`stop` must be a string or a list of strings", "invalid_type")
+    grammar = data.get("grammar")  # llama-server's extension: a GBNF grammar
+    if grammar is not None:
+        if not isinstance(grammar, str):
+            raise HttpError(400, "`grammar` must be a GBNF string", "invalid_type")
+        options["grammar"] = grammar
     limit = deadline(request)
     if limit is not None:
         options["deadline_ms"] = limit
