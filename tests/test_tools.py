@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
+import pexpect
 import pytest
 from conftest import SpawnDaemon
-from daemonhelp import wait_until
+from daemonhelp import EC, wait_until
 from templatehelp import SMOLLM2, fixture_source
 from tinymodel import write_tiny_gguf
 
@@ -258,3 +262,53 @@ def test_the_daemon_lives_and_the_slots_free_after_all_of_it(client: openai.Open
             return c.describe_fleet().active_requests == 0
 
         wait_until(idle, "the daemon to be idle")
+
+
+def run_cli(models: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*EC, "run", "--models", str(models), *args], capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_run_with_tools_prints_the_calls_as_json_lines(models: Path, tmp_path: Path) -> None:
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    out = run_cli(models, "--no-daemon", "--tools", str(tools), "--tool-choice", "add",
+                  "--temperature", "0", "What is 2 plus 3?")
+    assert out.returncode == 0, out.stderr
+    (line,) = out.stdout.splitlines()
+    call = json.loads(line)
+    assert call["name"] == "add" and call["id"]
+    jsonschema.validate(call["arguments"], SCHEMAS["add"])
+    bad = run_cli(models, "--no-daemon", "--tools", str(tmp_path / "none.json"), "x")
+    assert bad.returncode == 2 and "none.json" in bad.stderr
+
+
+def test_run_shows_thinking_only_with_think_and_never_on_stdout(models: Path,
+                                                                tmp_path: Path) -> None:
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "a long pondering" "</think>" "The answer."')
+    args = ["--no-daemon", "-m", "thinking", "--grammar", str(grammar), "why?"]
+    quiet = run_cli(models, *args)
+    assert (quiet.returncode, quiet.stdout) == (0, "The answer.")
+    assert "pondering" not in quiet.stderr
+    shown = run_cli(models, "--think", *args)
+    assert (shown.returncode, shown.stdout) == (0, "The answer.")
+    assert "a long pondering" in shown.stderr
+
+
+def test_chat_shows_thinking_dimmed_then_folds_it(models: Path) -> None:
+    env = {**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
+    child = pexpect.spawn(EC[0], [*EC[1:], "chat", "--models", str(models), "-m", "thinking",
+                                  "--no-daemon", "-n", "12"], env=env, timeout=60,
+                          dimensions=(40, 200))
+    child.logfile_read = sys.stdout.buffer
+    try:
+        child.expect_exact(">>>")
+        child.sendline("why?")
+        child.expect_exact("\x1b[2m")  # dimmed
+        child.expect(r"\(thought for \d+ words\)")  # folded once the output ended
+        child.expect_exact(">>>")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)

@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -29,7 +28,11 @@ from ..protocol import (
     Error,
     Format,
     Generate,
+    Message,
+    Role,
     Tokens,
+    ToolCalls,
+    ToolChoice,
     Usage,
     encode,
 )
@@ -52,6 +55,8 @@ from .common import (
     prepull,
     report,
 )
+from .stats import RunStats
+from .thinking import Thoughts
 
 if TYPE_CHECKING:
     from ..client.aio import BaseClient
@@ -116,6 +121,15 @@ def run(
         "--json-schema", help="Output must validate against this JSON Schema file.")] = None,
     grammar: Annotated[Path | None, typer.Option(
         "--grammar", help="Output must follow this GBNF grammar file (rule `root`).")] = None,
+    tools: Annotated[Path | None, typer.Option(
+        "--tools", help="Tools the model may call (a JSON file of OpenAI tool objects): "
+        "its calls are printed as JSON lines.")] = None,
+    tool_choice: Annotated[str | None, typer.Option(
+        "--tool-choice", metavar="auto|required|NAME",
+        help="With --tools: may call (auto), must call, or must call NAME.")] = None,
+    think: Annotated[bool | None, typer.Option(
+        "--think/--no-think", help="Show a thinking model's thoughts on stderr / ask it "
+        "not to think (where its template can say).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the ServerEvent lines.")]
     = False,
     no_daemon: NoDaemonOpt = False,
@@ -145,8 +159,10 @@ def run(
     status = Status(verbose)
     try:
         name = model or _registry_default(models)
+        turn = _tool_fields(tools, tool_choice, text)
         req = Generate(
-            request_id=uuid.uuid4().hex, model=name, prompt=text, max_tokens=max_tokens,
+            request_id=uuid.uuid4().hex, model=name, prompt=None if turn else text,
+            think=think, **turn, max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
             stop=tuple(stop) if stop else None, format=Format.RAW if raw else None,
             deadline_ms=None if deadline is None else max(1, int(deadline * 1000)),
@@ -160,19 +176,43 @@ def run(
         exit_for(exc)
     import anyio
 
-    code = anyio.run(_run, req, socket, models, no_daemon, as_json, status)
+    code = anyio.run(_run, req, socket, models, no_daemon, as_json, status, think is True)
     raise typer.Exit(code)
 
 
+def _tool_fields(tools: Path | None, choice: str | None, text: str) -> dict[str, Any]:
+    """With ``--tools``: the prompt as the user's turn, the tools and the choice."""
+    if tools is None:
+        if choice is not None:
+            fail("usage: --tool-choice needs --tools", 2)
+        return {}
+    raw = _read_text(tools, "--tools")
+    assert raw is not None
+    try:
+        listed = json.loads(raw)
+    except ValueError as exc:
+        fail(f"--tools {tools}: not JSON: {exc}", 2)
+    if isinstance(listed, dict):
+        listed = [listed]
+    fields: dict[str, Any] = {"messages": (Message(Role.USER, text),),
+                              "tools": json.dumps(listed)}
+    if choice in ("auto", "required", "none"):
+        fields["tool_choice"] = ToolChoice(choice)
+    elif choice is not None:
+        fields["tool_name"] = choice
+    return fields
+
+
 async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemon: bool,
-               as_json: bool, status: Status) -> int:
+               as_json: bool, status: Status, show_thoughts: bool) -> int:
     import anyio
 
     from .interrupt import Interrupt
 
     out = sys.stdout.buffer
     interrupt = Interrupt()
-    stats = _Stats(req, status)
+    stats = RunStats(req, status)
+    thoughts = Thoughts(sys.stderr)
     try:
         async with _client(socket, models, no_daemon, status) as client:
             stats.begin()
@@ -193,9 +233,18 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
                         elif isinstance(event, Tokens):
                             status.clear()
                             stats.tokens(event)
+                            if show_thoughts and not as_json:
+                                thoughts.write(event.chunk.reasoning or "")
                             if not as_json and event.chunk.text:
+                                thoughts.end(fold=False)
                                 out.write(event.chunk.text.encode("utf-8"))
                                 out.flush()
+                        elif isinstance(event, ToolCalls) and not as_json:
+                            for call in event.calls:
+                                out.write(json.dumps({"id": call.id, "name": call.name,
+                                                      "arguments": json.loads(call.arguments)},
+                                                     ensure_ascii=False).encode() + b"\n")
+                            out.flush()
                         elif isinstance(event, Usage):
                             stats.usage = event
                         elif isinstance(event, Error):
@@ -216,6 +265,7 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
                     status.clear()
                     result = report(exc)
                 tg.cancel_scope.cancel()
+            thoughts.end(fold=False)
             if not as_json and result == 0 and sys.stdout.isatty():
                 out.write(b"\n")
                 out.flush()
@@ -225,46 +275,6 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
     except EverycycleError as exc:
         status.clear()
         return report(exc)
-
-
-class _Stats:
-    """What ``run`` says on stderr beyond the text: with -v, the request id first and
-    the figures at the end (as Ollama's --verbose); on a terminal or with -v, that an
-    answer was cut off."""
-
-    def __init__(self, req: Generate, status: Status) -> None:
-        self.req, self.status = req, status
-        self.usage: Usage | None = None
-        self.started = self.first = self.last = 0.0
-
-    def begin(self) -> None:
-        self.started = time.monotonic()
-        if self.status.verbose:
-            sys.stderr.write(f"everycycle: request {self.req.request_id}\n")
-
-    def tokens(self, event: Tokens) -> None:
-        now = time.monotonic()
-        if event.chunk.ids and not self.first:
-            self.first = now
-        self.last = now
-
-    def end(self) -> None:
-        u = self.usage
-        if u is None:
-            return
-        if self.status.enabled and u.finish_reason in ("length", "context"):
-            why = (f"-n {self.req.max_tokens}" if u.finish_reason == "length"
-                   and self.req.max_tokens else "the context is full")
-            sys.stderr.write(f"everycycle: (cut off after {u.generated_tokens} tokens: {why})\n")
-        if not self.status.verbose:
-            return
-        ttft = (self.first - self.started) * 1000 if self.first else 0.0
-        span = self.last - self.first
-        rate = (u.generated_tokens - 1) / span if span > 0 and u.generated_tokens > 1 else 0.0
-        sys.stderr.write(
-            f"everycycle: prompt {u.prompt_tokens} tokens ({u.cached_tokens} cached), "
-            f"generated {u.generated_tokens} ({u.finish_reason}); first token "
-            f"{ttft:.0f} ms, {rate:.1f} tokens/s\n")
 
 
 def _read_text(path: Path | None, option: str) -> str | None:

@@ -26,6 +26,7 @@ from ..errors import DaemonUnavailableError, ErrorKind, unwrap_groups
 from ..protocol import Accepted, Error, Generate, Message, Role, Tokens, Usage
 from .common import EXIT_CODES
 from .interrupt import Interrupt
+from .thinking import Thoughts
 
 if TYPE_CHECKING:
     from ..client.aio import BaseClient
@@ -229,6 +230,7 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
     ok = False
     failed: ErrorKind | None = None
     interrupt = Interrupt()
+    thoughts = Thoughts(out)
     with _no_echo():
         async with anyio.create_task_group() as tg:
             tg.start_soon(interrupt.watch, client, req.request_id)
@@ -244,7 +246,9 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
                             on_loading("")
                         if interrupt.pressed:
                             continue  # stopped: what still comes is not shown
+                        thoughts.write(event.chunk.reasoning or "")
                         if event.chunk.text:
+                            thoughts.end(fold=True)  # the answer begins
                             shown.append(event.chunk.text)
                             out.write(event.chunk.text)
                             out.flush()
@@ -260,6 +264,7 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
                             sys.stderr.write(f"\neverycycle: {event.kind.value}: {event.message}\n")
             finally:
                 tg.cancel_scope.cancel()
+    thoughts.end(fold=True)
     out.write("\n")
     out.flush()
     if interrupt.pressed:

@@ -156,11 +156,17 @@ def pull(
     sys.stdout.write(f"{path}\n")
 
 
-def _needs(spec: Any) -> dict[str, int | None]:
-    """What ``spec`` will need in memory (weights, KV cache), if its file is here."""
+def _needs(spec: Any) -> dict[str, int | str | None]:
+    """What ``spec`` will need in memory (weights, KV cache), and how its chats are
+    rendered (``jinja``, ``llama.cpp``, ``chatml``; ``none`` for a completion model),
+    if its file is here."""
+    from ..engine.chat import renderer_of
+    from ..engine.gguf import read_metadata
     from ..engine.memory import plan
     from ..models.registry import local_file
 
+    unknown: dict[str, int | str | None] = {"weights_bytes": None, "kv_bytes": None,
+                                            "chat_template": None}
     try:
         if spec.package is not None and spec.package_file is None:
             # Finding it would import the weights package: only a file verified before.
@@ -168,14 +174,17 @@ def _needs(spec: Any) -> dict[str, int | None]:
 
             found = verified_path(spec.sha256) if spec.sha256 else None
             if found is None:
-                return {"weights_bytes": None, "kv_bytes": None}
+                return unknown
         else:
             found = local_file(spec)
         needs = plan(found, context=spec.context, parallel=spec.parallel,
                      kv_cache_type=spec.kv_cache_type)
+        source = read_metadata(found).get("tokenizer.chat_template")
     except EverycycleError:
-        return {"weights_bytes": None, "kv_bytes": None}
-    return {"weights_bytes": needs.weights, "kv_bytes": needs.kv}
+        return unknown
+    renderer = ("none" if spec.format is Format.RAW
+                else renderer_of(source if isinstance(source, str) else None))
+    return {"weights_bytes": needs.weights, "kv_bytes": needs.kv, "chat_template": renderer}
 
 
 def _available(spec: Any) -> bool:

@@ -68,6 +68,18 @@ def _polyfill(m: Message) -> dict[str, Any]:
     return {"role": m.role.value, "content": m.content}
 
 
+def renderer_of(source: str | None) -> str:
+    """How a model with chat template ``source`` has its chats rendered: ``jinja``,
+    ``llama.cpp`` (Jinja cannot compile it) or ``chatml`` (it has none)."""
+    if source is None:
+        return "chatml"
+    try:
+        ChatTemplate.compile(source, bos_token="", eos_token="")
+    except InvalidRequestError:
+        return "llama.cpp"
+    return "jinja"
+
+
 class ChatFormat:
     """One model's chat template and formats; ``render`` is safe from any thread."""
 
