@@ -63,7 +63,7 @@ async def ours_round() -> float:
 async def post(port: int, body: bytes) -> dict[str, object]:
     stream = await anyio.connect_tcp("127.0.0.1", port)
     async with stream:
-        await stream.send(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n"
+        await stream.send(b"POST /v1/embeddings HTTP/1.1\r\nHost: localhost\r\n"
                           b"Content-Type: application/json\r\nConnection: close\r\n"
                           + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         data = b""

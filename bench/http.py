@@ -64,7 +64,7 @@ async def sse_chat(port: int, i: int, n: int, out: list[tuple[int, float]]) -> N
     stream = await anyio.connect_tcp("127.0.0.1", port)
     async with stream:
         await stream.send(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
             b"Content-Type: application/json\r\n"
             + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
         buf = b""

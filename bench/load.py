@@ -104,7 +104,7 @@ async def server_stream(port: int, i: int, n: int, out: list[tuple[int, float]])
     stream = await anyio.connect_tcp("127.0.0.1", port)
     async with stream:
         await stream.send(
-            b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /completion HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
         )
         buf = b""
@@ -163,7 +163,7 @@ def llama_server_process(binary: Path, model: Path, k: int, threads: int, *, ctx
         while True:
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1) as c:
-                    c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    c.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
                     if b" 200 " in c.recv(100):
                         break
             except OSError:

@@ -90,7 +90,7 @@ def _never_reader(sock: Path, http: tuple[str, int]) -> None:
 
 def _endless_header(sock: Path, http: tuple[str, int]) -> None:
     with socket.create_connection(http, timeout=10) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: ")
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Long: ")
         with contextlib.suppress(OSError):
             for _ in range(64):
                 s.sendall(b"a" * 65536)
@@ -116,7 +116,7 @@ def _http_dead_end(sock: Path, http: tuple[str, int]) -> None:
                            "json_schema": {"schema": {"type": "string",
                                                       "pattern": "^[\\u0000]+$"}}}})
     with socket.create_connection(http, timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
                   b"application/json\r\nConnection: close\r\nContent-Length: "
                   + str(len(body)).encode() + b"\r\n\r\n" + body.encode())
         while s.recv(65536):

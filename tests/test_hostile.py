@@ -265,7 +265,7 @@ def test_an_endless_header_is_431_and_costs_nothing(spawn_daemon: SpawnDaemon) -
     proc = spawn_daemon("--http", "127.0.0.1:0")
     rss0 = rss(proc.pid)
     with socket.create_connection(fleet_http(), timeout=60) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: ")
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Long: ")
         sent = 0
         with contextlib.suppress(OSError):  # the daemon answers and closes meanwhile
             while sent < 64 * 2**20:
@@ -276,9 +276,9 @@ def test_an_endless_header_is_431_and_costs_nothing(spawn_daemon: SpawnDaemon) -
     assert sent < 8 * 2**20
     assert rss(proc.pid) - rss0 < 16 * 2**20
     many = b"".join(b"X-%d: y\r\n" % i for i in range(200))
-    assert http_raw(b"GET /health HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n").startswith(
+    assert http_raw(b"GET /health HTTP/1.1\r\nHost: localhost\r\n" + many + b"\r\n").startswith(
         b"HTTP/1.1 431 ")
-    ok = http_raw(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    ok = http_raw(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
     assert ok.startswith(b"HTTP/1.1 200 ")
     daemon_alive(proc)
 
@@ -291,7 +291,7 @@ def test_half_sent_requests_time_out(spawn_daemon: SpawnDaemon) -> None:
     started = time.monotonic()
     with socket.create_connection(fleet_http(), timeout=60) as half, \
             socket.create_connection(fleet_http(), timeout=60) as silent:
-        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")  # and no more
         # (silent sends nothing at all)
         for s in (half, silent):
             answer = s.recv(65536)
@@ -375,7 +375,7 @@ async def test_a_body_that_never_ends_times_out(models_file: Path,
     async with running_daemon(models_file, http=("127.0.0.1", 0)) as daemon:
         def half_body() -> bytes:
             with socket.create_connection(("127.0.0.1", daemon.http_port), timeout=30) as s:
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
                           b"application/json\r\nContent-Length: 100\r\n\r\n{\"model\":")
                 started = time.monotonic()
                 answer = s.recv(65536)

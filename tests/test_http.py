@@ -267,7 +267,7 @@ def test_a_client_disconnect_frees_the_slot(url: str) -> None:
                        "stream": True}).encode()
     host, port = hostport(url)
     sock = socket.create_connection((host, port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
                  b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     assert sock.recv(4096).startswith(b"HTTP/1.1 200")
     sock.close()

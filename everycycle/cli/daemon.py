@@ -30,6 +30,12 @@ def daemon(
     allow_remote: Annotated[bool, typer.Option(
         "--allow-remote", help="Let --tcp and --http listen off loopback (keys required).")]
     = False,
+    cors_origin: Annotated[list[str] | None, typer.Option(
+        "--cors-origin", metavar="ORIGIN", help="A web origin allowed to use the HTTP API, "
+        "e.g. http://localhost:3000 (repeat; * allows any).")] = None,
+    allow_host: Annotated[list[str] | None, typer.Option(
+        "--allow-host", metavar="NAME", help="A Host name the loopback HTTP API answers "
+        "besides 127.0.0.1, ::1 and localhost (repeat).")] = None,
     auto_load: Annotated[bool, typer.Option(
         "--auto-load/--no-auto-load", help="Load a model when a request names it.")] = True,
     audit_prompts: Annotated[bool, typer.Option(
@@ -97,7 +103,9 @@ def daemon(
                           limits=Limits(max_queue=max_queue, max_inflight=max_inflight),
                           auto_load=auto_load, audit_prompts=audit_prompts, tcp=tcp_addr,
                           allow_remote=allow_remote, http=http_addr, http_auth=http_auth,
-                          keep_alive=keep_seconds, rpc=rpc_hosts)
+                          keep_alive=keep_seconds, rpc=rpc_hosts,
+                          cors_origins=tuple(cors_origin or ()),
+                          allowed_hosts=tuple(allow_host or ()))
     import anyio
 
     try:

@@ -57,6 +57,10 @@ class DaemonConfig:
     """Seconds an idle model stays loaded (-1: always) unless models.toml or a request says."""
     rpc: tuple[str, ...] = ()
     """RPC servers (HOST:PORT) whose devices become remote executors."""
+    cors_origins: tuple[str, ...] = ()
+    """Web origins allowed to use the HTTP API (``*``: any); others get 403."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host names the loopback HTTP API answers besides 127.0.0.1, ::1 and localhost."""
 
 
 @contextlib.contextmanager
@@ -235,7 +239,9 @@ class Daemon:
             if remote or config.http_auth:
                 self.keys.default_token = load_or_create_token()
             self._http = HttpApi(self.supervisor, Metrics(self.supervisor), keys=self.keys,
-                                 require_key=remote or config.http_auth)
+                                 require_key=remote or config.http_auth, loopback=not remote,
+                                 allowed_hosts=config.allowed_hosts,
+                                 cors_origins=config.cors_origins)
         self.keys.keys()  # a loose or broken key file stops start-up, naming it
 
     def stop(self) -> None:
@@ -269,7 +275,7 @@ class Daemon:
     async def _serve_http(self, sock: Any) -> None:
         from .httpserver import http_server
 
-        server = http_server(self._http.app)
+        server = http_server(self._http.asgi)
         self._http_server = server
         try:
             if not self._stop.is_set():

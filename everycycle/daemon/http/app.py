@@ -8,8 +8,9 @@ answers what belongs to no dialect.
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import anyio.abc
@@ -22,7 +23,8 @@ from ..keys import KeyStore
 from ..metrics import CONTENT_TYPE, Metrics
 from ..supervisor import Supervisor
 from .common import HttpError, Reader
-from .openai import OpenAI, error_response
+from .guard import Guard
+from .openai import OpenAI, error_body, error_response
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,8 @@ class HttpApi:
     supervisor ends it)."""
 
     def __init__(self, supervisor: Supervisor, metrics: Metrics, *, keys: KeyStore,
-                 require_key: bool) -> None:
+                 require_key: bool, loopback: bool = True, allowed_hosts: Sequence[str] = (),
+                 cors_origins: Sequence[str] = ()) -> None:
         self.supervisor = supervisor
         self.metrics = metrics
         self.reader = Reader(supervisor, keys, require_key=require_key)
@@ -47,6 +50,15 @@ class HttpApi:
         self.app.add_exception_handler(404, self._not_found)
         self.app.add_exception_handler(405, self._not_allowed)
         self.app.add_exception_handler(Exception, self._internal)
+        self.asgi = Guard(self.app, loopback=loopback, allowed_hosts=allowed_hosts,
+                          cors_origins=cors_origins, error_body=self._error_body)
+        """What the server serves: the app behind the browser guard (guard.py)."""
+
+    @staticmethod
+    def _error_body(path: str, status: int, message: str) -> bytes:
+        """An error body for ``path``'s dialect."""
+        return json.dumps(error_body(status, message, "forbidden" if status == 403
+                                     else "unsupported_media_type")).encode()
 
     def bind(self, tg: anyio.abc.TaskGroup) -> None:
         self._tg = tg
