@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -154,7 +155,7 @@ def test_unknown_model_is_not_found(client: openai.OpenAI) -> None:
 
 
 def test_bad_requests_are_400(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
+    with pytest.raises(openai.BadRequestError, match="more than model 'tiny' has slots"):
         client.chat.completions.create(model="tiny", n=2,
                                        messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="role must be"):
@@ -418,3 +419,57 @@ def test_the_readme_curl_command_runs(url: str) -> None:
     out = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=60,
                          check=False)
     assert out.returncode == 0 and json.loads(out.stdout)["object"] == "chat.completion"
+
+
+def test_logprobs_sum_to_at_most_one_and_greedy_takes_the_top_one(
+        client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="tiny4", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=5)
+    content = r.choices[0].logprobs.content if r.choices[0].logprobs else None
+    assert content is not None and len(content) == r.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        top = entry.top_logprobs
+        assert len(top) == 5
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+        assert sum(math.exp(t.logprob) for t in top) <= 1.0 + 1e-6
+        assert entry.token == top[0].token and entry.logprob == pytest.approx(top[0].logprob)
+        assert entry.bytes == list(entry.token.encode())
+    # Streamed, the same entries; a completion's legacy lists, the same numbers.
+    streamed = [e for chunk in client.chat.completions.create(
+        model="tiny4", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+        temperature=0, logprobs=True, top_logprobs=5, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for e in chunk.choices[0].logprobs.content or []]
+    # (The second request reuses the first one's cached prompt: a prefix decoded in
+    # another batch, so its logits may differ in the last bits.)
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content],
+                                                          abs=1e-4)
+    text = client.completions.create(model="tiny4", prompt="hi", max_tokens=4, temperature=0,
+                                     logprobs=3)
+    legacy = text.choices[0].logprobs
+    assert legacy is not None and len(legacy.tokens or []) == 4
+    assert all(len(t) <= 3 for t in legacy.top_logprobs or [])
+
+
+def test_n_choices_are_distinct_sampled_and_identical_greedy(client: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "tell me"}]
+    sampled = client.chat.completions.create(model="tiny4", messages=ask, n=3, max_tokens=12,
+                                             temperature=1.0, seed=7)
+    texts = [c.message.content for c in sampled.choices]
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    assert len(set(texts)) == 3, texts
+    assert sampled.usage is not None and sampled.usage.completion_tokens == 36
+    greedy = client.chat.completions.create(model="tiny4", messages=ask, n=3, max_tokens=12,
+                                            temperature=0)
+    assert len({c.message.content for c in greedy.choices}) == 1
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model="tiny4", messages=ask, n=3,
+                                                max_tokens=12, temperature=0, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (
+                choice.delta.content or "")
+    assert streamed == dict.fromkeys(range(3), greedy.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError, match="slots"):
+        client.chat.completions.create(model="tiny4", messages=ask, n=5, max_tokens=2)

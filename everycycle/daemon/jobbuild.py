@@ -106,10 +106,10 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
     # On by default only where a draft's batch cannot change the output (the engine
     # checked at load); asked for explicitly, it runs regardless.
     lookup = (req.speculative if req.speculative is not None
-              else spec.speculative and engine.lookup_exact)
+              else spec.speculative and engine.lookup_exact) and req.logprobs is None
     job = Job(tokens=tokens, max_tokens=req.max_tokens or engine.n_ctx_slot,
               sampling=sampling(req, spec.sampling, grammar, triggers), stop=req.stop or (),
-              tag=tag, lookup=lookup, special=output is not None)
+              tag=tag, lookup=lookup, special=output is not None, logprobs=req.logprobs)
     job.check_fits(engine.n_ctx_slot)
     if grammar is not None:
         engine.check_grammar(grammar, triggers)  # compiled once: the engine keeps it

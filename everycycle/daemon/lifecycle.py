@@ -37,8 +37,10 @@ from ..protocol import (
     Generate,
     ServerEvent,
     TokenChunk,
+    TokenLogprob,
     Tokens,
     ToolCalls,
+    TopLogprob,
     Usage,
 )
 from .outcome import Outcome, Peer
@@ -265,7 +267,7 @@ class Requests:
             if active.first_token is None and out.ids:
                 active.first_token = time.monotonic()
             if not out.finished:
-                event = Tokens(rid, self._chunk(active, out.text, out.ids), False)
+                event = Tokens(rid, self._chunk(active, out), False)
                 self._count(active, event)
                 active.peer.emit(event)
                 continue
@@ -281,7 +283,7 @@ class Requests:
                 vectors = tuple(tuple(v) for v in out.embeddings)
                 self.finish(active, Embeddings(rid, vectors), out.reason)
             else:
-                last = Tokens(rid, self._chunk(active, out.text, out.ids, final=True), True)
+                last = Tokens(rid, self._chunk(active, out, final=True), True)
                 self._count(active, last)
                 reason = out.reason or "eos"
                 if active.output is not None and active.output.calls:
@@ -294,14 +296,15 @@ class Requests:
         return freed
 
     @staticmethod
-    def _chunk(active: Active, text: str, ids: tuple[int, ...], *, final: bool = False
-               ) -> TokenChunk:
-        """The chunk for the engine's ``text``: split into answer and thinking (and its
+    def _chunk(active: Active, out: Output, *, final: bool = False) -> TokenChunk:
+        """The chunk for the engine's output: split into answer and thinking (and its
         tool calls kept back) when the request's output needs it."""
+        logprobs = (tuple(TokenLogprob(t, lp, tuple(TopLogprob(a, alp) for a, alp in top))
+                          for t, lp, top in out.logprobs) if out.logprobs else None)
         if active.output is None:
-            return TokenChunk(text, ids)
-        answer, thought = active.output.feed(text)
+            return TokenChunk(out.text, out.ids, None, logprobs)
+        answer, thought = active.output.feed(out.text)
         if final:
             more, more_thought = active.output.finish()
             answer, thought = answer + more, thought + more_thought
-        return TokenChunk(answer, ids, thought or None)
+        return TokenChunk(answer, out.ids, thought or None, logprobs)

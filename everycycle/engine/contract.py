@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 from ..errors import ErrorKind, EverycycleError
 from ..protocol import Format, Message
 from .chat import ChatPrompt
-from .jobs import Job, Output, Sampling
+from .jobs import Job, Logprob, Output, Sampling
 
 Notify = Callable[[list[tuple[Job, Output]]], None]
 """Called on an engine's own thread with one step's outputs (must not block)."""
@@ -120,6 +120,7 @@ class SubmitJob(NamedTuple):
     embed_inputs: Sequence[Sequence[int]] | None
     lookup: bool
     special: bool
+    logprobs: int | None
 
 
 class CancelJob(NamedTuple):
@@ -170,6 +171,7 @@ class JobOutput(NamedTuple):
     n_prompt: int
     n_reused: int
     n_generated: int
+    logprobs: tuple[Logprob, ...] | None = None
 
 
 class Outputs(NamedTuple):

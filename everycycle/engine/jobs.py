@@ -31,6 +31,10 @@ class Sampling:
     (llama.cpp's trigger patterns; the tool-call markers of ``auto`` tool choice)."""
 
 
+Logprob = tuple[str, float, tuple[tuple[str, float], ...]]
+"""A generated token's text and log-probability, and the likeliest alternatives'."""
+
+
 @dataclass(frozen=True, slots=True)
 class Output:
     """What one step produced for one job: a chunk, and whether it ended the job."""
@@ -44,6 +48,8 @@ class Output:
     error: EverycycleError | None = None
     embeddings: list[list[float]] | None = None
     """An embedding job's vectors (reason ``embedded``)."""
+    logprobs: tuple[Logprob, ...] | None = None
+    """One per id, for a job that asked (``Job.logprobs``)."""
 
 
 @dataclass(eq=False)
@@ -62,6 +68,9 @@ class Job:
     """Prompt-lookup drafts, verified in the batch (greedy jobs without a grammar)."""
     special: bool = False
     """Render control tokens as their text (tool-call and thinking markers may be)."""
+    logprobs: int | None = None
+    """Report each generated token's log-probability and this many likeliest
+    alternatives (None: none)."""
     # Filled in by the runner, read by callers once the job finished:
     n_prompt: int = 0
     n_reused: int = 0

@@ -95,7 +95,8 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
             jid = ids[id(job)]
             items.append(JobOutput(jid, o.text, o.ids, o.finished, o.reason,
                                    WireError.of(o.error) if o.error is not None else None,
-                                   o.embeddings, job.n_prompt, job.n_reused, job.n_generated))
+                                   o.embeddings, job.n_prompt, job.n_reused, job.n_generated,
+                                   o.logprobs))
             if o.finished:
                 del ids[id(job)]
                 jobs.pop(jid, None)
@@ -119,7 +120,7 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
             job = Job(tokens=message.tokens, max_tokens=message.max_tokens,
                       sampling=message.sampling, stop=message.stop,
                       embed_inputs=message.embed_inputs, lookup=message.lookup,
-                      special=message.special)
+                      special=message.special, logprobs=message.logprobs)
             jobs[message.jid] = job
             ids[id(job)] = message.jid
             try:
@@ -286,7 +287,7 @@ class EngineProcess:
                 job.n_prompt, job.n_reused, job.n_generated = o.n_prompt, o.n_reused, o.n_generated
                 batch.append((job, Output(o.text, o.ids, o.finished, o.reason,
                                           o.error.exception() if o.error else None,
-                                          o.embeddings)))
+                                          o.embeddings, o.logprobs)))
         if batch:
             self._notify(batch)
 
@@ -342,7 +343,8 @@ class EngineProcess:
             self._jids[id(job)] = jid
         try:
             self._send(SubmitJob(jid, list(job.tokens), job.max_tokens, job.sampling,
-                                 tuple(job.stop), job.embed_inputs, job.lookup, job.special))
+                                 tuple(job.stop), job.embed_inputs, job.lookup, job.special,
+                                 job.logprobs))
         except InternalError:
             with self._lock:
                 self._jobs.pop(jid, None)

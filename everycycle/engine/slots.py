@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .jobs import Job, common_prefix, stop_split
+from .jobs import Job, Logprob, common_prefix, stop_split
 from .lookup import PromptLookup
 
 
@@ -26,6 +26,8 @@ class Slot:
     decoder: Any = None
     held_text: str = ""
     held_ids: list[int] = field(default_factory=list)
+    held_logprobs: list[Logprob] = field(default_factory=list)
+    """With a job that asked for them: one per held id."""
     lookup: PromptLookup | None = None
     draft: list[int] = field(default_factory=list)
     """This step's draft, in batch rows ``draft_row`` on."""
@@ -34,7 +36,14 @@ class Slot:
     def reset_text(self) -> None:
         """A new job: nothing held back."""
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.held_text, self.held_ids = "", []
+        self.held_text, self.held_ids, self.held_logprobs = "", [], []
+
+    def take_logprobs(self) -> tuple[Logprob, ...] | None:
+        """The held ids' log-probabilities (None when the job asked for none)."""
+        if not self.held_logprobs:
+            return None
+        out, self.held_logprobs = tuple(self.held_logprobs), []
+        return out
 
     def add_text(self, token: int, piece: bytes, stops: Sequence[str]
                  ) -> tuple[str, list[int]] | bool:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import EverycycleError, InternalError, InvalidRequestError
 from .contract import Notify
-from .jobs import EMBED_MAX_TOKENS, Job, Output
+from .jobs import EMBED_MAX_TOKENS, Job, Logprob, Output
 from .lookup import History, PromptLookup, StepCost, accepted_prefix, expected_accepted
 from .probes import batch_probe, put
 from .sampling import Samplers
@@ -236,7 +236,26 @@ class EngineThread:
                     continue
             else:
                 tok = L.llama_sampler_sample(s.sampler, self._ctx, row)
+            if s.job.logprobs is not None:
+                s.held_logprobs.append(self._logprob(row, tok, s.job.logprobs))
             self._take(s, tok, s.n_past, out)
+
+    def _logprob(self, row: int, tok: int, top: int) -> Logprob:
+        """``tok``'s log-probability under the model's own distribution at ``row`` (its
+        logits, before any sampling setting), and the ``top`` likeliest tokens'."""
+        logits = np.ctypeslib.as_array(self._L.llama_get_logits_ith(self._ctx, row),
+                                       shape=(self._n_vocab,)).astype(np.float64)
+        peak = logits.max()
+        lse = peak + np.log(np.exp(logits - peak).sum())
+        best: list[tuple[str, float]] = []
+        if top:
+            ids = np.argpartition(-logits, top - 1)[:top]
+            ids = ids[np.argsort(-logits[ids], kind="stable")]
+            best = [(self._text(int(i)), float(logits[i] - lse)) for i in ids]
+        return self._text(tok), float(logits[tok] - lse), tuple(best)
+
+    def _text(self, tok: int) -> str:
+        return self.vocab.piece(tok, True).decode("utf-8", "replace")
 
     def _start(self, job: Job) -> None:
         """Put ``job`` in the free slot whose cached tokens share the longest prefix."""
@@ -276,7 +295,9 @@ class EngineThread:
             if slot.lookup is not None:  # (a model with lookup off keeps no history)
                 self._history.add(slot.cached, job.n_prompt)
             text, ids, reason = slot.final_text(reason, job.stop)
-        out.append((job, Output(text, tuple(ids), True, reason, error)))
+        out.append((job, Output(text, tuple(ids), True, reason, error,
+                                logprobs=slot.take_logprobs() if ids else None)))
+        slot.held_logprobs = []
         for sampler in (slot.sampler, slot.grammar):
             self._samplers.free(sampler)
         slot.sampler = slot.grammar = None
@@ -293,7 +314,7 @@ class EngineThread:
         chunk = slot.add_text(token, self.vocab.piece(token, job.special), job.stop)
         if isinstance(chunk, bool):
             return chunk
-        out.append((job, Output(chunk[0], tuple(chunk[1]))))
+        out.append((job, Output(chunk[0], tuple(chunk[1]), logprobs=slot.take_logprobs())))
         return False
 
     def _take(self, s: Slot, tok: int, n_past: int, out: list[tuple[Job, Output]]) -> bool:
@@ -302,6 +323,8 @@ class EngineThread:
         running = s.job
         assert running is not None
         if self.vocab.is_eog(tok):
+            if s.held_logprobs:
+                s.held_logprobs.pop()  # (the end is no token of the answer)
             self._finish(s, out, "eos")
             return True
         running.n_generated += 1

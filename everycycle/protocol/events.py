@@ -25,6 +25,24 @@ class Accepted:
     queue_position: int
 
 
+@message()
+class TopLogprob:
+    """One of the likeliest tokens at a position, and its log-probability."""
+
+    token: str
+    logprob: float
+
+
+@message()
+class TokenLogprob:
+    """A generated token's text and log-probability under the model (its raw logits),
+    and the likeliest tokens there (an extension: ``Generate.logprobs``)."""
+
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...]
+
+
 # TokenChunk and Tokens go out once per decode step per stream: their checks are written
 # out by hand, the cheapest that says the same as the shared ones.
 
@@ -40,6 +58,8 @@ class TokenChunk:
     text: str
     ids: tuple[int, ...]
     reasoning: str | None = field(default=None, metadata=_EXT)
+    logprobs: tuple[TokenLogprob, ...] | None = field(default=None, metadata=_EXT)
+    """One per id, for a Generate that asked (``logprobs``)."""
 
     def __post_init__(self) -> None:
         if not self.text.isascii():

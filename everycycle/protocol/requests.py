@@ -94,7 +94,8 @@ class Message:
 @message(ranges={
     "max_tokens": (1, MAX_TOKENS_LIMIT), "temperature": (0.0, 100.0), "top_p": (0.0, 1.0),
     "top_k": (0, 1_000_000), "min_p": (0.0, 1.0), "repeat_penalty": (0.01, 10.0),
-    "seed": (0, U32_MAX - 1), "deadline_ms": DEADLINE, "keep_alive_ms": KEEP_ALIVE})
+    "seed": (0, U32_MAX - 1), "deadline_ms": DEADLINE, "keep_alive_ms": KEEP_ALIVE,
+    "logprobs": (0, 20)})
 class Generate:
     """Generate text with ``model`` from ``prompt`` or from a conversation, ``messages``.
 
@@ -137,6 +138,9 @@ class Generate:
     """The one tool the model must call (implies ``required``)."""
     parallel_tool_calls: bool | None = field(default=None, metadata=_EXT)
     """Whether one answer may make several calls (default: no, as llama-server)."""
+    logprobs: int | None = field(default=None, metadata=_EXT)
+    """Report each token's log-probability and this many likeliest alternatives (0-20)
+    in ``TokenChunk.logprobs`` (an extension)."""
     think: bool | None = field(default=None, metadata=_EXT)
     """Whether a thinking model thinks first, where its template can say (the template's
     own ``enable_thinking``); its thoughts arrive in ``TokenChunk.reasoning``."""

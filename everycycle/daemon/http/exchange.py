@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, MutableMapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    MutableMapping,
+    Sequence,
+)
 from typing import Any, Protocol
 
 import anyio
@@ -83,9 +90,13 @@ def dumps(obj: object) -> bytes:
 class Exchange:
     """One protocol request for one HTTP exchange; a dialect subclasses ``respond``."""
 
-    def __init__(self, api: Spawner, req: Generate | Embed, principal: Principal) -> None:
+    def __init__(self, api: Spawner, req: Generate | Embed, principal: Principal,
+                 more: Sequence[Generate] = ()) -> None:
+        """``more``: requests answered in the same response (OpenAI's ``n``), whose
+        events come interleaved with ``req``'s."""
         self.api = api
         self.req = req
+        self.reqs: list[Generate | Embed] = [req, *more]
         self.principal = principal
 
     async def respond(self, events: Events, send: Send) -> None:
@@ -95,7 +106,8 @@ class Exchange:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         peer = HttpPeer(self.principal)
         sup = self.api.supervisor
-        self.api.spawn(sup.handle, peer, self.req)
+        for req in self.reqs:
+            self.api.spawn(sup.handle, peer, req)
         try:
             async with anyio.create_task_group() as tg:
 

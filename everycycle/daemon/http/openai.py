@@ -21,7 +21,8 @@ import base64
 import json
 import struct
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
@@ -35,6 +36,7 @@ from ...protocol import (
     Error,
     Format,
     Generate,
+    TokenLogprob,
     Tokens,
     ToolCalls,
 )
@@ -77,6 +79,27 @@ def _finish_reason(outcome: Outcome | None) -> str:
     return "stop"
 
 
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """A chat choice's ``logprobs``: OpenAI's ``content`` list."""
+    return {"content": [{"token": e.token, "logprob": e.logprob,
+                         "bytes": list(e.token.encode()),
+                         "top_logprobs": [{"token": t.token, "logprob": t.logprob,
+                                           "bytes": list(t.token.encode())} for t in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def text_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """A completion choice's ``logprobs``: the legacy parallel lists."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets}
+
+
 def tool_calls(calls: ToolCalls, *, indexed: bool = False) -> list[dict[str, Any]]:
     """OpenAI's ``tool_calls`` (with ``index`` for a streamed delta)."""
     return [{**({"index": i} if indexed else {}), "id": c.id, "type": "function",
@@ -84,12 +107,14 @@ def tool_calls(calls: ToolCalls, *, indexed: bool = False) -> list[dict[str, Any
             for i, c in enumerate(calls.calls)]
 
 
-def _usage(outcome: Outcome | None) -> dict[str, Any]:
-    prompt = outcome.prompt_tokens if outcome else 0
-    generated = outcome.generated_tokens if outcome else 0
+def _usage(outcomes: list[Outcome | None]) -> dict[str, Any]:
+    """The usage of one answer's choices: their prompt (once) and all they generated."""
+    known = [o for o in outcomes if o is not None]
+    prompt = known[0].prompt_tokens if known else 0
+    generated = sum(o.generated_tokens for o in known)
     return {"prompt_tokens": prompt, "completion_tokens": generated,
             "total_tokens": prompt + generated,
-            "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens if outcome else 0}}
+            "prompt_tokens_details": {"cached_tokens": known[0].cached_tokens if known else 0}}
 
 
 @dataclass
@@ -104,18 +129,22 @@ class _Shape:
 
     def chunk(self, text: str | None, finish: str | None, *, role: bool = False,
               usage: dict[str, Any] | None | bool = False,
-              delta: dict[str, Any] | None = None) -> dict[str, Any]:
+              delta: dict[str, Any] | None = None, index: int = 0,
+              logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         if self.chat:
             delta = dict(delta or {})
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+            choice: dict[str, Any] = {"index": index, "delta": delta,
+                                      "logprobs": chat_logprobs(logprobs) if logprobs else None,
                                       "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "",
+                      "logprobs": text_logprobs(logprobs) if logprobs else None,
+                      "finish_reason": finish}
             obj = "text_completion"
         body: dict[str, Any] = {"id": self.request_id, "object": obj, "created": self.created,
                                 "model": self.model, "choices": [choice]}
@@ -135,24 +164,40 @@ class _Shape:
         return {"object": "list", "data": data, "model": self.model,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    def whole(self, text: str, outcome: Outcome | None, *, reasoning: str = "",
-              calls: ToolCalls | None = None) -> dict[str, Any]:
-        finish = _finish_reason(outcome)
-        if self.chat:
-            message: dict[str, Any] = {"role": "assistant",
-                                       "content": None if calls and not text else text}
-            if reasoning:
-                message["reasoning_content"] = reasoning
-            if calls:
-                message["tool_calls"] = tool_calls(calls)
-            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None,
-                                      "finish_reason": finish}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        return {"id": self.request_id, "object": obj, "created": self.created,
-                "model": self.model, "choices": [choice], "usage": _usage(outcome)}
+    def choice(self, index: int, answer: _Answer) -> dict[str, Any]:
+        """One whole choice of a non-streamed answer."""
+        finish = _finish_reason(answer.outcome)
+        if not self.chat:
+            return {"index": index, "text": answer.text, "finish_reason": finish,
+                    "logprobs": text_logprobs(answer.logprobs) if answer.asked else None}
+        message: dict[str, Any] = {"role": "assistant", "content": (
+            None if answer.calls and not answer.text else answer.text)}
+        if answer.reasoning:
+            message["reasoning_content"] = answer.reasoning
+        if answer.calls:
+            message["tool_calls"] = tool_calls(answer.calls)
+        return {"index": index, "message": message, "finish_reason": finish,
+                "logprobs": chat_logprobs(answer.logprobs) if answer.asked else None}
+
+    def whole(self, answers: list[_Answer]) -> dict[str, Any]:
+        usage = _usage([a.outcome for a in answers])
+        return {"id": self.request_id, "object": "chat.completion" if self.chat
+                else "text_completion", "created": self.created, "model": self.model,
+                "choices": [self.choice(i, a) for i, a in enumerate(answers)], "usage": usage}
+
+
+@dataclass
+class _Answer:
+    """One choice as it accumulates."""
+
+    asked: bool
+    """Whether its request asked for logprobs."""
+    text: str = ""
+    reasoning: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    calls: ToolCalls | None = None
+    outcome: Outcome | None = None
+    done: bool = False
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
@@ -161,17 +206,28 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
 
 
 class _Generation(Exchange):
-    """An OpenAI answer: SSE chunks when streaming, else one object."""
+    """An OpenAI answer: SSE chunks when streaming, else one object; with ``n`` > 1, one
+    protocol request per choice, answered together."""
 
-    def __init__(self, api: Spawner, req: Generate | Embed, principal: Any, shape: _Shape, *,
-                 stream: bool, include_usage: bool) -> None:
-        super().__init__(api, req, principal)
+    def __init__(self, api: Spawner, req: Generate | Embed, principal: Any, shape: _Shape,
+                 *, stream: bool, include_usage: bool, more: Sequence[Generate] = ()) -> None:
+        super().__init__(api, req, principal, more)
         self.shape = shape
         self.stream = stream
         self.include_usage = include_usage
+        self.index = {r.request_id: i for i, r in enumerate(self.reqs)}
+        asked = [isinstance(r, Generate) and r.logprobs is not None for r in self.reqs]
+        self.answers = [_Answer(a) for a in asked]
 
     def _error_body(self, event: Error) -> bytes:
         return dumps(error_body(STATUS[event.kind], event.message, event.kind.value))
+
+    def _cancel_rest(self) -> None:
+        """One choice failed: the answer fails, and its other choices stop."""
+        for req in self.reqs:
+            target = self.api.supervisor.requests.active.get(req.request_id)
+            if target is not None:
+                self.api.supervisor.requests.cancel(target, "another choice failed")
 
     async def respond(self, events: Events, send: Send) -> None:
         if self.stream:
@@ -180,70 +236,78 @@ class _Generation(Exchange):
             await self._collect(events, send)
 
     async def _collect(self, events: Events, send: Send) -> None:
-        text: list[str] = []
-        thought: list[str] = []
-        calls: ToolCalls | None = None
         async for event, outcome in events:
             if isinstance(event, Error):
+                self._cancel_rest()
                 await self.send_error(send, event, outcome, self._error_body(event))
                 return
             if isinstance(event, Embeddings):
-                answer = self.shape.embeddings(event, outcome)
-            elif isinstance(event, ToolCalls):
-                calls = event
-                continue
+                body = self.shape.embeddings(event, outcome)
+                await self.send_json(send, 200, json.dumps(body, ensure_ascii=False).encode())
+                return
+            answer = self.answers[self.index.get(getattr(event, "request_id", ""), 0)]
+            if isinstance(event, ToolCalls):
+                answer.calls = event
             elif isinstance(event, Tokens):
-                text.append(event.chunk.text)
-                thought.append(event.chunk.reasoning or "")
-                if not event.finished:
-                    continue
-                answer = self.shape.whole("".join(text), outcome, reasoning="".join(thought),
-                                          calls=calls)
-            else:
-                continue
-            await self.send_json(send, 200, json.dumps(answer, ensure_ascii=False).encode())
-            return
+                answer.text += event.chunk.text
+                answer.reasoning += event.chunk.reasoning or ""
+                answer.logprobs.extend(event.chunk.logprobs or ())
+                if event.finished:
+                    answer.outcome, answer.done = outcome, True
+                    if all(a.done for a in self.answers):
+                        body = self.shape.whole(self.answers)
+                        await self.send_json(send, 200,
+                                             json.dumps(body, ensure_ascii=False).encode())
+                        return
 
     async def _stream(self, events: Events, send: Send) -> None:
         started = False
-        role_sent = False
+        role_sent: set[int] = set()
         usage: dict[str, Any] | None | bool = None if self.include_usage else False
         async for event, outcome in events:
             if isinstance(event, Error) and not started:
+                self._cancel_rest()
                 await self.send_error(send, event, outcome, self._error_body(event))
                 return
             if not started:
                 await self.start_stream(send, "text/event-stream")
                 started = True
+            i = self.index.get(getattr(event, "request_id", ""), 0)
             if isinstance(event, Accepted):
                 if event.queue_position:
                     await self.write(send, f": queue_position {event.queue_position}\n\n"
                                      .encode())
-                elif not role_sent and self.shape.chat:
+                elif i not in role_sent and self.shape.chat:
                     await self.write(send, _sse(self.shape.chunk("", None, role=True,
-                                                                 usage=usage)))
-                    role_sent = True
+                                                                 usage=usage, index=i)))
+                    role_sent.add(i)
             elif isinstance(event, ToolCalls):
                 await self.write(send, _sse(self.shape.chunk(None, None, usage=usage, delta={
-                    "tool_calls": tool_calls(event, indexed=True)})))
+                    "tool_calls": tool_calls(event, indexed=True)}, index=i)))
             elif isinstance(event, Tokens):
-                if event.chunk.reasoning and self.shape.chat:
+                chunk = event.chunk
+                if chunk.reasoning and self.shape.chat:
                     await self.write(send, _sse(self.shape.chunk(None, None, usage=usage, delta={
-                        "reasoning_content": event.chunk.reasoning})))
-                if event.chunk.text:
-                    await self.write(send, _sse(self.shape.chunk(event.chunk.text, None,
-                                                                 usage=usage)))
-                if event.finished:
-                    finish = _finish_reason(outcome)
+                        "reasoning_content": chunk.reasoning}, index=i)))
+                if chunk.text or chunk.logprobs:
                     await self.write(send, _sse(self.shape.chunk(
-                        None if self.shape.chat else "", finish, usage=usage)))
-                    if self.include_usage:
-                        last = self.shape.chunk(None, None, usage=_usage(outcome))
-                        last["choices"] = []
-                        await self.write(send, _sse(last))
-                    await self.write(send, _sse("[DONE]"))
-                    break
+                        chunk.text, None, usage=usage, index=i,
+                        logprobs=list(chunk.logprobs) if chunk.logprobs else None)))
+                if event.finished:
+                    self.answers[i].outcome, self.answers[i].done = outcome, True
+                    await self.write(send, _sse(self.shape.chunk(
+                        None if self.shape.chat else "", _finish_reason(outcome), usage=usage,
+                        index=i)))
+                    if all(a.done for a in self.answers):
+                        if self.include_usage:
+                            last = self.shape.chunk(None, None, usage=_usage(
+                                [a.outcome for a in self.answers]))
+                            last["choices"] = []
+                            await self.write(send, _sse(last))
+                        await self.write(send, _sse("[DONE]"))
+                        break
             elif isinstance(event, Error):
+                self._cancel_rest()
                 await self.write(send, b"data: " + self._error_body(event) + b"\n\n")
                 break
         await self.end_stream(send)
@@ -272,8 +336,30 @@ class OpenAI:
             raise HttpError(400, "`stream` must be a boolean", "invalid_type")
         opts = data.get("stream_options") or {}
         include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
-        return _Generation(self.api, req, request.state.principal, shape, stream=stream,
-                           include_usage=include_usage)
+        first, *more = self._choices(req, data)
+        return _Generation(self.api, first, request.state.principal, shape, stream=stream,
+                           include_usage=include_usage, more=more)
+
+    def _choices(self, req: Generate, data: dict[str, Any]) -> list[Generate]:
+        """``n`` requests for ``n`` choices: ``req``, and copies ``ID.1``, ``ID.2``, … with
+        seeds ``seed+1``, … (distinct when sampled; greedy ones agree). At most the
+        model's slots, so that they run at once."""
+        n = data.get("n", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise HttpError(400, "`n` must be a positive integer", "invalid_value")
+        if n == 1:
+            return [req]
+        spec = self.api.supervisor.registry.models.get(req.model)
+        slots = spec.parallel if spec is not None else 1
+        if n > slots:
+            raise HttpError(400, f"n={n} is more than model '{req.model}' has slots ({slots}):"
+                            " its choices run at once", "unsupported_n")
+        if len(req.request_id) > 60:
+            raise HttpError(400, "x-request-id: at most 60 characters with n > 1",
+                            "invalid_request_id")
+        return [req, *(replace(req, request_id=f"{req.request_id}.{i}",
+                               seed=None if req.seed is None else (req.seed + i) % (2**32 - 1))
+                       for i in range(1, n))]
 
     async def chat_completions(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)
@@ -297,6 +383,7 @@ class OpenAI:
         model = self.reader.model(request, data.get("model"), "GET /v1/models")
         options = parse.options(request, data)
         options.update(parse.response_format(data.get("response_format")))
+        options.update(parse.logprobs(data, chat="messages" in fields))
         rid = request_id(request, prefix)
         req = protocol_errors(Generate, rid, model, **fields, **options)
         shape = _Shape(chat="messages" in fields, request_id=rid, model=model)

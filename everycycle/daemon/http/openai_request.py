@@ -20,10 +20,6 @@ _ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER,
 
 def options(request: HttpRequest, data: dict[str, Any]) -> dict[str, Any]:
     """The sampling and stopping options of a chat or text completion."""
-    n = data.get("n", 1)
-    if n != 1:
-        raise HttpError(400, "only n=1 is supported: send one request per completion",
-                        "unsupported_n")
     options: dict[str, Any] = {}
     max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
     if max_tokens is not None:
@@ -193,3 +189,20 @@ def thinking(data: dict[str, Any]) -> dict[str, Any]:
         raise HttpError(400, "`reasoning_effort` must be none, minimal, low, medium or high",
                         "invalid_value")
     return {"think": effort not in ("none", "minimal")}
+
+
+def logprobs(data: dict[str, Any], *, chat: bool) -> dict[str, Any]:
+    """Chat's ``logprobs: true`` with ``top_logprobs: N``, or a completion's ``logprobs: N``,
+    as Generate's ``logprobs`` (the number of alternatives)."""
+    given = data.get("logprobs")
+    if given is None or given is False:
+        if chat and data.get("top_logprobs") is not None:
+            raise HttpError(400, "`top_logprobs` needs `logprobs: true`", "invalid_value")
+        return {}
+    top = data.get("top_logprobs", 0) if chat else given
+    if chat and given is not True:
+        raise HttpError(400, "`logprobs` must be a boolean", "invalid_type")
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+        raise HttpError(400, f"`{'top_logprobs' if chat else 'logprobs'}` must be an "
+                        "integer from 0 to 20", "invalid_value")
+    return {"logprobs": top}
