@@ -324,13 +324,20 @@ class StreamParser:
             self._state = _State.CONTENT
         return True
 
-    def _llama_next(self) -> bool:
+    def _rest(self) -> str | None:
+        """The buffer past its leading whitespace; None when that is all it holds (then
+        taken at the end of the output, else kept until more comes)."""
         stripped = self._buf.lstrip(WS)
-        if not stripped:
-            if not self._final:
-                return False
+        if stripped:
+            return stripped
+        if self._final:
             self._take(len(self._buf))
-            return True
+        return None
+
+    def _llama_next(self) -> bool:
+        stripped = self._rest()
+        if stripped is None:
+            return self._final
         self._take(len(self._buf) - len(stripped))
         if stripped.startswith(";"):
             self._take(1)
@@ -371,12 +378,9 @@ class StreamParser:
         return True
 
     def _response_end(self) -> bool:
-        stripped = self._buf.lstrip(WS)
-        if not stripped:
-            if not self._final:
-                return False
-            self._take(len(self._buf))
-            return True
+        stripped = self._rest()
+        if stripped is None:
+            return self._final
         if stripped.startswith("}"):
             self._take(len(self._buf) - len(stripped) + 1)
             self._after_call = True
