@@ -246,6 +246,32 @@ def _read_until(fd: int, marker: bytes, timeout: float = 30) -> bytes:
     return seen
 
 
+class _Drain:
+    """Keeps reading ``fd`` (a pty's master) on a thread, so that the process writing to
+    it never blocks on a full terminal; ``text`` is all it read once ``join`` returns."""
+
+    def __init__(self, fd: int) -> None:
+        import threading
+
+        self.fd, self.chunks = fd, list[bytes]()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except OSError:  # EIO: the other side closed
+                return
+            if not chunk:
+                return
+            self.chunks.append(chunk)
+
+    def join(self) -> bytes:
+        self._thread.join(timeout=30)
+        return b"".join(self.chunks)
+
+
 def _read_all(fd: int) -> bytes:
     import select
 
@@ -308,11 +334,16 @@ def test_fleet_watch_refreshes_until_interrupted(daemon: subprocess.Popen[bytes]
     master, slave = pty.openpty()  # a terminal: the live view draws as it goes
     proc = subprocess.Popen([*EC, "fleet", "--watch"], stdout=subprocess.PIPE, stderr=slave)
     os.close(slave)
-    err = _read_until(master, b"executors on")  # it has drawn the table
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=20)
-    err += _read_all(master)
-    os.close(master)
+    try:
+        err = _read_until(master, b"executors on")  # it has drawn the table
+        drain = _Drain(master)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        err += drain.join()
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == 0, err
     assert out == b"" and b"Traceback" not in err
 
@@ -377,9 +408,10 @@ def test_fleet_watch_says_when_the_daemon_goes_away(daemon: subprocess.Popen[byt
     os.close(slave)
     try:
         seen = _read_until(master, b"executors on")  # it is watching
+        drain = _Drain(master)  # (it redraws all the while: a full terminal would block it)
         assert ec("stop").returncode == 0
-        watch.communicate(timeout=30)
-        err = (seen + _read_all(master)).decode("utf-8", "replace")
+        watch.communicate(timeout=60)
+        err = (seen + drain.join()).decode("utf-8", "replace")
     finally:
         os.close(master)
         if watch.poll() is None:
