@@ -21,8 +21,12 @@ from starlette.routing import Route
 from ..keys import KeyStore
 from ..metrics import CONTENT_TYPE, Metrics
 from ..supervisor import Supervisor
+from . import ollama, ollama_meta
 from .common import HttpError, Reader
 from .openai import OpenAI, error_response
+
+ErrorRenderer = Callable[[int, str, str | None, dict[str, str] | None], Response]
+"""How a dialect shapes an error answer: (status, message, code, headers)."""
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +42,11 @@ class HttpApi:
         self.metrics = metrics
         self.reader = Reader(supervisor, keys, require_key=require_key)
         self._tg: anyio.abc.TaskGroup | None = None
+        self.renderers: list[tuple[str, ErrorRenderer]] = [("/api/", ollama_meta.error_response)]
+        """Error shapes by path prefix (the first that matches); OpenAI's elsewhere."""
         self.app = Starlette(routes=[
             *OpenAI(self, self.reader).routes(),
+            *ollama.Ollama(self, self.reader).routes(),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])
@@ -55,22 +62,32 @@ class HttpApi:
         assert self._tg is not None, "HttpApi.bind was not called"
         self._tg.start_soon(fn, *args)
 
+    def _error(self, request: HttpRequest, status: int, message: str, code: str | None,
+               headers: dict[str, str] | None = None) -> Response:
+        """An error answer in the shape of the dialect that ``request`` addressed."""
+        path = request.url.path
+        render = next((r for prefix, r in self.renderers if path.startswith(prefix)),
+                      error_response)
+        return render(status, message, code, headers)
+
     async def _http_error(self, request: HttpRequest, exc: HttpError) -> Response:
         headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
-        return error_response(exc.status, exc.message, exc.code, headers)
+        return self._error(request, exc.status, exc.message, exc.code, headers)
 
     async def _internal(self, request: HttpRequest, exc: Exception) -> Response:
         """A bug costs one request a JSON 500, never a plain-text page."""
         log.exception("HTTP %s %s failed", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+        return self._error(request, 500, f"internal error: {type(exc).__name__}",
+                           "internal_error")
 
     async def _not_found(self, request: HttpRequest, exc: Exception) -> Response:
-        return error_response(404, f"no route {request.method} {request.url.path}",
-                              "not_found")
+        return self._error(request, 404, f"no route {request.method} {request.url.path}",
+                           "not_found")
 
     async def _not_allowed(self, request: HttpRequest, exc: Exception) -> Response:
-        return error_response(405, f"{request.method} is not allowed on {request.url.path}",
-                              "method_not_allowed")
+        return self._error(request, 405,
+                           f"{request.method} is not allowed on {request.url.path}",
+                           "method_not_allowed")
 
     async def health(self, request: HttpRequest) -> Response:
         return JSONResponse({"status": "ok"})
