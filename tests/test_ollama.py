@@ -339,3 +339,33 @@ def fuzz_url(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Itera
         assert proc.poll() is None, "the daemon died during fuzzing"
         with SyncClient(sock) as c:
             wait_until(lambda: c.describe_fleet().active_requests == 0, "idle", timeout=10)
+
+
+def _readme_block(lang: str) -> str:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("### The Ollama API"):]
+    start = section.index(f"```{lang}\n") + len(f"```{lang}\n")
+    return section[start:section.index("```", start)]
+
+
+def test_the_readme_examples_run(url: str) -> None:
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+
+    code = (_readme_block("python").replace("http://127.0.0.1:11777", url)
+            .replace('"smollm2-135m"', '"tiny"').replace('{"temperature": 0}',
+                                                         '{"temperature": 0, "num_predict": 5}'))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr
+    if shutil.which("curl") is None:
+        return
+    line = next(x for x in _readme_block("").splitlines() if x.startswith("$ curl"))
+    cmd = (line[2:].replace("http://127.0.0.1:11777", url)
+           .replace('"temperature": 0', '"temperature": 0, "num_predict": 3')
+           .replace('"smollm2-135m"', '"tiny"'))
+    out = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert out.returncode == 0 and json.loads(out.stdout)["done"] is True

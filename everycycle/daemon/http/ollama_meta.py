@@ -142,7 +142,9 @@ class OllamaMeta:
     def _read(self, spec: ModelSpec | None) -> _Facts:
         """(On a worker thread.)"""
         path = _file(spec) if spec is not None else None
-        if path is None:
+        if path is None:  # (not here: the time of the registry file that names it)
+            with contextlib.suppress(OSError):
+                return _Facts(mtime=spec.origin.stat().st_mtime) if spec else _Facts()
             return _Facts()
         from ...engine.gguf import read_metadata
 
