@@ -205,6 +205,7 @@ def hub_url(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     fake = FakeHub()
     fake.add("acme/tiny", COMMIT, "tiny.gguf", tiny_gguf.read_bytes())
     fake.add("acme/big", COMMIT, "big.gguf", os.urandom(3 << 20))
+    fake.add("acme/huge", COMMIT, "huge.gguf", os.urandom(24 << 20))
     fake.start()
     monkeypatch.setenv("HF_ENDPOINT", fake.url)
     monkeypatch.delenv("HF_HUB_OFFLINE")
@@ -220,10 +221,10 @@ def hub_url(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 def test_pull_from_the_hub_with_progress(hub_url: str) -> None:
     with ollama.Client(host=hub_url, timeout=60) as client:
-        pulls(client)
+        pulls(client, hub_url)
 
 
-def pulls(client: ollama.Client) -> None:
+def pulls(client: ollama.Client, url: str) -> None:
     assert client.list().models[0].size == 0
     parts = list(client.pull("hubtiny", stream=True))
     assert parts[0].status == "pulling manifest" and parts[-1].status == "success"
@@ -236,6 +237,13 @@ def pulls(client: ollama.Client) -> None:
     sizes = [p.completed for p in big if p.completed is not None]
     assert sizes[-1] == 3 << 20 and big[-1].status == "success"
     assert client.pull(f"hf://acme/big/big.gguf@{COMMIT}").status == "success"  # cached
+    gone = socket.create_connection(hostport(url))
+    body = json.dumps({"model": f"hf://acme/huge/huge.gguf@{COMMIT}"}).encode()
+    gone.sendall(b"POST /api/pull HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    assert gone.recv(4096).startswith(b"HTTP/1.1 200")
+    gone.close()  # a client gone mid-pull: the next pull resumes or finds it
+    assert client.pull(f"hf://acme/huge/huge.gguf@{COMMIT}").status == "success"
     with pytest.raises(ollama.ResponseError, match="no such file") as info:
         client.pull("hf://acme/tiny/other.gguf")
     assert info.value.status_code == 400

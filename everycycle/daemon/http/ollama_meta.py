@@ -273,8 +273,11 @@ class OllamaMeta:
         base = {"status": f"pulling {label}", **({"digest": f"sha256:{digest}"} if digest
                                                   else {})}
         last = [0.0]
+        stopped = [False]  # the daemon shuts down: the thread stops at its next report
 
         def report(done: int, total: int | None) -> None:  # (on the worker thread)
+            if stopped[0]:
+                raise anyio.BrokenResourceError
             moment = time.monotonic()
             if done != total and moment - last[0] < 0.1:
                 return
@@ -301,6 +304,8 @@ class OllamaMeta:
                 log.exception("pull of %s failed", label)
                 with contextlib.suppress(anyio.BrokenResourceError):
                     send.send_nowait(({"error": f"internal error: {type(exc).__name__}"}, 500))
+            finally:
+                stopped[0] = True
 
     async def _check_token(self, request: HttpRequest) -> None:
         """Only the daemon's own token (``everycycle daemon --show-token``) deletes."""
