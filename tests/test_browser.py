@@ -96,3 +96,18 @@ def test_a_json_body_sent_as_text_or_a_form_is_refused(url: str) -> None:
     status, _, _ = request(url, "POST", "/v1/chat/completions",
                            {"Content-Type": "application/json; charset=utf-8"}, BODY)
     assert status == 200
+
+
+def test_ollamas_routes_take_curls_form_type_but_not_from_a_page(url: str) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "hi", "stream": False,
+                       "options": {"num_predict": 2}}).encode()
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    status, _, _ = request(url, "POST", "/api/generate", form, body)
+    assert status == 200
+    status, _, _ = request(url, "POST", "/api/generate",
+                           {**form, "Origin": "http://localhost:3000"}, body)
+    assert status == 415
+    status, _, _ = request(url, "POST", "/api/generate", {"Content-Type": "text/plain"}, body)
+    assert status == 415
+    status, _, _ = request(url, "POST", "/v1/chat/completions", form, BODY)
+    assert status == 415

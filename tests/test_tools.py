@@ -84,6 +84,7 @@ def calls_of(message: Any) -> list[tuple[str, dict[str, Any]]]:
             for c in message.tool_calls or []]
 
 
+@pytest.mark.timeout(600)  # thirty sampled answers: minutes on a loaded 2-core machine
 def test_required_calls_validate_against_their_schemas_across_seeds(
         client: openai.OpenAI) -> None:
     names = set()

@@ -11,6 +11,7 @@ outcome of a request is an event, never an exception.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -115,6 +116,15 @@ class Supervisor:
     @http_address.setter
     def http_address(self, value: str | None) -> None:
         self.fleet.http_address = value
+
+    def forget(self, name: str) -> None:
+        """Drop ``name`` from the registry in use (a model deleted over HTTP); the
+        registry files are the caller's to change. A resident copy stays until unloaded."""
+        reg = self.registry
+        self.registry = dataclasses.replace(
+            reg, models={k: v for k, v in reg.models.items() if k != name},
+            default=None if reg.default == name else reg.default)
+        self.residency.registry = self.registry
 
     def snapshot(self) -> FleetSnapshot:
         """The live fleet, with the executors as last queried."""

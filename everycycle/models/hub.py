@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, cast
@@ -128,8 +129,14 @@ def _check_reachable(where: str) -> None:
                                   f"problem; {_OFFLINE_HINT}") from None
 
 
-def download(ref: HubRef, *, sha256: str | None = None, progress: bool = False) -> Path:
-    """Download ``ref`` into the HF cache (resuming a partial file) and verify it.
+Progress = Callable[[int, int | None], None]
+"""Told (bytes done, total bytes if known) as a download moves, on the downloading thread."""
+
+
+def download(ref: HubRef, *, sha256: str | None = None, progress: bool = False,
+             on_progress: Progress | None = None) -> Path:
+    """Download ``ref`` into the HF cache (resuming a partial file) and verify it; with
+    ``on_progress``, tell it how far the download is (the HTTP API's pull).
 
     Raises InvalidRequestError for an unknown repo, file or revision or when offline
     and not cached, ChecksumMismatchError for a bad file, InternalError when the hub
@@ -145,7 +152,8 @@ def download(ref: HubRef, *, sha256: str | None = None, progress: bool = False) 
         RevisionNotFoundError,
     )
 
-    bar: Any = _RichBar if progress else _SilentBar
+    bar: Any = (_reporting(on_progress) if on_progress is not None
+                else _RichBar if progress else _SilentBar)
     where = ref.url
     if not offline():
         _check_reachable(where)
@@ -262,6 +270,23 @@ class _SilentBar:
 
     def __exit__(self, *exc: object) -> None:
         pass
+
+
+def _reporting(report: Progress) -> type[_SilentBar]:
+    """A progress "bar" class that tells ``report`` instead of drawing."""
+
+    class _Reporting(_SilentBar):
+        def __init__(self, *args: object, total: int | None = None, initial: int = 0,
+                     **kwargs: object) -> None:
+            self.total = total
+            self.done = initial
+            report(initial, total)
+
+        def update(self, n: float = 1) -> None:
+            self.done += int(n)
+            report(self.done, self.total)
+
+    return _Reporting
 
 
 class _RichBar(_SilentBar):

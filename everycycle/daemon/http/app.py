@@ -8,7 +8,6 @@ answers what belongs to no dialect.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -22,9 +21,13 @@ from starlette.routing import Route
 from ..keys import KeyStore
 from ..metrics import CONTENT_TYPE, Metrics
 from ..supervisor import Supervisor
+from . import ollama, ollama_meta
 from .common import HttpError, Reader
 from .guard import Guard
-from .openai import OpenAI, error_body, error_response
+from .openai import OpenAI, error_response
+
+ErrorRenderer = Callable[[int, str, str | None, dict[str, str] | None], Response]
+"""How a dialect shapes an error answer: (status, message, code, headers)."""
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +44,11 @@ class HttpApi:
         self.metrics = metrics
         self.reader = Reader(supervisor, keys, require_key=require_key)
         self._tg: anyio.abc.TaskGroup | None = None
+        self.renderers: list[tuple[str, ErrorRenderer]] = [("/api/", ollama_meta.error_response)]
+        """Error shapes by path prefix (the first that matches); OpenAI's elsewhere."""
         self.app = Starlette(routes=[
             *OpenAI(self, self.reader).routes(),
+            *ollama.Ollama(self, self.reader).routes(),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])
@@ -51,14 +57,14 @@ class HttpApi:
         self.app.add_exception_handler(405, self._not_allowed)
         self.app.add_exception_handler(Exception, self._internal)
         self.asgi = Guard(self.app, loopback=loopback, allowed_hosts=allowed_hosts,
-                          cors_origins=cors_origins, error_body=self._error_body)
+                          cors_origins=cors_origins, error_body=self._error_body,
+                          lenient=("/api/",))
         """What the server serves: the app behind the browser guard (guard.py)."""
 
-    @staticmethod
-    def _error_body(path: str, status: int, message: str) -> bytes:
-        """An error body for ``path``'s dialect."""
-        return json.dumps(error_body(status, message, "forbidden" if status == 403
-                                     else "unsupported_media_type")).encode()
+    def _error_body(self, path: str, status: int, message: str) -> bytes:
+        """An error body for ``path``'s dialect (the browser guard's refusals)."""
+        code = "forbidden" if status == 403 else "unsupported_media_type"
+        return bytes(self._render(path)(status, message, code, None).body)
 
     def bind(self, tg: anyio.abc.TaskGroup) -> None:
         self._tg = tg
@@ -67,22 +73,33 @@ class HttpApi:
         assert self._tg is not None, "HttpApi.bind was not called"
         self._tg.start_soon(fn, *args)
 
+    def _error(self, request: HttpRequest, status: int, message: str, code: str | None,
+               headers: dict[str, str] | None = None) -> Response:
+        """An error answer in the shape of the dialect that ``request`` addressed."""
+        return self._render(request.url.path)(status, message, code, headers)
+
+    def _render(self, path: str) -> ErrorRenderer:
+        return next((r for prefix, r in self.renderers if path.startswith(prefix)),
+                    error_response)
+
     async def _http_error(self, request: HttpRequest, exc: HttpError) -> Response:
         headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
-        return error_response(exc.status, exc.message, exc.code, headers)
+        return self._error(request, exc.status, exc.message, exc.code, headers)
 
     async def _internal(self, request: HttpRequest, exc: Exception) -> Response:
         """A bug costs one request a JSON 500, never a plain-text page."""
         log.exception("HTTP %s %s failed", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+        return self._error(request, 500, f"internal error: {type(exc).__name__}",
+                           "internal_error")
 
     async def _not_found(self, request: HttpRequest, exc: Exception) -> Response:
-        return error_response(404, f"no route {request.method} {request.url.path}",
-                              "not_found")
+        return self._error(request, 404, f"no route {request.method} {request.url.path}",
+                           "not_found")
 
     async def _not_allowed(self, request: HttpRequest, exc: Exception) -> Response:
-        return error_response(405, f"{request.method} is not allowed on {request.url.path}",
-                              "method_not_allowed")
+        return self._error(request, 405,
+                           f"{request.method} is not allowed on {request.url.path}",
+                           "method_not_allowed")
 
     async def health(self, request: HttpRequest) -> Response:
         return JSONResponse({"status": "ok"})

@@ -40,10 +40,7 @@ class Reader:
         """Who is asking: the key's principal (``Authorization: Bearer`` or
         ``x-api-key``). Without --http-auth on loopback, a request with no key (or one
         we do not know: OpenAI clients always send some) is "local"."""
-        given = request.headers.get("authorization", "")
-        scheme, _, secret = given.partition(" ")
-        secret = secret.strip() if scheme.lower() == "bearer" else ""
-        secret = secret or request.headers.get("x-api-key", "").strip()
+        secret = presented_key(request)
         principal = self.keys.authenticate(secret) if secret else None
         if principal is None:
             if self.require_key:
@@ -104,6 +101,13 @@ class Reader:
             with contextlib.suppress(EverycycleError):
                 names.add(registry.get(name).name)
         return [name for name in registry.models if name in names]
+
+
+def presented_key(request: HttpRequest) -> str:
+    """The secret a request presents (``Authorization: Bearer`` or ``x-api-key``), or ""."""
+    scheme, _, secret = request.headers.get("authorization", "").partition(" ")
+    secret = secret.strip() if scheme.lower() == "bearer" else ""
+    return secret or request.headers.get("x-api-key", "").strip()
 
 
 def request_id(request: HttpRequest, prefix: str) -> str:

@@ -11,7 +11,10 @@ to 127.0.0.1) makes the page same-origin with the daemon, with full read access.
    (``--cors-origin``, repeatable; ``*`` allows any): 403 otherwise. Allowed origins get
    CORS headers, and their preflight (``OPTIONS``) is answered; nobody else's is.
 3. A POST body with a Content-Type must say ``application/json``: 415 otherwise, so a
-   form or a ``text/plain`` body never reaches a route.
+   form or a ``text/plain`` body never reaches a route. Under the ``lenient`` prefixes
+   (Ollama's ``/api/``, whose documented usage is ``curl -d '{…}'``) a form type is let
+   through from a request with no Origin: no browser sends one without it, and a
+   rebinding page is refused by its Host already.
 
 Clients that are not browsers (curl, the SDKs, editors) send no Origin and pass.
 """
@@ -54,8 +57,10 @@ class Guard:
     """Wraps ``app``; ``loopback``: the listener is on loopback (rule 1 applies)."""
 
     def __init__(self, app: App, *, loopback: bool, allowed_hosts: Sequence[str] = (),
-                 cors_origins: Sequence[str] = (), error_body: ErrorBody) -> None:
+                 cors_origins: Sequence[str] = (), error_body: ErrorBody,
+                 lenient: Sequence[str] = ()) -> None:
         self.app = app
+        self.lenient = tuple(lenient)
         self.loopback = loopback
         self.allowed_hosts = frozenset(h.lower() for h in allowed_hosts)
         self.cors_origins = frozenset(o.rstrip("/") for o in cors_origins)
@@ -108,7 +113,9 @@ class Guard:
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             # (None at all passes: a browser sends an Origin with such a body, or is
             # same-origin only by rebinding, both refused above.)
-            if kind and kind != "application/json" and not kind.endswith("+json"):
+            curl = (kind == "application/x-www-form-urlencoded" and origin is None
+                    and scope.get("path", "").startswith(self.lenient))
+            if kind and kind != "application/json" and not kind.endswith("+json") and not curl:
                 return 415, (f"the body must be JSON with Content-Type: application/json "
                              f"(got {kind or 'none'})")
         return None
