@@ -88,7 +88,11 @@ class FleetView:
         return FleetSnapshot(
             hostname=self.hostname,
             executors=residency.remote.summaries(residency.local, dead),
-            loaded_models=tuple(self._loaded(m) for m in residency.models.values()),
+            loaded_models=(*(self._loaded(m) for m in residency.models.values()),
+                           *(LoadedModel(name, load.spec.revision, load.spec.executor,
+                                         queued=load.waiters, state="loading")
+                             for name, load in residency.loading.items()
+                             if name not in residency.models)),
             active_requests=len(self.requests.active),
             http=self.http_address,
             daemon_rss=rss_bytes(),

@@ -46,6 +46,18 @@ EngineFactory = Callable[[str, Path, LoadOptions, Notify, Callable[[Engine], Non
 
 
 @dataclass(eq=False)
+class Loading:
+    """One load of a model under way, and what its waiters get: the model or the error."""
+
+    spec: ModelSpec
+    done: anyio.Event = field(default_factory=anyio.Event)
+    model: Resident | None = None
+    error: EverycycleError | None = None
+    waiters: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
 class Resident:
     """A loaded model: its engine and how it got there."""
 
@@ -121,7 +133,10 @@ class Residency:
         """This machine's executors, as last discovered."""
         self.engine_deaths: dict[tuple[str, str], int] = {}
         """Engine processes that died unasked, by (model, cause: SIGILL, exit, ...)."""
-        self._loading: dict[str, anyio.Lock] = {}
+        self.loading: dict[str, Loading] = {}
+        """Loads under way, by model name: whoever asks for one of these waits for it."""
+        self.loads = 0
+        """Loads attempted (each model's load runs once, however many ask)."""
         self.tg: anyio.abc.TaskGroup | None = None
         self.closing = False
 
@@ -172,16 +187,47 @@ class Residency:
             return model
         if not allow_load:
             raise ModelNotLoadedError(f"model '{spec.name}' is not loaded")
-        async with self._loading.setdefault(spec.name, anyio.Lock()):
-            model = self.models.get(spec.name)
-            if model is not None:
-                return model
-            if self.closing:
+        if self.closing:
+            raise RejectedError("daemon shutting down")
+        attempt = self.loading.get(spec.name)
+        if attempt is None:  # the first to ask loads it; the rest wait for that load
+            if self.tg is None:
                 raise RejectedError("daemon shutting down")
-            model = await anyio.to_thread.run_sync(self._load_blocking, spec, executor)
-            self.models[spec.name] = model
-            log.info("loaded %s on %s", spec.name, model.executor)
-            return model
+            attempt = self.loading[spec.name] = Loading(spec)
+            self.tg.start_soon(self._load, attempt, executor)
+        attempt.waiters += 1
+        try:
+            await attempt.done.wait()
+        finally:
+            attempt.waiters -= 1
+        if attempt.error is not None:
+            raise attempt.error  # every waiter of a failed load hears the same
+        assert attempt.model is not None
+        return attempt.model
+
+    async def _load(self, attempt: Loading, executor: str | None) -> None:
+        """Load ``attempt``'s model (on a worker thread) and tell its waiters."""
+        name = attempt.spec.name
+        try:
+            model = await anyio.to_thread.run_sync(self._load_blocking, attempt.spec, executor)
+        except EverycycleError as exc:
+            attempt.error = exc
+        except Exception as exc:  # a bug must cost this load, never the daemon
+            log.exception("loading %s failed", name)
+            attempt.error = InternalError(f"loading {name} failed: {exc}")
+        else:
+            if self.closing:
+                await anyio.to_thread.run_sync(model.engine.close)
+                attempt.error = RejectedError("daemon shutting down")
+            else:
+                self.models[name] = attempt.model = model
+                log.info("loaded %s on %s", name, model.executor)
+        finally:
+            if attempt.model is None and attempt.error is None:  # cancelled: shutting down
+                attempt.error = RejectedError("daemon shutting down")
+            self.loads += 1
+            del self.loading[name]
+            attempt.done.set()
 
     def _load_blocking(self, spec: ModelSpec, executor: str | None) -> Resident:
         path = local_file(spec, download=True)  # auto-pull a hub model (logged)

@@ -273,11 +273,20 @@ class Supervisor:
         self.requests.track(active)
         allow_load = self.auto_load and req.auto_load is not False
         spec = self.residency.spec_for(req.model, allow_paths=peer.allow_paths)
-        # Admission is FIFO per model (anyio locks are fair): requests queue in arrival order
-        # even though loading and tokenizing yield to the event loop.
-        async with self._admission.setdefault(spec.name, anyio.Lock()):
+        active.model = spec.name
+        lane = self.requests.lane(spec.name)
+        lane.admitting += 1  # (never unloaded under it, from here to a slot or the queue)
+        try:
+            if spec.name not in self.residency.models:
+                active.state = "loading"  # with every other request waiting for this load
             model = await self.residency.ensure_loaded(spec, None, allow_load=allow_load)
-            await self._admit(model, active)
+            active.state = "admitting"
+            # Admission is FIFO per model (anyio locks are fair, and a load's waiters wake
+            # in order): requests queue in arrival order though tokenizing yields.
+            async with self._admission.setdefault(spec.name, anyio.Lock()):
+                await self._admit(model, active)
+        finally:
+            lane.admitting -= 1
 
     def _check_principal(self, peer: Peer, req: Generate | Embed) -> None:
         """The principal's own limits: which models, how many at once, how fast."""
@@ -301,14 +310,8 @@ class Supervisor:
 
     async def _admit(self, model: Resident, active: Active) -> None:
         req = active.req
-        active.model = model.name
         model.touch(req.keep_alive_ms)
-        lane = self.requests.lane(model.name)
-        lane.admitting += 1  # (no await since it was found: the reaper cannot have it)
-        try:
-            job, active.output = await self._job_on(model, active)
-        finally:
-            lane.admitting -= 1
+        job, active.output = await self._job_on(model, active)
         if active.cancel_reason is None and self.residency.models.get(model.name) is not model:
             active.cancel_reason = f"model '{model.name}' unloaded"
         if active.cancel_reason is not None:

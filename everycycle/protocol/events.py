@@ -133,7 +133,8 @@ class LoadedModel:
     engine_exit: str | None = field(default=None, metadata=_EXT)
     """How its engine last died, e.g. ``SIGILL (illegal instruction)``."""
     state: str | None = field(default=None, metadata=_EXT)
-    """``restarting`` while its engine restarts, ``failed`` after a crash loop (until
+    """``loading`` while it loads (``queued``: the requests waiting for it),
+    ``restarting`` while its engine restarts, ``failed`` after a crash loop (until
     ``Load``); absent while it serves."""
 
 
@@ -145,7 +146,8 @@ class ActiveRequest:
     model: str
     principal: str
     state: str
-    """``admitting``, ``queued`` or ``running``."""
+    """``loading`` (waiting for its model to load), ``admitting``, ``queued`` or
+    ``running``."""
     age_ms: int
     tokens: int
     """Tokens generated so far."""
