@@ -62,7 +62,7 @@ async def test_a_load_that_fails_fails_every_waiter_with_one_message(
     # Its metadata reads (the memory plan is made), its tensors are cut off: llama.cpp
     # refuses it in the engine process, after the other requests have come.
     broken = tmp_path / "broken.gguf"
-    data = tiny_gguf.read_bytes()
+    data = tiny_gguf.read_bytes()  # noqa: ASYNC240 - a test fixture file, before serving
     broken.write_bytes(data[:len(data) // 2])
     models = tmp_path / "m.toml"
     models.write_text(f'[models.broken]\npath = "{broken}"\ncontext = 512\nparallel = 4\n')
