@@ -265,13 +265,7 @@ class StreamParser:
         end = close + len(HERMES_CLOSE) if close >= 0 else len(self._buf)
         inner = self._buf[len(HERMES_OPEN):close if close >= 0 else end]
         call = _as_call(_loads(inner.strip()), self._names)
-        segment = self._take(end)
-        if call:
-            self._call(*call)
-        else:
-            self._bad(segment)
-        self._state = _State.CONTENT
-        return True
+        return self._settle([call], self._take(end), _State.CONTENT, _State.CONTENT)
 
     def _call_block(self) -> bool:
         if self.fmt is ToolFormat.HERMES:
@@ -298,15 +292,8 @@ class StreamParser:
         segment = self._take(end)
         items = value if isinstance(value, list) and self.fmt is ToolFormat.MISTRAL else [value]
         calls = [_as_call(item, self._names) for item in items]
-        if items and all(calls):
-            for call in calls:
-                assert call is not None
-                self._call(*call)
-            self._state = _State.LLAMA_NEXT if self.fmt is ToolFormat.LLAMA3 else _State.CONTENT
-        else:
-            self._bad(segment)
-            self._state = _State.CONTENT
-        return True
+        after = _State.LLAMA_NEXT if self.fmt is ToolFormat.LLAMA3 else _State.CONTENT
+        return self._settle(calls, segment, after, _State.CONTENT)
 
     def _llama_json(self) -> bool:
         end = self._json_end(0)
@@ -315,13 +302,20 @@ class StreamParser:
                 return False
             end = len(self._buf)
         call = _as_call(_loads(self._buf[:end]), self._names)
-        segment = self._take(end)
-        if call:
-            self._call(*call)
-            self._state = _State.LLAMA_NEXT
+        return self._settle([call], self._take(end), _State.LLAMA_NEXT, _State.CONTENT)
+
+    def _settle(self, calls: list[tuple[str, str, str | None] | None], segment: str,
+                good: _State, bad: _State) -> bool:
+        """A block of output read whole: its calls when every one parsed (then state
+        ``good``), else the block back as text (``bad``)."""
+        if calls and all(calls):
+            for call in calls:
+                assert call is not None
+                self._call(*call)
+            self._state = good
         else:
             self._bad(segment)
-            self._state = _State.CONTENT
+            self._state = bad
         return True
 
     def _rest(self) -> str | None:
@@ -358,14 +352,7 @@ class StreamParser:
         segment = self._take(end)
         items = value.get("tool_calls") if isinstance(value, dict) and len(value) == 1 else None
         calls = [_as_call(item, self._names) for item in items] if isinstance(items, list) else []
-        if calls and all(calls):
-            for call in calls:
-                assert call is not None
-                self._call(*call)
-        else:
-            self._bad(segment)
-        self._state = _State.VERBATIM
-        return True
+        return self._settle(calls, segment, _State.VERBATIM, _State.VERBATIM)
 
     def _response(self) -> bool:
         text, used, closed = decode_string(self._buf, self._final)
