@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,6 +26,27 @@ def audit() -> list[dict[str, object]]:
 
 def requests() -> list[dict[str, object]]:
     return [r for r in audit() if "request_id" in r]
+
+
+ANSI = re.compile(rb"\x1b(\[[0-9;?]*[A-Za-z]|\][^\x07]*\x07|[()][A-Z0-9]|[=>78])")
+
+
+def on_screen(child: pexpect.spawn, n: int, timeout: float = 60) -> None:
+    """Read the terminal until ``n`` characters of answer (not escapes, not the status
+    line's words) have been printed since the last ``expect``."""
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while True:
+        plain = ANSI.sub(b"", seen).decode("utf-8", "replace")
+        for word in ("loading…", "generating…", "queued: position"):
+            plain = plain.replace(word, "")
+        if len("".join(plain.split())) >= n:
+            return
+        assert time.monotonic() < deadline, f"no answer on the screen: {seen[-200:]!r}"
+        child.expect(rb"[\s\S]", timeout=deadline - time.monotonic())
+        seen += child.after
+        with contextlib.suppress(pexpect.TIMEOUT):
+            seen += child.read_nonblocking(4096, timeout=0.05)
 
 
 def streamed(n: int) -> bool:
@@ -83,6 +106,8 @@ def interrupt_answer(child: pexpect.spawn, text: str) -> dict[str, object]:
     child.expect_exact(">>>")
     child.sendline(text)
     wait_until(lambda: streamed(20), f"the answer to {text!r} to stream")
+    on_screen(child, 10 + len("".join(text.split())))  # some of it on the screen (after
+    # the echo of what was typed)
     child.sendintr()
     wait_until(lambda: len(requests()) > before, "the cancel to reach the daemon", timeout=20)
     return requests()[-1]
