@@ -3,7 +3,9 @@ Starlette app served by uvicorn inside the daemon's own task group and event loo
 
 Each dialect is one module whose routes map HTTP requests onto protocol requests for
 the same Supervisor as the socket (``exchange``); this module only assembles them and
-answers what belongs to no dialect.
+answers what belongs to no dialect. Errors raised outside a dialect's exchange (auth,
+bodies, unknown routes, bugs) are shaped by the dialect that owns the path's prefix
+(``ERRORS``), OpenAI's elsewhere.
 """
 
 from __future__ import annotations
@@ -21,10 +23,26 @@ from starlette.routing import Route
 from ..keys import KeyStore
 from ..metrics import CONTENT_TYPE, Metrics
 from ..supervisor import Supervisor
+from . import anthropic, openai
 from .common import HttpError, Reader
-from .openai import OpenAI, error_response
 
 log = logging.getLogger(__name__)
+
+ErrorRenderer = Callable[[int, str, str | None, dict[str, str] | None], Response]
+"""A dialect's error answer: (status, message, code, headers) → response."""
+
+ERRORS: list[tuple[str, ErrorRenderer]] = [("/v1/messages", anthropic.error_response)]
+"""Path prefix → the error shape of the dialect that owns it; the rest get OpenAI's."""
+
+
+def error_response(request: HttpRequest, status: int, message: str, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    """An error answer in the shape of the dialect that owns ``request``'s path."""
+    path = request.url.path
+    for prefix, render in ERRORS:
+        if path == prefix or path.startswith(prefix + "/"):
+            return render(status, message, code, headers)
+    return openai.error_response(status, message, code, headers)
 
 
 class HttpApi:
@@ -39,7 +57,8 @@ class HttpApi:
         self.reader = Reader(supervisor, keys, require_key=require_key)
         self._tg: anyio.abc.TaskGroup | None = None
         self.app = Starlette(routes=[
-            *OpenAI(self, self.reader).routes(),
+            *openai.OpenAI(self, self.reader).routes(),
+            *anthropic.Anthropic(self, self.reader).routes(),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])
@@ -57,19 +76,21 @@ class HttpApi:
 
     async def _http_error(self, request: HttpRequest, exc: HttpError) -> Response:
         headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
-        return error_response(exc.status, exc.message, exc.code, headers)
+        return error_response(request, exc.status, exc.message, exc.code, headers)
 
     async def _internal(self, request: HttpRequest, exc: Exception) -> Response:
         """A bug costs one request a JSON 500, never a plain-text page."""
         log.exception("HTTP %s %s failed", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+        return error_response(request, 500, f"internal error: {type(exc).__name__}",
+                              "internal_error")
 
     async def _not_found(self, request: HttpRequest, exc: Exception) -> Response:
-        return error_response(404, f"no route {request.method} {request.url.path}",
+        return error_response(request, 404, f"no route {request.method} {request.url.path}",
                               "not_found")
 
     async def _not_allowed(self, request: HttpRequest, exc: Exception) -> Response:
-        return error_response(405, f"{request.method} is not allowed on {request.url.path}",
+        return error_response(request, 405,
+                              f"{request.method} is not allowed on {request.url.path}",
                               "method_not_allowed")
 
     async def health(self, request: HttpRequest) -> Response:

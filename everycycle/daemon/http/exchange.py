@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, MutableMapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
 
 from ...errors import ErrorKind
 from ...mailbox import Mailbox
-from ...protocol import Embed, Error, Generate, ServerEvent
+from ...protocol import Embed, Error, Generate, ServerEvent, Tokens, ToolCalls
 from ..keys import Principal
 from ..outcome import Outcome
 from ..supervisor import Supervisor
@@ -80,6 +81,44 @@ def dumps(obj: object) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+def sse_event(name: str, fields: dict[str, Any]) -> bytes:
+    """One named server-sent event whose data is ``{"type": NAME, **fields}``."""
+    return b"event: " + name.encode() + b"\ndata: " + dumps({"type": name, **fields}) + b"\n\n"
+
+
+@dataclass
+class Whole:
+    """A request's answer gathered whole: its text, thoughts and tool calls, and how it
+    ended (``error`` set when it failed)."""
+
+    text: str = ""
+    reasoning: str = ""
+    calls: ToolCalls | None = None
+    error: Error | None = None
+    outcome: Outcome | None = None
+
+
+async def gather(events: Events) -> Whole:
+    """The whole answer of a Generate from its events, up to the terminal one."""
+    whole = Whole()
+    text: list[str] = []
+    thought: list[str] = []
+    async for event, outcome in events:
+        if isinstance(event, Error):
+            whole.error, whole.outcome = event, outcome
+            break
+        if isinstance(event, ToolCalls):
+            whole.calls = event
+        elif isinstance(event, Tokens):
+            text.append(event.chunk.text)
+            thought.append(event.chunk.reasoning or "")
+            if event.finished:
+                whole.outcome = outcome
+                break
+    whole.text, whole.reasoning = "".join(text), "".join(thought)
+    return whole
+
+
 class Exchange:
     """One protocol request for one HTTP exchange; a dialect subclasses ``respond``."""
 
@@ -135,10 +174,12 @@ class Exchange:
         await send({"type": "http.response.body", "body": body})
 
     async def send_error(self, send: Send, event: Error, outcome: Outcome | None,
-                         body: bytes) -> None:
-        """A terminal Error as a whole answer with its status (and Retry-After)."""
-        status = STATUS[event.kind]
-        extra = [(b"retry-after", retry_after(outcome).encode())] if status == 429 else []
+                         body: bytes, status: int | None = None) -> None:
+        """A terminal Error as a whole answer with its status (``STATUS`` unless the
+        dialect says) and, when it was refused (429, or 529 overloaded), Retry-After."""
+        status = status or STATUS[event.kind]
+        extra = ([(b"retry-after", retry_after(outcome).encode())] if status in (429, 529)
+                 else [])
         await self.send_json(send, status, body, extra)
 
     async def start_stream(self, send: Send, content_type: str) -> None:

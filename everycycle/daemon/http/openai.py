@@ -18,7 +18,6 @@ with an error event and no ``[DONE]``.
 from __future__ import annotations
 
 import base64
-import json
 import struct
 import time
 from dataclasses import dataclass, field
@@ -40,8 +39,8 @@ from ...protocol import (
 )
 from ..outcome import Outcome
 from . import openai_request as parse
-from .common import HttpError, Reader, deadline, protocol_errors, request_id
-from .exchange import STATUS, Events, Exchange, Send, Spawner, dumps
+from .common import HttpError, Reader, deadline, protocol_errors, request_id, stream_flag
+from .exchange import STATUS, Events, Exchange, Send, Spawner, dumps, gather
 
 _TYPE = {
     400: "invalid_request_error",
@@ -180,29 +179,22 @@ class _Generation(Exchange):
             await self._collect(events, send)
 
     async def _collect(self, events: Events, send: Send) -> None:
-        text: list[str] = []
-        thought: list[str] = []
-        calls: ToolCalls | None = None
-        async for event, outcome in events:
-            if isinstance(event, Error):
-                await self.send_error(send, event, outcome, self._error_body(event))
-                return
-            if isinstance(event, Embeddings):
-                answer = self.shape.embeddings(event, outcome)
-            elif isinstance(event, ToolCalls):
-                calls = event
-                continue
-            elif isinstance(event, Tokens):
-                text.append(event.chunk.text)
-                thought.append(event.chunk.reasoning or "")
-                if not event.finished:
-                    continue
-                answer = self.shape.whole("".join(text), outcome, reasoning="".join(thought),
-                                          calls=calls)
-            else:
-                continue
-            await self.send_json(send, 200, json.dumps(answer, ensure_ascii=False).encode())
+        if isinstance(self.req, Embed):
+            async for event, outcome in events:
+                if isinstance(event, Error):
+                    await self.send_error(send, event, outcome, self._error_body(event))
+                    return
+                if isinstance(event, Embeddings):
+                    await self.send_json(send, 200, dumps(self.shape.embeddings(event, outcome)))
+                    return
             return
+        whole = await gather(events)
+        if whole.error is not None:
+            await self.send_error(send, whole.error, whole.outcome, self._error_body(whole.error))
+            return
+        answer = self.shape.whole(whole.text, whole.outcome, reasoning=whole.reasoning,
+                                  calls=whole.calls)
+        await self.send_json(send, 200, dumps(answer))
 
     async def _stream(self, events: Events, send: Send) -> None:
         started = False
@@ -267,9 +259,7 @@ class OpenAI:
 
     def _generation(self, request: HttpRequest, data: dict[str, Any], req: Generate,
                     shape: _Shape) -> _Generation:
-        stream = data.get("stream", False)
-        if not isinstance(stream, bool):
-            raise HttpError(400, "`stream` must be a boolean", "invalid_type")
+        stream = stream_flag(data)
         opts = data.get("stream_options") or {}
         include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
         return _Generation(self.api, req, request.state.principal, shape, stream=stream,
