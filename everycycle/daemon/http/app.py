@@ -25,6 +25,7 @@ from ..metrics import CONTENT_TYPE, Metrics
 from ..supervisor import Supervisor
 from . import anthropic, openai
 from .common import HttpError, Reader
+from .responses import Responses
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class HttpApi:
         self.app = Starlette(routes=[
             *openai.OpenAI(self, self.reader).routes(),
             *anthropic.Anthropic(self, self.reader).routes(),
+            *Responses(self, self.reader).routes(),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])
