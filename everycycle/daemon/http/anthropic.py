@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Route
 
 from ...errors import ErrorKind
-from ...protocol import Accepted, Error, Generate, Tokens, ToolCalls
+from ...protocol import Accepted, Error, Generate, ServerEvent, Tokens, ToolCalls
 from ..keys import Principal
 from ..outcome import Outcome
 from . import anthropic_request as parse
@@ -84,10 +84,9 @@ def _usage(outcome: Outcome | None) -> dict[str, int]:
 class _Exchange(Exchange):
     """What both routes answer alike: errors in Anthropic's shape."""
 
-    async def fail(self, send: Send, event: Error, outcome: Outcome | None) -> None:
+    def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
         status = status_of(event, outcome)
-        await self.send_error(send, event, outcome, dumps(error_body(status, event.message)),
-                              status)
+        return status, dumps(error_body(status, event.message))
 
 
 class _Message(_Exchange):
@@ -161,17 +160,12 @@ class _Message(_Exchange):
             await self.write(send, sse_event("content_block_stop", {"index": self.blocks}))
             self.open = None
 
+    async def begin(self, send: Send, event: ServerEvent) -> None:
+        await self.write(send, sse_event("message_start", {"message": self._message(
+            [], None, {"input_tokens": 0, "output_tokens": 0})}))
+
     async def _stream(self, events: Events, send: Send) -> None:
-        started = False
-        async for event, outcome in events:
-            if isinstance(event, Error) and not started:
-                await self.fail(send, event, outcome)
-                return
-            if not started:
-                await self.start_stream(send, "text/event-stream")
-                await self.write(send, sse_event("message_start", {"message": self._message(
-                    [], None, {"input_tokens": 0, "output_tokens": 0})}))
-                started = True
+        async for event, outcome in self.streamed(events, send):
             if isinstance(event, Accepted):
                 await self.write(send, sse_event("ping", {
                     "queue_position": event.queue_position}))
@@ -195,7 +189,8 @@ class _Message(_Exchange):
                 body = error_body(status_of(event, outcome), event.message)
                 await self.write(send, sse_event("error", {"error": body["error"]}))
                 break
-        await self.end_stream(send)
+        if self.started:
+            await self.end_stream(send)
 
 
 class _Count(_Exchange):

@@ -127,9 +127,37 @@ class Exchange:
         self.req = req
         self.principal = principal
 
+    started = False
+    """Whether a stream began (its 200 and headers are sent)."""
+
     async def respond(self, events: Events, send: Send) -> None:
         """Answer the client from the request's events (the dialect's shape)."""
         raise NotImplementedError
+
+    def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
+        """A terminal Error's HTTP status and body, in the dialect's shape."""
+        raise NotImplementedError
+
+    async def fail(self, send: Send, event: Error, outcome: Outcome | None) -> None:
+        """A terminal Error as a whole answer (before any stream began)."""
+        status, body = self.error_answer(event, outcome)
+        await self.send_error(send, event, outcome, body, status)
+
+    async def begin(self, send: Send, event: ServerEvent) -> None:
+        """What a stream writes first, before its first event (``event``)."""
+
+    async def streamed(self, events: Events, send: Send) -> Events:
+        """The request's events for a stream: an Error before any other event is answered
+        whole (``fail``); any other first event begins the stream (SSE, ``begin``)."""
+        async for event, outcome in events:
+            if not self.started:
+                if isinstance(event, Error):
+                    await self.fail(send, event, outcome)
+                    return
+                await self.start_stream(send, "text/event-stream")
+                self.started = True
+                await self.begin(send, event)
+            yield event, outcome
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         peer = HttpPeer(self.principal)

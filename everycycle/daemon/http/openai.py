@@ -68,6 +68,12 @@ def error_response(status: int, message: str, code: str | None = None,
     return JSONResponse(error_body(status, message, code), status_code=status, headers=headers)
 
 
+def error_answer(event: Error) -> tuple[int, bytes]:
+    """A terminal Error's status and OpenAI error object."""
+    status = STATUS[event.kind]
+    return status, dumps(error_body(status, event.message, event.kind.value))
+
+
 def _finish_reason(outcome: Outcome | None) -> str:
     if outcome is not None and outcome.finish_reason in ("length", "context"):
         return "length"
@@ -169,8 +175,8 @@ class _Generation(Exchange):
         self.stream = stream
         self.include_usage = include_usage
 
-    def _error_body(self, event: Error) -> bytes:
-        return dumps(error_body(STATUS[event.kind], event.message, event.kind.value))
+    def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
+        return error_answer(event)
 
     async def respond(self, events: Events, send: Send) -> None:
         if self.stream:
@@ -182,7 +188,7 @@ class _Generation(Exchange):
         if isinstance(self.req, Embed):
             async for event, outcome in events:
                 if isinstance(event, Error):
-                    await self.send_error(send, event, outcome, self._error_body(event))
+                    await self.fail(send, event, outcome)
                     return
                 if isinstance(event, Embeddings):
                     await self.send_json(send, 200, dumps(self.shape.embeddings(event, outcome)))
@@ -190,23 +196,16 @@ class _Generation(Exchange):
             return
         whole = await gather(events)
         if whole.error is not None:
-            await self.send_error(send, whole.error, whole.outcome, self._error_body(whole.error))
+            await self.fail(send, whole.error, whole.outcome)
             return
         answer = self.shape.whole(whole.text, whole.outcome, reasoning=whole.reasoning,
                                   calls=whole.calls)
         await self.send_json(send, 200, dumps(answer))
 
     async def _stream(self, events: Events, send: Send) -> None:
-        started = False
         role_sent = False
         usage: dict[str, Any] | None | bool = None if self.include_usage else False
-        async for event, outcome in events:
-            if isinstance(event, Error) and not started:
-                await self.send_error(send, event, outcome, self._error_body(event))
-                return
-            if not started:
-                await self.start_stream(send, "text/event-stream")
-                started = True
+        async for event, outcome in self.streamed(events, send):
             if isinstance(event, Accepted):
                 if event.queue_position:
                     await self.write(send, f": queue_position {event.queue_position}\n\n"
@@ -236,9 +235,10 @@ class _Generation(Exchange):
                     await self.write(send, _sse("[DONE]"))
                     break
             elif isinstance(event, Error):
-                await self.write(send, b"data: " + self._error_body(event) + b"\n\n")
+                await self.write(send, b"data: " + error_answer(event)[1] + b"\n\n")
                 break
-        await self.end_stream(send)
+        if self.started:
+            await self.end_stream(send)
 
 
 class OpenAI:

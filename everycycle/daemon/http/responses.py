@@ -23,13 +23,13 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 from starlette.routing import BaseRoute, Route
 
-from ...protocol import Accepted, Error, Generate, Tokens, ToolCall, ToolCalls
+from ...protocol import Accepted, Error, Generate, ServerEvent, Tokens, ToolCall, ToolCalls
 from ..keys import Principal
 from ..outcome import Outcome
 from . import responses_request as parse
 from .common import Reader, protocol_errors, request_id, stream_flag
-from .exchange import STATUS, Events, Exchange, Send, Spawner, dumps, gather, sse_event
-from .openai import error_body
+from .exchange import Events, Exchange, Send, Spawner, dumps, gather, sse_event
+from .openai import error_answer
 
 _PART = {"message": "output_text", "reasoning": "reasoning_text"}
 """Each streamed item kind's one content part."""
@@ -101,8 +101,7 @@ class _Response(Exchange):
             return
         whole = await gather(events)
         if whole.error is not None:
-            await self.send_error(send, whole.error, whole.outcome, dumps(error_body(
-                STATUS[whole.error.kind], whole.error.message, whole.error.kind.value)))
+            await self.fail(send, whole.error, whole.outcome)
             return
         if whole.reasoning:
             self.items.append(_item("reasoning", self._id("rs"), whole.reasoning))
@@ -172,19 +171,16 @@ class _Response(Exchange):
                              name=call.name, arguments=call.arguments)
             await self._done(send, _call_item(call, item_id))
 
+    def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
+        return error_answer(event)
+
+    async def begin(self, send: Send, event: ServerEvent) -> None:
+        queued = isinstance(event, Accepted) and event.queue_position > 0
+        await self._emit(send, "response.created",
+                         response=self._object("queued" if queued else "in_progress"))
+
     async def _stream(self, events: Events, send: Send) -> None:
-        started = False
-        async for event, outcome in events:
-            if isinstance(event, Error) and not started:
-                await self.send_error(send, event, outcome, dumps(error_body(
-                    STATUS[event.kind], event.message, event.kind.value)))
-                return
-            if not started:
-                await self.start_stream(send, "text/event-stream")
-                queued = isinstance(event, Accepted) and event.queue_position > 0
-                await self._emit(send, "response.created", response=self._object(
-                    "queued" if queued else "in_progress"))
-                started = True
+        async for event, outcome in self.streamed(events, send):
             if isinstance(event, Accepted):
                 if event.queue_position:
                     await self._emit(send, "response.queued", response=self._object("queued"),
@@ -208,7 +204,8 @@ class _Response(Exchange):
                 await self._emit(send, "response.failed", response=self._object(
                     "failed", error={"code": event.kind.value, "message": event.message}))
                 break
-        await self.end_stream(send)
+        if self.started:
+            await self.end_stream(send)
 
 
 class Responses:
