@@ -18,6 +18,8 @@ from conftest import SpawnDaemon
 from daemonhelp import wait_until
 from templatehelp import SMOLLM2
 from test_http import audit, blocker, fleet_http, hostport, raw
+from test_tools import THINKING
+from tinymodel import write_tiny_gguf
 
 from everycycle.client import SyncClient
 from everycycle.daemon.keys import KeyLimits, KeyStore, load_or_create_token
@@ -221,3 +223,23 @@ def test_tool_use_round_trip_on_the_default_model(
                                           "content": [{"type": "text", "text": f"{total:g}"}]}]}])
         assert answer.stop_reason in ("end_turn", "max_tokens")
         assert answer.content[0].type == "text" and answer.content[0].text
+
+
+def test_thoughts_come_in_thinking_blocks(spawn_daemon: SpawnDaemon, tmp_path: Path) -> None:
+    gguf = write_tiny_gguf(tmp_path / "thinking.gguf", chat_template=THINKING)
+    models = tmp_path / "thinking.toml"
+    models.write_text(f'default = "t"\n[models.t]\npath = "{gguf}"\ncontext = 1024\n')
+    spawn_daemon("--http", "127.0.0.1:0", models=models)
+    think: Any = {"type": "enabled", "budget_tokens": 1024}
+    with make_client(fleet_http()) as c:
+        m = c.messages.create(model="t", messages=HI, max_tokens=6, thinking=think,
+                              extra_body=GREEDY)
+        assert m.content[0].type == "thinking" and m.content[0].thinking  # (it never ends)
+        with c.messages.stream(model="t", messages=HI, max_tokens=6, thinking=think,
+                               extra_body=GREEDY) as stream:
+            deltas = [e.delta for e in stream if e.type == "content_block_delta"]
+            final = stream.get_final_message()
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == m.content[
+        0].thinking
+    assert [b.type for b in final.content] == [b.type for b in m.content if b.type != "text"
+                                               or b.text]

@@ -16,6 +16,8 @@ import pytest
 from conftest import SpawnDaemon
 from templatehelp import SMOLLM2
 from test_http import audit, blocker, fleet_http, hostport
+from test_tools import THINKING
+from tinymodel import write_tiny_gguf
 
 from everycycle.client import SyncClient
 
@@ -141,3 +143,18 @@ def test_a_function_call_round_trip_on_the_default_model(
             *ask, call.model_dump(exclude_none=True),
             {"type": "function_call_output", "call_id": call.call_id, "output": f"{total:g}"}])
         assert answer.output_text and answer.output[-1].type == "message"
+
+
+def test_thoughts_are_a_reasoning_item(spawn_daemon: SpawnDaemon, tmp_path: Path) -> None:
+    gguf = write_tiny_gguf(tmp_path / "thinking.gguf", chat_template=THINKING)
+    models = tmp_path / "thinking.toml"
+    models.write_text(f'default = "t"\n[models.t]\npath = "{gguf}"\ncontext = 1024\n')
+    spawn_daemon("--http", "127.0.0.1:0", models=models)
+    with openai.OpenAI(base_url=f"{fleet_http()}/v1", api_key="x", max_retries=0) as c:
+        r = c.responses.create(model="t", input="hi", max_output_tokens=6, temperature=0)
+        events = list(c.responses.create(model="t", input="hi", max_output_tokens=6,
+                                         temperature=0, stream=True))
+    item: Any = r.output[0]
+    assert item.type == "reasoning" and item.content[0].text
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == item.content[0].text
