@@ -21,10 +21,11 @@ from starlette.routing import Route
 from ..keys import KeyStore
 from ..metrics import CONTENT_TYPE, Metrics
 from ..supervisor import Supervisor
-from . import ollama, ollama_meta
+from . import anthropic, ollama, ollama_meta
 from .common import HttpError, Reader
 from .guard import Guard
 from .openai import OpenAI, error_response
+from .responses import Responses
 
 ErrorRenderer = Callable[[int, str, str | None, dict[str, str] | None], Response]
 """How a dialect shapes an error answer: (status, message, code, headers)."""
@@ -44,10 +45,13 @@ class HttpApi:
         self.metrics = metrics
         self.reader = Reader(supervisor, keys, require_key=require_key)
         self._tg: anyio.abc.TaskGroup | None = None
-        self.renderers: list[tuple[str, ErrorRenderer]] = [("/api/", ollama_meta.error_response)]
+        self.renderers: list[tuple[str, ErrorRenderer]] = [
+            ("/api/", ollama_meta.error_response), ("/v1/messages", anthropic.error_response)]
         """Error shapes by path prefix (the first that matches); OpenAI's elsewhere."""
         self.app = Starlette(routes=[
             *OpenAI(self, self.reader).routes(),
+            *anthropic.Anthropic(self, self.reader).routes(),
+            *Responses(self, self.reader).routes(),
             *ollama.Ollama(self, self.reader).routes(),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),

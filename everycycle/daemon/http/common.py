@@ -138,3 +138,11 @@ def protocol_errors(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except ProtocolError as exc:
         raise HttpError(400, exc.message, "invalid_value") from None
+
+
+def stream_flag(data: dict[str, Any]) -> bool:
+    """The body's ``stream`` (false when absent). Raises HttpError (400) for a non-boolean."""
+    stream = data.get("stream", False)
+    if not isinstance(stream, bool):
+        raise HttpError(400, "`stream` must be a boolean", "invalid_type")
+    return stream

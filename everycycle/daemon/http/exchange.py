@@ -20,13 +20,14 @@ from collections.abc import (
     MutableMapping,
     Sequence,
 )
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
 
 from ...errors import ErrorKind
 from ...mailbox import Mailbox
-from ...protocol import Embed, Error, Generate, ServerEvent
+from ...protocol import Embed, Error, Generate, ServerEvent, Tokens, ToolCalls
 from ..keys import Principal
 from ..outcome import Outcome
 from ..supervisor import Supervisor
@@ -87,6 +88,44 @@ def dumps(obj: object) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+def sse_event(name: str, fields: dict[str, Any]) -> bytes:
+    """One named server-sent event whose data is ``{"type": NAME, **fields}``."""
+    return b"event: " + name.encode() + b"\ndata: " + dumps({"type": name, **fields}) + b"\n\n"
+
+
+@dataclass
+class Whole:
+    """A request's answer gathered whole: its text, thoughts and tool calls, and how it
+    ended (``error`` set when it failed)."""
+
+    text: str = ""
+    reasoning: str = ""
+    calls: ToolCalls | None = None
+    error: Error | None = None
+    outcome: Outcome | None = None
+
+
+async def gather(events: Events) -> Whole:
+    """The whole answer of a Generate from its events, up to the terminal one."""
+    whole = Whole()
+    text: list[str] = []
+    thought: list[str] = []
+    async for event, outcome in events:
+        if isinstance(event, Error):
+            whole.error, whole.outcome = event, outcome
+            break
+        if isinstance(event, ToolCalls):
+            whole.calls = event
+        elif isinstance(event, Tokens):
+            text.append(event.chunk.text)
+            thought.append(event.chunk.reasoning or "")
+            if event.finished:
+                whole.outcome = outcome
+                break
+    whole.text, whole.reasoning = "".join(text), "".join(thought)
+    return whole
+
+
 class Exchange:
     """One protocol request for one HTTP exchange; a dialect subclasses ``respond``."""
 
@@ -99,9 +138,37 @@ class Exchange:
         self.reqs: list[Generate | Embed] = [req, *more]
         self.principal = principal
 
+    started = False
+    """Whether a stream began (its 200 and headers are sent)."""
+
     async def respond(self, events: Events, send: Send) -> None:
         """Answer the client from the request's events (the dialect's shape)."""
         raise NotImplementedError
+
+    def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
+        """A terminal Error's HTTP status and body, in the dialect's shape."""
+        raise NotImplementedError
+
+    async def fail(self, send: Send, event: Error, outcome: Outcome | None) -> None:
+        """A terminal Error as a whole answer (before any stream began)."""
+        status, body = self.error_answer(event, outcome)
+        await self.send_error(send, event, outcome, body, status)
+
+    async def begin(self, send: Send, event: ServerEvent) -> None:
+        """What a stream writes first, before its first event (``event``)."""
+
+    async def streamed(self, events: Events, send: Send) -> Events:
+        """The request's events for a stream: an Error before any other event is answered
+        whole (``fail``); any other first event begins the stream (SSE, ``begin``)."""
+        async for event, outcome in events:
+            if not self.started:
+                if isinstance(event, Error):
+                    await self.fail(send, event, outcome)
+                    return
+                await self.start_stream(send, "text/event-stream")
+                self.started = True
+                await self.begin(send, event)
+            yield event, outcome
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         peer = HttpPeer(self.principal)
@@ -147,10 +214,12 @@ class Exchange:
         await send({"type": "http.response.body", "body": body})
 
     async def send_error(self, send: Send, event: Error, outcome: Outcome | None,
-                         body: bytes) -> None:
-        """A terminal Error as a whole answer with its status (and Retry-After)."""
-        status = STATUS[event.kind]
-        extra = [(b"retry-after", retry_after(outcome).encode())] if status == 429 else []
+                         body: bytes, status: int | None = None) -> None:
+        """A terminal Error as a whole answer with its status (``STATUS`` unless the
+        dialect says) and, when it was refused (429, or 529 overloaded), Retry-After."""
+        status = status or STATUS[event.kind]
+        extra = ([(b"retry-after", retry_after(outcome).encode())] if status in (429, 529)
+                 else [])
         await self.send_json(send, status, body, extra)
 
     async def start_stream(self, send: Send, content_type: str) -> None:

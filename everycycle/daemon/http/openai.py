@@ -18,7 +18,6 @@ with an error event and no ``[DONE]``.
 from __future__ import annotations
 
 import base64
-import json
 import struct
 import time
 from collections.abc import Sequence
@@ -42,7 +41,7 @@ from ...protocol import (
 )
 from ..outcome import Outcome
 from . import openai_request as parse
-from .common import HttpError, Reader, deadline, protocol_errors, request_id
+from .common import HttpError, Reader, deadline, protocol_errors, request_id, stream_flag
 from .exchange import STATUS, Events, Exchange, Send, Spawner, dumps
 
 _TYPE = {
@@ -69,6 +68,12 @@ def error_body(status: int, message: str, code: str | None = None) -> dict[str, 
 def error_response(status: int, message: str, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, code), status_code=status, headers=headers)
+
+
+def error_answer(event: Error) -> tuple[int, bytes]:
+    """A terminal Error's status and OpenAI error object."""
+    status = STATUS[event.kind]
+    return status, dumps(error_body(status, event.message, event.kind.value))
 
 
 def _finish_reason(outcome: Outcome | None) -> str:
@@ -219,15 +224,8 @@ class _Generation(Exchange):
         asked = [isinstance(r, Generate) and r.logprobs is not None for r in self.reqs]
         self.answers = [_Answer(a) for a in asked]
 
-    def _error_body(self, event: Error) -> bytes:
-        return dumps(error_body(STATUS[event.kind], event.message, event.kind.value))
-
-    def _cancel_rest(self) -> None:
-        """One choice failed: the answer fails, and its other choices stop."""
-        for req in self.reqs:
-            target = self.api.supervisor.requests.active.get(req.request_id)
-            if target is not None:
-                self.api.supervisor.requests.cancel(target, "another choice failed")
+    def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
+        return error_answer(event)
 
     async def respond(self, events: Events, send: Send) -> None:
         if self.stream:
@@ -238,12 +236,10 @@ class _Generation(Exchange):
     async def _collect(self, events: Events, send: Send) -> None:
         async for event, outcome in events:
             if isinstance(event, Error):
-                self._cancel_rest()
-                await self.send_error(send, event, outcome, self._error_body(event))
+                await self.fail(send, event, outcome)
                 return
             if isinstance(event, Embeddings):
-                body = self.shape.embeddings(event, outcome)
-                await self.send_json(send, 200, json.dumps(body, ensure_ascii=False).encode())
+                await self.send_json(send, 200, dumps(self.shape.embeddings(event, outcome)))
                 return
             answer = self.answers[self.index.get(getattr(event, "request_id", ""), 0)]
             if isinstance(event, ToolCalls):
@@ -255,23 +251,13 @@ class _Generation(Exchange):
                 if event.finished:
                     answer.outcome, answer.done = outcome, True
                     if all(a.done for a in self.answers):
-                        body = self.shape.whole(self.answers)
-                        await self.send_json(send, 200,
-                                             json.dumps(body, ensure_ascii=False).encode())
+                        await self.send_json(send, 200, dumps(self.shape.whole(self.answers)))
                         return
 
     async def _stream(self, events: Events, send: Send) -> None:
-        started = False
         role_sent: set[int] = set()
         usage: dict[str, Any] | None | bool = None if self.include_usage else False
-        async for event, outcome in events:
-            if isinstance(event, Error) and not started:
-                self._cancel_rest()
-                await self.send_error(send, event, outcome, self._error_body(event))
-                return
-            if not started:
-                await self.start_stream(send, "text/event-stream")
-                started = True
+        async for event, outcome in self.streamed(events, send):
             i = self.index.get(getattr(event, "request_id", ""), 0)
             if isinstance(event, Accepted):
                 if event.queue_position:
@@ -307,10 +293,10 @@ class _Generation(Exchange):
                         await self.write(send, _sse("[DONE]"))
                         break
             elif isinstance(event, Error):
-                self._cancel_rest()
-                await self.write(send, b"data: " + self._error_body(event) + b"\n\n")
+                await self.write(send, b"data: " + error_answer(event)[1] + b"\n\n")
                 break
-        await self.end_stream(send)
+        if self.started:
+            await self.end_stream(send)
 
 
 class OpenAI:
@@ -331,9 +317,7 @@ class OpenAI:
 
     def _generation(self, request: HttpRequest, data: dict[str, Any], req: Generate,
                     shape: _Shape) -> _Generation:
-        stream = data.get("stream", False)
-        if not isinstance(stream, bool):
-            raise HttpError(400, "`stream` must be a boolean", "invalid_type")
+        stream = stream_flag(data)
         opts = data.get("stream_options") or {}
         include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
         first, *more = self._choices(req, data)

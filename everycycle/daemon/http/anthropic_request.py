@@ -1,0 +1,197 @@
+"""Reading an Anthropic Messages request: ``system``, the ``messages`` with their content
+blocks, ``tools``, ``tool_choice``, ``thinking`` and the sampling options, as the fields
+of a protocol Generate. Every mistake is an HttpError (400) naming the field.
+
+Content blocks: ``text``; ``tool_use`` (assistant) becomes a tool call; ``tool_result``
+(user) becomes a ``tool`` message answering its ``tool_use_id`` (``is_error`` prefixes
+its content with ``Error:``); ``thinking``/``redacted_thinking`` in an assistant's history
+are dropped, as the models' templates drop earlier thoughts. Other blocks (images,
+documents, server tools) are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request as HttpRequest
+
+from ...errors import ProtocolError
+from ...protocol import Message, Role, ToolCall, ToolChoice
+from .common import HttpError, deadline
+from .openai_request import check_types
+
+_CHOICES = {"auto": ToolChoice.AUTO, "any": ToolChoice.REQUIRED, "none": ToolChoice.NONE}
+
+
+def _bad(where: str, what: str) -> HttpError:
+    return HttpError(400, f"{where}: {what}", "invalid_request")
+
+
+def _message(where: str, role: Role, content: str, calls: tuple[ToolCall, ...] | None = None,
+             call_id: str | None = None) -> Message:
+    try:
+        return Message(role, content, calls, call_id)
+    except ProtocolError as exc:
+        raise _bad(where, exc.message) from None
+
+
+def text_of(where: str, content: object) -> str:
+    """A string, or a list of text blocks joined (``system``, a tool result's content)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(where, "must be a string or a list of text blocks")
+    parts = []
+    for j, block in enumerate(content):
+        if not (isinstance(block, dict) and block.get("type") == "text"
+                and isinstance(block.get("text"), str)):
+            raise _bad(f"{where}[{j}]", "only text blocks are supported here")
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def _call(where: str, block: dict[str, Any]) -> ToolCall:
+    call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
+    if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(args, dict)):
+        raise _bad(where, "a tool_use block is {id, name, input: {...}}")
+    try:
+        return ToolCall(call_id, name, json.dumps(args, ensure_ascii=False))
+    except ProtocolError as exc:
+        raise _bad(where, exc.message) from None
+
+
+def _result(where: str, block: dict[str, Any]) -> Message:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str):
+        raise _bad(where, "a tool_result block needs its tool_use_id")
+    content = block.get("content")
+    text = "" if content is None else text_of(f"{where}.content", content)
+    if block.get("is_error") is True:
+        text = f"Error: {text}"
+    return _message(where, Role.TOOL, text, call_id=call_id)
+
+
+def _turn(where: str, role: str, blocks: list[Any]) -> list[Message]:
+    """One Anthropic message as protocol Messages: a user's tool results come first (as
+    Anthropic requires them first), then the rest of its text."""
+    text: list[str] = []
+    calls: list[ToolCall] = []
+    out: list[Message] = []
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}.content[{j}]"
+        if kind == "text" and isinstance(block.get("text"), str):
+            text.append(block["text"])
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_call(at, block))
+        elif kind == "tool_result" and role == "user":
+            out.append(_result(at, block))
+        else:
+            raise _bad(at, f"{json.dumps(kind)[:40]} blocks are not supported in a {role} "
+                       "message (text, tool_use, tool_result, thinking)")
+    if role == "assistant" and (text or calls):
+        out.append(_message(where, Role.ASSISTANT, "".join(text), tuple(calls) or None))
+    elif role == "user" and (text or not out):
+        out.append(_message(where, Role.USER, "".join(text)))
+    return out
+
+
+def messages(data: dict[str, Any]) -> tuple[Message, ...]:
+    """``system`` and ``messages`` as protocol Messages. Raises HttpError (400)."""
+    raw = data.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise _bad("messages", "must be a non-empty list")
+    out: list[Message] = []
+    system = data.get("system")
+    if system is not None and (text := text_of("system", system)):
+        out.append(_message("system", Role.SYSTEM, text))
+    for i, item in enumerate(raw):
+        where = f"messages[{i}]"
+        role = item.get("role") if isinstance(item, dict) else None
+        if role not in ("user", "assistant"):
+            raise _bad(f"{where}.role", "must be user or assistant")
+        content = item.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise _bad(f"{where}.content", "must be a string or a list of content blocks")
+        out.extend(_turn(where, role, blocks))
+    return tuple(out)
+
+
+def _tool(i: int, tool: object) -> dict[str, Any]:
+    """An Anthropic tool {name, description, input_schema} as an OpenAI function tool."""
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+        raise _bad(where, "only custom tools {name, description, input_schema} are supported")
+    name, schema = tool.get("name"), tool.get("input_schema")
+    description = tool.get("description", "")
+    if not (isinstance(name, str) and isinstance(schema, dict)
+            and isinstance(description, str)):
+        raise _bad(where, "a tool is {name, description?, input_schema: {...}}")
+    return {"type": "function",
+            "function": {"name": name, "description": description, "parameters": schema}}
+
+
+def tools(data: dict[str, Any]) -> dict[str, Any]:
+    """``tools`` and ``tool_choice`` as Generate's tools, tool_choice, tool_name and
+    parallel_tool_calls (``any`` is ``required``; ``disable_parallel_tool_use``)."""
+    raw, choice = data.get("tools"), data.get("tool_choice")
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if choice is not None and kind not in ("auto", "any", "tool", "none"):
+        raise _bad("tool_choice", 'must be {"type": "auto" | "any" | "tool" | "none"}')
+    if not raw:
+        if kind in ("any", "tool"):
+            raise _bad("tool_choice", "needs `tools`")
+        return {}
+    if not isinstance(raw, list):
+        raise _bad("tools", "must be a list of tools")
+    fields: dict[str, Any] = {
+        "tools": json.dumps([_tool(i, t) for i, t in enumerate(raw)], ensure_ascii=False)}
+    if isinstance(choice, dict):
+        if kind == "tool":
+            if not isinstance(choice.get("name"), str):
+                raise _bad("tool_choice.name", "must name one of the tools")
+            fields["tool_name"] = choice["name"]
+        else:
+            fields["tool_choice"] = _CHOICES[str(kind)]
+        disable = choice.get("disable_parallel_tool_use")
+        if disable is not None:
+            if not isinstance(disable, bool):
+                raise _bad("tool_choice.disable_parallel_tool_use", "must be a boolean")
+            fields["parallel_tool_calls"] = not disable
+    return fields
+
+
+def thinking(data: dict[str, Any]) -> dict[str, Any]:
+    """``thinking`` {type: enabled | adaptive | disabled} as Generate's ``think``."""
+    raw = data.get("thinking")
+    if raw is None:
+        return {}
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise _bad("thinking", 'must be {"type": "enabled" | "adaptive" | "disabled"}')
+    return {"think": kind != "disabled"}
+
+
+def options(request: HttpRequest, data: dict[str, Any], *, counting: bool = False
+            ) -> dict[str, Any]:
+    """``max_tokens`` (required, as Anthropic requires it, unless ``counting``),
+    ``stop_sequences``, ``temperature``, ``top_p``, ``top_k`` and the deadline header."""
+    if data.get("max_tokens") is None and not counting:
+        raise _bad("max_tokens", "is required")
+    fields = {key: data[key] for key in ("max_tokens", "temperature", "top_p", "top_k")
+              if data.get(key) is not None and not counting}
+    stops = data.get("stop_sequences")
+    if stops is not None:
+        if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+            raise _bad("stop_sequences", "must be a list of strings")
+        if stops and not counting:
+            fields["stop"] = tuple(stops)
+    limit = deadline(request)
+    if limit is not None:
+        fields["deadline_ms"] = limit
+    check_types(fields)
+    return fields

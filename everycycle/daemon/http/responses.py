@@ -1,0 +1,228 @@
+"""The OpenAI Responses dialect: ``POST /v1/responses`` over the shared exchange.
+
+    POST /v1/responses   instructions + input → Generate{messages}   (SSE when "stream")
+
+The answer's ``output`` holds a ``reasoning`` item (a thinking model's thoughts), a
+``message`` item with one ``output_text`` part, and a ``function_call`` item per tool
+call; ``status`` is ``completed``, or ``incomplete`` (``max_output_tokens``) when the
+token limit or the context cut it. Nothing is stored: ``store`` is always false and
+``previous_response_id`` is refused (400). A stream is named events, each with its
+``sequence_number``: ``response.created``, then ``response.queued`` (with the request's
+``queue_position``) each time its queue moves and ``response.in_progress`` once it runs,
+the items' ``output_item``/``content_part``/``output_text``/``function_call_arguments``
+events, and ``response.completed`` (or ``response.incomplete``); a failure after the stream
+began is ``response.failed``. The request id is the response's ``id`` and comes back in
+``x-request-id``; errors before a stream are OpenAI error objects, as on chat completions.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.requests import Request as HttpRequest
+from starlette.routing import BaseRoute, Route
+
+from ...protocol import Accepted, Error, Generate, ServerEvent, Tokens, ToolCall, ToolCalls
+from ..keys import Principal
+from ..outcome import Outcome
+from . import responses_request as parse
+from .common import Reader, protocol_errors, request_id, stream_flag
+from .exchange import Events, Exchange, Send, Spawner, dumps, gather, sse_event
+from .openai import error_answer
+
+_PART = {"message": "output_text", "reasoning": "reasoning_text"}
+"""Each streamed item kind's one content part."""
+
+
+def _usage(outcome: Outcome | None) -> dict[str, Any]:
+    prompt = outcome.prompt_tokens if outcome else 0
+    generated = outcome.generated_tokens if outcome else 0
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": outcome.cached_tokens if outcome else 0},
+            "output_tokens": generated, "total_tokens": prompt + generated}
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    if kind == "message":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "reasoning_text", "text": text}
+
+
+def _item(kind: str, item_id: str, text: str | None, status: str = "completed"
+          ) -> dict[str, Any]:
+    """A message or reasoning item, whole (``text`` None: with no content yet)."""
+    content = [] if text is None else [_part(kind, text)]
+    if kind == "message":
+        return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+                "content": content}
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": content}
+
+
+def _call_item(call: ToolCall, item_id: str, arguments: str | None = None,
+               status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+            "arguments": call.arguments if arguments is None else arguments,
+            "status": status}
+
+
+class _Response(Exchange):
+    """A response: named SSE events when streaming, else one response object."""
+
+    def __init__(self, api: Spawner, req: Generate, principal: Principal, *, stream: bool,
+                 echo: dict[str, Any]) -> None:
+        super().__init__(api, req, principal)
+        self.model = req.model
+        self.stream = stream
+        self.echo = echo
+        self.created = int(time.time())
+        self.items: list[dict[str, Any]] = []  # output items, whole once done
+        self.open: str | None = None  # the kind of the item streaming now (the last one)
+        self.text: list[str] = []  # its text so far
+        self.seq = 0
+
+    def _id(self, prefix: str) -> str:
+        return f"{prefix}_{self.req.request_id}_{len(self.items)}"
+
+    def _object(self, status: str, outcome: Outcome | None = None,
+                error: dict[str, str] | None = None) -> dict[str, Any]:
+        incomplete = None
+        if outcome is not None and outcome.finish_reason in ("length", "context"):
+            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        return {"id": self.req.request_id, "object": "response", "created_at": self.created,
+                "status": status, "error": error, "incomplete_details": incomplete,
+                "model": self.model, "output": list(self.items), **self.echo,
+                "usage": None if outcome is None else _usage(outcome)}
+
+    async def respond(self, events: Events, send: Send) -> None:
+        if self.stream:
+            await self._stream(events, send)
+            return
+        whole = await gather(events)
+        if whole.error is not None:
+            await self.fail(send, whole.error, whole.outcome)
+            return
+        if whole.reasoning:
+            self.items.append(_item("reasoning", self._id("rs"), whole.reasoning))
+        if whole.text or not whole.calls:
+            self.items.append(_item("message", self._id("msg"), whole.text))
+        for call in whole.calls.calls if whole.calls else ():
+            self.items.append(_call_item(call, self._id("fc")))
+        await self.send_json(send, 200, dumps(self._object("completed", whole.outcome)))
+
+    # ------------------------------------------------------------------ streaming
+
+    async def _emit(self, send: Send, name: str, /, **fields: Any) -> None:
+        await self.write(send, sse_event(name, {**fields, "sequence_number": self.seq}))
+        self.seq += 1
+
+    async def _added(self, send: Send, item: dict[str, Any]) -> None:
+        self.items.append(item)
+        await self._emit(send, "response.output_item.added", output_index=len(self.items) - 1,
+                         item=item)
+
+    async def _done(self, send: Send, item: dict[str, Any]) -> None:
+        self.items[-1] = item
+        await self._emit(send, "response.output_item.done", output_index=len(self.items) - 1,
+                         item=item)
+
+    def _where(self) -> dict[str, Any]:
+        """Where the last item's one content part is, as its events say."""
+        return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1,
+                "content_index": 0}
+
+    async def _text(self, send: Send, kind: str, delta: str) -> None:
+        """Stream ``delta`` into the open item of ``kind`` (opening one if need be)."""
+        if self.open != kind:
+            await self._close(send)
+            self.open, self.text = kind, []
+            await self._added(send, _item(kind, self._id("msg" if kind == "message" else "rs"),
+                                          None, "in_progress"))
+            await self._emit(send, "response.content_part.added", **self._where(),
+                             part=_part(kind, ""))
+        self.text.append(delta)
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        await self._emit(send, f"response.{_PART[kind]}.delta", **self._where(), delta=delta,
+                         **extra)
+
+    async def _close(self, send: Send) -> None:
+        """End the item streaming now: its text's done, its part's done, its own done."""
+        kind = self.open
+        if kind is None:
+            return
+        self.open = None
+        text = "".join(self.text)
+        where = self._where()
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        await self._emit(send, f"response.{_PART[kind]}.done", **where, text=text, **extra)
+        await self._emit(send, "response.content_part.done", **where, part=_part(kind, text))
+        await self._done(send, _item(kind, where["item_id"], text))
+
+    async def _calls(self, send: Send, calls: ToolCalls) -> None:
+        await self._close(send)
+        for call in calls.calls:
+            item_id = self._id("fc")
+            await self._added(send, _call_item(call, item_id, "", "in_progress"))
+            where = {"item_id": item_id, "output_index": len(self.items) - 1}
+            await self._emit(send, "response.function_call_arguments.delta", **where,
+                             delta=call.arguments)
+            await self._emit(send, "response.function_call_arguments.done", **where,
+                             name=call.name, arguments=call.arguments)
+            await self._done(send, _call_item(call, item_id))
+
+    def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
+        return error_answer(event)
+
+    async def begin(self, send: Send, event: ServerEvent) -> None:
+        queued = isinstance(event, Accepted) and event.queue_position > 0
+        await self._emit(send, "response.created",
+                         response=self._object("queued" if queued else "in_progress"))
+
+    async def _stream(self, events: Events, send: Send) -> None:
+        async for event, outcome in self.streamed(events, send):
+            if isinstance(event, Accepted):
+                if event.queue_position:
+                    await self._emit(send, "response.queued", response=self._object("queued"),
+                                     queue_position=event.queue_position)
+                else:
+                    await self._emit(send, "response.in_progress",
+                                     response=self._object("in_progress"))
+            elif isinstance(event, ToolCalls):
+                await self._calls(send, event)
+            elif isinstance(event, Tokens):
+                if event.chunk.reasoning:
+                    await self._text(send, "reasoning", event.chunk.reasoning)
+                if event.chunk.text:
+                    await self._text(send, "message", event.chunk.text)
+                if event.finished:
+                    await self._close(send)
+                    final = self._object("completed", outcome)
+                    await self._emit(send, f"response.{final['status']}", response=final)
+                    break
+            elif isinstance(event, Error):
+                await self._emit(send, "response.failed", response=self._object(
+                    "failed", error={"code": event.kind.value, "message": event.message}))
+                break
+        if self.started:
+            await self.end_stream(send)
+
+
+class Responses:
+    """The Responses route over ``api`` (where requests run) and ``reader``."""
+
+    def __init__(self, api: Spawner, reader: Reader) -> None:
+        self.api = api
+        self.reader = reader
+
+    def routes(self) -> list[BaseRoute]:
+        return [Route("/v1/responses", self.create, methods=["POST"])]
+
+    async def create(self, request: HttpRequest) -> Any:
+        data = await self.reader.json(request)
+        model = self.reader.model(request, data.get("model"), "GET /v1/models")
+        messages = parse.messages(data)
+        req = protocol_errors(Generate, request_id(request, "resp"), model, messages=messages,
+                              **parse.tools(data), **parse.options(request, data))
+        return _Response(self.api, req, request.state.principal, stream=stream_flag(data),
+                         echo=parse.summary(data))
