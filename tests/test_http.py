@@ -340,14 +340,19 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
         st.sampled_from(["model", "messages", "prompt", "role", "content", "max_tokens",
                          "stream", "stop", "n", "temperature", "seed", "top_p", "type",
-                         "text", "stream_options", "include_usage"]) | st.text(max_size=8),
+                         "text", "stream_options", "include_usage", "tools", "tool_choice",
+                         "function", "name", "parameters", "tool_calls", "tool_call_id",
+                         "logprobs", "top_logprobs", "system", "input", "instructions",
+                         "max_output_tokens", "stop_sequences", "input_schema", "thinking",
+                         "reasoning_effort", "grammar"]) | st.text(max_size=8),
         inner, max_size=6),
     max_leaves=12,
 )
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                             "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"]),
        body=json_values.map(lambda v: json.dumps(v).encode()) | st.binary(max_size=200))
 def test_random_bodies_never_cost_a_500(fuzz_url: str, path: str, body: bytes) -> None:
     status, _, data = raw(fuzz_url, "POST", path, body,
