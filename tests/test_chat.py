@@ -105,7 +105,7 @@ def interrupt_answer(child: pexpect.spawn, text: str) -> dict[str, object]:
     before = len(requests())
     child.expect_exact(">>>")
     child.sendline(text)
-    wait_until(lambda: streamed(20), f"the answer to {text!r} to stream")
+    wait_until(lambda: streamed(20), f"the answer to {text!r} to stream", timeout=120)
     on_screen(child, 10 + len("".join(text.split())))  # some of it on the screen (after
     # the echo of what was typed)
     child.sendintr()
