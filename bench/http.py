@@ -148,6 +148,9 @@ def main() -> None:
     ap.add_argument("--model", type=Path)
     ap.add_argument("--llama-server", type=Path)
     ap.add_argument("--ttft-samples", type=int, default=20)
+    ap.add_argument("--lookup", action="store_true",
+                    help="let the daemon use prompt-lookup drafts (llama-server drafts none, "
+                    "so the ratio then measures more than the HTTP path)")
     args = ap.parse_args()
     reg = load_registry()
     model = args.model or local_file(reg.get(reg.default_name()))
@@ -156,7 +159,8 @@ def main() -> None:
     os.environ["EVERYCYCLE_HOME"] = str(home)
     models = home / "models.toml"
     models.write_text(f'[models.bench]\npath = "{model}"\ncontext = 4096\n'
-                      f"parallel = {max(args.k, 1)}\n")
+                      f"parallel = {max(args.k, 1)}\n"
+                      + ("" if args.lookup else "speculative = false\n"))
     with daemon_process("--models", str(models), "--http", "127.0.0.1:0"):
         with SyncClient() as c:
             c.load("bench")
@@ -171,7 +175,8 @@ def main() -> None:
             a, b = side_by_side(ours, theirs, args.k, args.n, args.rounds)
         http, sock = ttft_http_vs_socket(ours, args.ttft_samples)
     print(f"model {model.name}, {args.k} streaming chat completions x {args.n} tokens, "
-          f"{threads} threads, {args.rounds} alternating rounds")
+          f"{threads} threads, {args.rounds} alternating rounds, our prompt lookup "
+          f"{'on' if args.lookup else 'off (as llama-server)'}")
     best = max(a, key=lambda r: r.rate)
     print(best.line("everycycle"))
     if b:
