@@ -54,7 +54,6 @@ class Loading:
     model: Resident | None = None
     error: EverycycleError | None = None
     waiters: int = 0
-    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass(eq=False)
