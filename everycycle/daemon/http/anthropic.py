@@ -35,7 +35,7 @@ from ..keys import Principal
 from ..outcome import Outcome
 from . import anthropic_request as parse
 from .common import Reader, protocol_errors, request_id, stream_flag
-from .exchange import STATUS, Events, Exchange, Send, Spawner, dumps, gather, sse_event
+from .exchange import STATUS, Events, Exchange, Send, Spawner, dumps, sse_event
 
 OVERLOADED = 529
 
@@ -119,9 +119,8 @@ class _Message(_Exchange):
         if self.stream:
             await self._stream(events, send)
             return
-        whole = await gather(events)
-        if whole.error is not None:
-            await self.fail(send, whole.error, whole.outcome)
+        whole = await self.whole(events, send)
+        if whole is None:
             return
         content: list[dict[str, Any]] = []
         if whole.reasoning:
@@ -197,9 +196,8 @@ class _Count(_Exchange):
     """count_tokens: the prompt tokens of a one-token generation."""
 
     async def respond(self, events: Events, send: Send) -> None:
-        whole = await gather(events)
-        if whole.error is not None:
-            await self.fail(send, whole.error, whole.outcome)
+        whole = await self.whole(events, send)
+        if whole is None:
             return
         tokens = whole.outcome.prompt_tokens if whole.outcome else 0
         await self.send_json(send, 200, dumps({"input_tokens": tokens}))

@@ -154,6 +154,14 @@ class Exchange:
         status, body = self.error_answer(event, outcome)
         await self.send_error(send, event, outcome, body, status)
 
+    async def whole(self, events: Events, send: Send) -> Whole | None:
+        """The request's whole answer; None once its failure was answered (``fail``)."""
+        answer = await gather(events)
+        if answer.error is not None:
+            await self.fail(send, answer.error, answer.outcome)
+            return None
+        return answer
+
     async def begin(self, send: Send, event: ServerEvent) -> None:
         """What a stream writes first, before its first event (``event``)."""
 

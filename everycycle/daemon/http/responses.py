@@ -28,7 +28,7 @@ from ..keys import Principal
 from ..outcome import Outcome
 from . import responses_request as parse
 from .common import Reader, protocol_errors, request_id, stream_flag
-from .exchange import Events, Exchange, Send, Spawner, dumps, gather, sse_event
+from .exchange import Events, Exchange, Send, Spawner, dumps, sse_event
 from .openai import error_answer
 
 _PART = {"message": "output_text", "reasoning": "reasoning_text"}
@@ -99,9 +99,8 @@ class _Response(Exchange):
         if self.stream:
             await self._stream(events, send)
             return
-        whole = await gather(events)
-        if whole.error is not None:
-            await self.fail(send, whole.error, whole.outcome)
+        whole = await self.whole(events, send)
+        if whole is None:
             return
         if whole.reasoning:
             self.items.append(_item("reasoning", self._id("rs"), whole.reasoning))
