@@ -25,6 +25,14 @@ TIMEOUT = 30
 EC = [sys.executable, "-m", "everycycle"]
 
 
+def readme_block(heading: str, lang: str) -> str:
+    """The first ```LANG block of the README's section ``heading``."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index(heading):]
+    start = section.index(f"```{lang}\n") + len(f"```{lang}\n")
+    return section[start:section.index("```", start)]
+
+
 def wait_until(check: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
     """Poll ``check`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

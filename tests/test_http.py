@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 from conftest import SpawnDaemon
-from daemonhelp import EC, running_daemon, wait_until
+from daemonhelp import EC, readme_block, running_daemon, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -397,10 +397,7 @@ def test_http_addresses_parse() -> None:
 
 
 def _readme_block(lang: str) -> str:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Use it from any OpenAI client"):]
-    start = section.index(f"```{lang}\n") + len(f"```{lang}\n")
-    return section[start:section.index("```", start)]
+    return readme_block('## Use it from any OpenAI client', lang)
 
 
 def test_the_readme_python_snippet_runs(url: str) -> None:

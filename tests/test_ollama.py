@@ -16,7 +16,7 @@ from pathlib import Path
 import ollama
 import pytest
 from conftest import SpawnDaemon
-from daemonhelp import daemon_process, wait_until
+from daemonhelp import daemon_process, readme_block, wait_until
 from fakehub import FakeHub
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -350,10 +350,7 @@ def fuzz_url(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Itera
 
 
 def _readme_block(lang: str) -> str:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("### The Ollama API"):]
-    start = section.index(f"```{lang}\n") + len(f"```{lang}\n")
-    return section[start:section.index("```", start)]
+    return readme_block('### The Ollama API', lang)
 
 
 def test_the_readme_examples_run(url: str) -> None:
