@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from daemonhelp import daemon_process
+from httphelp import blocker, fleet_http
 from tinymodel import write_tiny_gguf
 
 from everycycle import paths
@@ -99,6 +100,22 @@ def spawn_daemon(models_file: Path) -> Iterator[SpawnDaemon]:
             )
 
         yield spawn
+
+
+@pytest.fixture
+def url(spawn_daemon: SpawnDaemon) -> str:
+    """A daemon with HTTP on a free port; its base URL."""
+    spawn_daemon("--http", "127.0.0.1:0")
+    return fleet_http()
+
+
+@pytest.fixture
+def busy(models_file: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A long request holding the only slot of model `tiny` for the test."""
+    proc = blocker(models_file)
+    yield proc
+    proc.kill()
+    proc.communicate()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,9 +12,8 @@ from typing import Any
 import anthropic
 import pytest
 from conftest import SpawnDaemon
-from daemonhelp import wait_until
+from httphelp import audit, blocker, drop_mid_stream, fleet_http, hostport, raw
 from templatehelp import SMOLLM2
-from test_http import audit, blocker, fleet_http, hostport, raw
 from test_tools import THINKING
 from tinymodel import write_tiny_gguf
 
@@ -32,12 +28,6 @@ ADD: Any = {"name": "add", "description": "Add two numbers and return the sum.",
                         "required": ["a", "b"]}}
 
 
-@pytest.fixture
-def url(spawn_daemon: SpawnDaemon) -> str:
-    spawn_daemon("--http", "127.0.0.1:0")
-    return fleet_http()
-
-
 def make_client(url: str, key: str = "unused") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
 
@@ -46,14 +36,6 @@ def make_client(url: str, key: str = "unused") -> anthropic.Anthropic:
 def client(url: str) -> Iterator[anthropic.Anthropic]:
     with make_client(url) as c:
         yield c
-
-
-@pytest.fixture
-def busy(models_file: Path) -> Iterator[subprocess.Popen[bytes]]:
-    proc = blocker(models_file)
-    yield proc
-    proc.kill()
-    proc.communicate()
 
 
 def sse(data: bytes) -> list[tuple[str, dict[str, object]]]:
@@ -173,23 +155,8 @@ def test_a_queued_stream_pings_its_position(url: str, busy: object) -> None:
 
 
 def test_a_client_disconnect_frees_the_slot(url: str) -> None:
-    body = json.dumps({"model": "tiny", "messages": HI, "max_tokens": 8000, "temperature": 1,
-                       "stream": True}).encode()
-    sock = socket.create_connection(hostport(url))
-    sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
-                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
-    sock.close()
-    started = time.monotonic()
-
-    def idle() -> bool:
-        with SyncClient() as c:
-            return c.describe_fleet().active_requests == 0
-
-    wait_until(idle, "the slot to be freed", timeout=5)
-    assert time.monotonic() - started < 2
-    wait_until(lambda: bool(audit()), "the audit record")
-    assert audit()[-1]["outcome"] == "Cancelled"
+    drop_mid_stream(url, "/v1/messages", {"model": "tiny", "messages": HI, "max_tokens": 8000,
+                                          "temperature": 1, "stream": True})
 
 
 def test_tool_use_round_trip_on_the_default_model(

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import SpawnDaemon
 from daemonhelp import EC, daemon_process
+from httphelp import fleet_http, hostport
 
 from everycycle import paths
 from everycycle.client import SyncClient
@@ -24,17 +25,13 @@ from everycycle.errors import ErrorKind
 from everycycle.protocol import Error, Generate, Tokens, encode
 
 
-def fleet_http() -> tuple[str, int]:
-    with SyncClient() as c:
-        url = c.describe_fleet().http
-    assert url is not None
-    host, _, port = url.removeprefix("http://").rpartition(":")
-    return host, int(port)
+def http_address() -> tuple[str, int]:
+    return hostport(fleet_http())
 
 
 def post(path: str, body: object, headers: dict[str, bytes] | None = None
          ) -> tuple[int, dict[str, object]]:
-    conn = http.client.HTTPConnection(*fleet_http(), timeout=60)
+    conn = http.client.HTTPConnection(*http_address(), timeout=60)
     try:
         conn.request("POST", path, body=json.dumps(body).encode(),
                      headers={"content-type": b"application/json", **(headers or {})})
@@ -254,7 +251,7 @@ def rss(pid: int) -> int:
 
 
 def http_raw(data: bytes, *, pause: float = 0.0, read: bool = True) -> bytes:
-    with socket.create_connection(fleet_http(), timeout=60) as s:
+    with socket.create_connection(http_address(), timeout=60) as s:
         s.sendall(data)
         if pause:
             time.sleep(pause)
@@ -264,7 +261,7 @@ def http_raw(data: bytes, *, pause: float = 0.0, read: bool = True) -> bytes:
 def test_an_endless_header_is_431_and_costs_nothing(spawn_daemon: SpawnDaemon) -> None:
     proc = spawn_daemon("--http", "127.0.0.1:0")
     rss0 = rss(proc.pid)
-    with socket.create_connection(fleet_http(), timeout=60) as s:
+    with socket.create_connection(http_address(), timeout=60) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Long: ")
         sent = 0
         with contextlib.suppress(OSError):  # the daemon answers and closes meanwhile
@@ -289,8 +286,8 @@ def test_half_sent_requests_time_out(spawn_daemon: SpawnDaemon) -> None:
     assert (httpserver.HEADER_TIMEOUT_S, httpserver.BODY_TIMEOUT_S) == (10.0, 30.0)
     proc = spawn_daemon("--http", "127.0.0.1:0")
     started = time.monotonic()
-    with socket.create_connection(fleet_http(), timeout=60) as half, \
-            socket.create_connection(fleet_http(), timeout=60) as silent:
+    with socket.create_connection(http_address(), timeout=60) as half, \
+            socket.create_connection(http_address(), timeout=60) as silent:
         half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")  # and no more
         # (silent sends nothing at all)
         for s in (half, silent):

@@ -6,47 +6,22 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 from conftest import SpawnDaemon
-from daemonhelp import EC, readme_block, running_daemon, wait_until
+from daemonhelp import EC, readme_block, running_daemon
+from httphelp import audit, blocker, drop_mid_stream, fleet_http, fuzzed_daemon, hostport, raw
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from everycycle import paths
 from everycycle.cli.daemon import parse_http_address
 from everycycle.client import SyncClient
 from everycycle.daemon.keys import load_or_create_token
-
-
-def fleet_http() -> str:
-    with SyncClient() as c:
-        url = c.describe_fleet().http
-    assert url is not None
-    return url
-
-
-def hostport(url: str) -> tuple[str, int]:
-    host, _, port = url.removeprefix("http://").rpartition(":")
-    return host, int(port)
-
-
-def audit() -> list[dict[str, object]]:
-    return [json.loads(x) for x in paths.audit_file().read_text().splitlines()
-            if '"request_id"' in x]
-
-
-@pytest.fixture
-def url(spawn_daemon: SpawnDaemon) -> str:
-    spawn_daemon("--http", "127.0.0.1:0")
-    return fleet_http()
 
 
 @pytest.fixture
@@ -54,35 +29,6 @@ def client(url: str) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
                        timeout=60) as c:
         yield c
-
-
-def raw(url: str, method: str, path: str, body: bytes | None = None,
-        headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    conn = http.client.HTTPConnection(*hostport(url), timeout=60)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        resp = conn.getresponse()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
-    finally:
-        conn.close()
-
-
-def blocker(models_file: Path) -> subprocess.Popen[bytes]:
-    """A long request holding the only slot of model `tiny` (streaming when returned)."""
-    proc = subprocess.Popen([*EC, "run", "--models", str(models_file), "-n", "8000",
-                             "--temperature", "1", "x"], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    proc.stdout.read(1)
-    return proc
-
-
-@pytest.fixture
-def busy(models_file: Path) -> Iterator[subprocess.Popen[bytes]]:
-    proc = blocker(models_file)
-    yield proc
-    proc.kill()
-    proc.communicate()
 
 
 # ----------------------------------------------------------------- the openai client
@@ -264,24 +210,8 @@ def test_a_queued_stream_gets_its_position_as_comments(url: str, busy: object) -
 
 
 def test_a_client_disconnect_frees_the_slot(url: str) -> None:
-    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 8000, "temperature": 1,
-                       "stream": True}).encode()
-    host, port = hostport(url)
-    sock = socket.create_connection((host, port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
-                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
-    sock.close()
-    started = time.monotonic()
-
-    def idle() -> bool:
-        with SyncClient() as c:
-            return c.describe_fleet().active_requests == 0
-
-    wait_until(idle, "the slot to be freed", timeout=5)
-    assert time.monotonic() - started < 2
-    wait_until(lambda: bool(audit()), "the audit record")
-    assert audit()[-1]["outcome"] == "Cancelled"
+    drop_mid_stream(url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 8000,
+                                             "temperature": 1, "stream": True})
 
 
 def test_a_deadline_header_and_a_chosen_request_id(url: str) -> None:
@@ -364,26 +294,8 @@ def test_random_bodies_never_cost_a_500(fuzz_url: str, path: str, body: bytes) -
 
 @pytest.fixture(scope="module")
 def fuzz_url(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Iterator[str]:
-    import os
-    import tempfile
-
-    from daemonhelp import daemon_process
-
-    home = Path(tmp_path_factory.mktemp("hz"))
-    sock = Path(tempfile.mkdtemp(prefix="hz", dir="/tmp")) / "d.sock"
-    models = home / "models.toml"
-    models.write_text(f'default = "tiny"\n[models.tiny]\npath = "{tiny_gguf}"\ncontext = 256\n'
-                      "parallel = 2\n")
-    env = {**os.environ, "EVERYCYCLE_HOME": str(home)}
-    with daemon_process("--models", str(models), "--http", "127.0.0.1:0", sock=sock,
-                        env=env) as proc:
-        with SyncClient(sock) as c:
-            url = c.describe_fleet().http
-        assert url
+    with fuzzed_daemon(tmp_path_factory.mktemp("hz"), tiny_gguf) as url:
         yield url
-        assert proc.poll() is None, "the daemon died during fuzzing"
-        with SyncClient(sock) as c:
-            assert c.describe_fleet().active_requests == 0
 
 
 def test_http_addresses_parse() -> None:

@@ -8,19 +8,16 @@ import http.client
 import json
 import os
 import socket
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import ollama
 import pytest
-from conftest import SpawnDaemon
-from daemonhelp import daemon_process, readme_block, wait_until
+from daemonhelp import daemon_process, readme_block
 from fakehub import FakeHub
+from httphelp import audit, blocker, drop_mid_stream, fleet_http, fuzzed_daemon, hostport, raw
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_http import audit, blocker, fleet_http, hostport, raw
 
 from everycycle import __version__, paths
 from everycycle.client import SyncClient
@@ -32,12 +29,6 @@ from everycycle.protocol import Role, ToolCall, ToolCalls
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 HI = [{"role": "user", "content": "hello"}]
 GREEDY = {"temperature": 0, "seed": 7, "num_predict": 8}
-
-
-@pytest.fixture
-def url(spawn_daemon: SpawnDaemon) -> str:
-    spawn_daemon("--http", "127.0.0.1:0")
-    return fleet_http()
 
 
 @pytest.fixture
@@ -175,22 +166,9 @@ def test_a_queued_request_shows_its_position(url: str, models_file: Path) -> Non
 
 
 def test_a_client_disconnect_frees_the_slot(url: str) -> None:
-    body = json.dumps({"model": "tiny", "prompt": "x",
-                       "options": {"num_predict": 8000, "temperature": 1}}).encode()
-    sock = socket.create_connection(hostport(url))
-    sock.sendall(b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Length: "
-                 + str(len(body)).encode() + b"\r\n\r\n" + body)
-    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
-    sock.close()
-    started = time.monotonic()
-
-    def idle() -> bool:
-        with SyncClient() as c:
-            return c.describe_fleet().active_requests == 0
-
-    wait_until(idle, "the slot to be freed", timeout=5)
-    assert time.monotonic() - started < 2
-    wait_until(lambda: bool(audit()) and audit()[-1]["outcome"] == "Cancelled", "the audit")
+    drop_mid_stream(url, "/api/generate", {"model": "tiny", "prompt": "x",
+                                           "options": {"num_predict": 8000, "temperature": 1}},
+                    content_type=None)  # as curl -d sends it, without one
 
 
 # ----------------------------------------------------------------- pull and delete
@@ -332,21 +310,8 @@ def test_random_bodies_never_cost_a_500(fuzz_url: str, route: tuple[str, str],
 
 @pytest.fixture(scope="module")
 def fuzz_url(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Iterator[str]:
-    home = Path(tmp_path_factory.mktemp("oz"))
-    sock = Path(tempfile.mkdtemp(prefix="oz", dir="/tmp")) / "d.sock"
-    models = home / "models.toml"
-    models.write_text(f'default = "tiny"\n[models.tiny]\npath = "{tiny_gguf}"\ncontext = 256\n'
-                      "parallel = 2\n")
-    env = {**os.environ, "EVERYCYCLE_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    with daemon_process("--models", str(models), "--http", "127.0.0.1:0", sock=sock,
-                        env=env) as proc:
-        with SyncClient(sock) as c:
-            url = c.describe_fleet().http
-        assert url
+    with fuzzed_daemon(tmp_path_factory.mktemp("oz"), tiny_gguf) as url:
         yield url
-        assert proc.poll() is None, "the daemon died during fuzzing"
-        with SyncClient(sock) as c:
-            wait_until(lambda: c.describe_fleet().active_requests == 0, "idle", timeout=10)
 
 
 def _readme_block(lang: str) -> str:

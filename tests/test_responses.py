@@ -14,8 +14,8 @@ from typing import Any
 import openai
 import pytest
 from conftest import SpawnDaemon
+from httphelp import audit, blocker, fleet_http, hostport
 from templatehelp import SMOLLM2
-from test_http import audit, blocker, fleet_http, hostport
 from test_tools import THINKING
 from tinymodel import write_tiny_gguf
 
@@ -25,12 +25,6 @@ ADD: Any = {"type": "function", "name": "add", "description": "Add two numbers."
             "parameters": {"type": "object", "properties": {"a": {"type": "number"},
                                                             "b": {"type": "number"}},
                            "required": ["a", "b"]}}
-
-
-@pytest.fixture
-def url(spawn_daemon: SpawnDaemon) -> str:
-    spawn_daemon("--http", "127.0.0.1:0")
-    return fleet_http()
 
 
 @pytest.fixture

@@ -1,0 +1,104 @@
+"""Helpers for the HTTP dialects' tests: the daemon's URL, raw requests, the audit log, a
+request that holds the only slot, a client that goes away mid-stream, a daemon to fuzz."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from daemonhelp import EC, daemon_process, wait_until
+
+from everycycle import paths
+from everycycle.client import SyncClient
+
+
+def fleet_http(sock: Path | None = None) -> str:
+    """The HTTP base URL the daemon (on ``sock``) reports."""
+    with SyncClient(sock) as c:
+        url = c.describe_fleet().http
+    assert url is not None
+    return url
+
+
+def hostport(url: str) -> tuple[str, int]:
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    return host, int(port)
+
+
+def audit() -> list[dict[str, object]]:
+    """The audit log's request records, oldest first."""
+    return [json.loads(x) for x in paths.audit_file().read_text().splitlines()
+            if '"request_id"' in x]
+
+
+def raw(url: str, method: str, path: str, body: bytes | None = None,
+        headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One request on its own connection: status, lower-cased headers, body."""
+    conn = http.client.HTTPConnection(*hostport(url), timeout=60)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def blocker(models_file: Path) -> subprocess.Popen[bytes]:
+    """A long request holding the only slot of model `tiny` (streaming when returned)."""
+    proc = subprocess.Popen([*EC, "run", "--models", str(models_file), "-n", "8000",
+                             "--temperature", "1", "x"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    proc.stdout.read(1)
+    return proc
+
+
+def idle() -> bool:
+    with SyncClient() as c:
+        return c.describe_fleet().active_requests == 0
+
+
+def drop_mid_stream(url: str, path: str, body: dict[str, Any],
+                    content_type: str | None = "application/json") -> None:
+    """POST a long streamed ``body`` to ``path``, close the connection once the answer has
+    begun, and check what a client going away must cost: its slot is free within 2 s and
+    the request's audit record says Cancelled."""
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(data)}\r\n"
+    if content_type is not None:
+        head += f"Content-Type: {content_type}\r\n"
+    sock = socket.create_connection(hostport(url))
+    sock.sendall(head.encode() + b"\r\n" + data)
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    sock.close()
+    started = time.monotonic()
+    wait_until(idle, "the slot to be freed", timeout=5)
+    assert time.monotonic() - started < 2
+    wait_until(lambda: bool(audit()) and audit()[-1]["outcome"] == "Cancelled",
+               "the audit record of the cancelled request")
+
+
+@contextlib.contextmanager
+def fuzzed_daemon(home: Path, tiny_gguf: Path) -> Iterator[str]:
+    """A daemon of its own (state in ``home``, two slots of the tiny model) for a module of
+    fuzzing; its HTTP URL. At the end it must still be alive, with nothing left running."""
+    sock = Path(tempfile.mkdtemp(prefix="fz", dir="/tmp")) / "d.sock"
+    models = home / "models.toml"
+    models.write_text(f'default = "tiny"\n[models.tiny]\npath = "{tiny_gguf}"\ncontext = 256\n'
+                      "parallel = 2\n")
+    env = {**os.environ, "EVERYCYCLE_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    with daemon_process("--models", str(models), "--http", "127.0.0.1:0", sock=sock,
+                        env=env) as proc:
+        yield fleet_http(sock)
+        assert proc.poll() is None, "the daemon died during fuzzing"
+        with SyncClient(sock) as c:
+            wait_until(lambda: c.describe_fleet().active_requests == 0, "idle", timeout=10)
