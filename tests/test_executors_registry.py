@@ -100,11 +100,16 @@ def test_several_devices_share_the_layers_by_free_memory() -> None:
 
 
 def test_a_model_too_big_for_the_host_is_refused_with_the_numbers() -> None:
-    small_host = ex.Executor("cpu", "AMD", (ex.Device("CPU", "AMD", 4 * GIB, GIB, False),))
-    with pytest.raises(RejectedError, match="needs 6144 MiB of host memory.*has 4096 MiB"):
+    small_host = ex.Executor("cpu", "AMD", (ex.Device("CPU", "AMD", 4 * GIB, 4 * GIB, False),))
+    with pytest.raises(RejectedError, match="needs 6144 MiB of host memory.*has 4096 MiB "
+                                            "available of 4096 MiB"):
         ex.place("auto", [small_host], model(6 * GIB))
     # A GPU taking most of it leaves little enough for the host.
     assert ex.place("auto", [gpu("cuda", 5 * GIB), small_host], model(6 * GIB)).name == "cuda"
+    # What counts is the memory available now, not what the machine has.
+    busy_host = ex.Executor("cpu", "AMD", (ex.Device("CPU", "AMD", 64 * GIB, GIB, False),))
+    with pytest.raises(RejectedError, match="has 1024 MiB available of 65536 MiB"):
+        ex.place("cpu", [busy_host], model(2 * GIB))
 
 
 def test_a_named_executor_missing_from_the_build_is_invalid() -> None:

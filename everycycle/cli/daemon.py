@@ -51,6 +51,10 @@ def daemon(
     keep_alive: Annotated[str, typer.Option(
         "--keep-alive", help="How long an idle model stays loaded: 5m, 1h, 300, 0, or -1 "
         "for always (models.toml and requests may say otherwise).")] = "5m",
+    max_loaded_models: Annotated[int | None, typer.Option(
+        "--max-loaded-models", min=1, help="At most this many models loaded at once; the "
+        "least recently used idle one makes room (default: as many as memory holds).")]
+    = None,
     show_token: Annotated[bool, typer.Option("--show-token", help="Print the TCP token.")]
     = False,
 ) -> None:
@@ -104,6 +108,7 @@ def daemon(
                           auto_load=auto_load, audit_prompts=audit_prompts, tcp=tcp_addr,
                           allow_remote=allow_remote, http=http_addr, http_auth=http_auth,
                           keep_alive=keep_seconds, rpc=rpc_hosts,
+                          max_loaded_models=max_loaded_models,
                           cors_origins=tuple(cors_origin or ()),
                           allowed_hosts=tuple(allow_host or ()))
     import anyio

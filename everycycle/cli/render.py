@@ -156,6 +156,8 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
         footer += f"\nHTTP API: {snapshot.http}/v1"
     if snapshot.cpu_kernels:
         footer += f"\n{snapshot.cpu_kernels}"
+    if snapshot.last_eviction:
+        footer += f"\n{snapshot.last_eviction}"
     return Group(ex, models, *([requests] if requests is not None else []), footer)
 
 

@@ -16,7 +16,6 @@ import anyio
 import anyio.to_thread
 
 from ..engine import cpukernels
-from ..engine import executors as ex
 from ..protocol import ActiveRequest, FleetSnapshot, LoadedModel, PrincipalLoad
 from .lifecycle import Requests
 from .residency import Residency, Resident
@@ -68,7 +67,7 @@ class FleetView:
             if time.monotonic() - self._queried < self.FRESH_S:
                 return
             try:
-                self.residency.local = await anyio.to_thread.run_sync(ex.discover)
+                await self.residency.measure()
             except Exception:  # keep the last good view of the executors
                 log.exception("executor discovery failed")
             self._queried = time.monotonic()
@@ -100,6 +99,8 @@ class FleetView:
             rpc=self.rpc_available,
             requests=self._requests(),
             cpu_kernels=self.cpu_kernels.note if self.cpu_kernels else None,
+            last_eviction=(residency.last_eviction.describe()
+                           if residency.last_eviction else None),
         )
 
     def _requests(self) -> tuple[ActiveRequest, ...] | None:

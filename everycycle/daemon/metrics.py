@@ -79,7 +79,13 @@ class _Fleet(Collector):
             labels=["model", "cause"])
         for (model, cause), count in sorted(self._supervisor.engine_deaths.items()):
             deaths.add_metric([model, cause], count)
-        yield from (queued, busy, slots, loaded, active, drafted, accepted, deaths)
+        evictions = CounterMetricFamily(
+            "everycycle_model_evictions",
+            "Idle models unloaded to make room for another, by reason (memory, "
+            "max_loaded_models).", labels=["reason"])
+        for reason in ("memory", "max_loaded_models"):
+            evictions.add_metric([reason], self._supervisor.residency.evictions.get(reason, 0))
+        yield from (queued, busy, slots, loaded, active, drafted, accepted, deaths, evictions)
 
 
 class Metrics:

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -25,7 +26,7 @@ from .. import paths
 from ..engine import cpukernels
 from ..engine import executors as ex
 from ..engine.contract import Engine, LoadOptions, Notify
-from ..engine.memory import plan
+from ..engine.memory import MemoryPlan, plan
 from ..errors import (
     ErrorKind,
     EverycycleError,
@@ -36,8 +37,9 @@ from ..errors import (
     RequestCancelledError,
 )
 from ..models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry, local_file
+from . import room
 from .lifecycle import Requests
-from .remote import RemoteHosts, in_order
+from .remote import RemoteHosts
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,8 @@ class Resident:
     """Set after a crash loop: why its requests are refused until ``load``."""
     up: anyio.Event | None = None
     """Set while its engine restarts: waiters wait for it."""
+    need: MemoryPlan | None = None
+    """What it was placed by (what it is counted as holding)."""
 
     @property
     def name(self) -> str:
@@ -115,7 +119,9 @@ class Residency:
 
     def __init__(self, registry: Registry, requests: Requests, remote: RemoteHosts, *,
                  notify: Notify, on_death: Callable[[Engine], None], isolate: bool,
-                 engine_factory: EngineFactory | None, keep_alive: float) -> None:
+                 engine_factory: EngineFactory | None, keep_alive: float,
+                 max_loaded_models: int | None = None,
+                 audit: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.registry = registry
         self.requests = requests
         self.remote = remote
@@ -136,6 +142,14 @@ class Residency:
         """Loads under way, by model name: whoever asks for one of these waits for it."""
         self.loads = 0
         """Loads attempted (each model's load runs once, however many ask)."""
+        self.max_loaded_models = max_loaded_models
+        """At most this many resident; None: as many as memory holds."""
+        self._audit = audit or (lambda record: None)
+        self.evictions: dict[str, int] = {}
+        """Models unloaded to make room for another, by reason (memory, max_loaded_models)."""
+        self.last_eviction: room.Eviction | None = None
+        self._turns: dict[str, anyio.Lock] = {}
+        """One lock for this machine's loads (key ""), one per RPC host."""
         self.tg: anyio.abc.TaskGroup | None = None
         self.closing = False
 
@@ -205,10 +219,10 @@ class Residency:
         return attempt.model
 
     async def _load(self, attempt: Loading, executor: str | None) -> None:
-        """Load ``attempt``'s model (on a worker thread) and tell its waiters."""
+        """Load ``attempt``'s model and tell its waiters."""
         name = attempt.spec.name
         try:
-            model = await anyio.to_thread.run_sync(self._load_blocking, attempt.spec, executor)
+            model = await self._load_model(attempt.spec, executor)
         except EverycycleError as exc:
             attempt.error = exc
         except Exception as exc:  # a bug must cost this load, never the daemon
@@ -221,6 +235,7 @@ class Residency:
             else:
                 self.models[name] = attempt.model = model
                 log.info("loaded %s on %s", name, model.executor)
+                self._audit({"event": "load", "model": name, "executor": model.executor})
         finally:
             if attempt.model is None and attempt.error is None:  # cancelled: shutting down
                 attempt.error = RejectedError("daemon shutting down")
@@ -228,27 +243,51 @@ class Residency:
             del self.loading[name]
             attempt.done.set()
 
-    def _load_blocking(self, spec: ModelSpec, executor: str | None) -> Resident:
-        path = local_file(spec, download=True)  # auto-pull a hub model (logged)
+    async def _load_model(self, spec: ModelSpec, executor: str | None) -> Resident:
+        """Download if need be, make room, place and start ``spec``'s engine. Loads on
+        this machine take turns (they share its host memory, and one GPU can be two
+        executors: cuda and vulkan): each measures after the last one's memory is
+        taken. Loads on different RPC hosts proceed in parallel."""
+        # (an auto-pulled hub model's download is logged)
+        path = await anyio.to_thread.run_sync(lambda: local_file(spec, download=True))
         need = plan(path, context=spec.context, parallel=spec.parallel,
                     kv_cache_type=spec.kv_cache_type)
         wanted = executor or spec.executor
-        if wanted.startswith("rpc:"):
-            down = self.remote.down(wanted.removeprefix("rpc:").rpartition("/")[0])
+        key = wanted.removeprefix("rpc:").rpartition("/")[0] if wanted.startswith("rpc:") else ""
+        if key:
+            down = self.remote.down(key)
             if down is not None:
                 raise InternalError(down)
-        placement = ex.place(wanted, in_order(self.local, self.remote.executors()), need,
-                             max_layers=spec.gpu_layers)
-        options = self._options(spec, placement)
-        try:
-            engine = self.spawn(spec, path, options)
-        except InternalError as exc:
-            if placement.executor.remote is not None:  # the host went away: fleet says so
-                self.remote.mark_down(placement.executor.remote, exc.message)
-            raise
+        async with self._turns.setdefault(key, anyio.Lock()):
+            placement = await room.make_room(self, spec, need, wanted)
+            options = self._options(spec, placement)
+            try:
+                engine = await anyio.to_thread.run_sync(self.spawn, spec, path, options)
+            except InternalError as exc:
+                if placement.executor.remote is not None:  # the host went away: fleet says so
+                    self.remote.mark_down(placement.executor.remote, exc.message)
+                raise
         keep = spec.keep_alive if spec.keep_alive is not None else self.keep_alive
         return Resident(spec=spec, engine=engine, executor=placement.name, path=path,
-                        options=options, placement=placement, keep_alive=keep)
+                        options=options, placement=placement, keep_alive=keep, need=need)
+
+    async def measure(self) -> list[ex.Executor]:
+        """This machine's executors and their free memory now (a hardware query, on a
+        worker thread); kept as ``local`` for the fleet."""
+        held = room.held_by_all(self.models.values())
+        self.local = await anyio.to_thread.run_sync(ex.discover, held)
+        return self.local
+
+    async def evict(self, model: Resident, for_model: str, reason: str) -> None:
+        idle = time.monotonic() - model.last_used
+        log.info("unloading %s (idle %.0f s) to make room for %s (%s)", model.name, idle,
+                 for_model, reason)
+        self.evictions[reason] = self.evictions.get(reason, 0) + 1
+        self.last_eviction = room.Eviction(model.name, for_model, reason, idle, time.time())
+        self._audit({"event": "evict", "model": model.name, "for_model": for_model,
+                     "reason": reason, "idle_s": round(idle, 3)})
+        await self.unload(model.name, f"model '{model.name}' unloaded to make room for "
+                                      f"'{for_model}'")
 
     def _options(self, spec: ModelSpec, placement: ex.Placement) -> LoadOptions:
         offload = placement.offload

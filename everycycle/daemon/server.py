@@ -61,6 +61,8 @@ class DaemonConfig:
     """Web origins allowed to use the HTTP API (``*``: any); others get 403."""
     allowed_hosts: tuple[str, ...] = ()
     """Host names the loopback HTTP API answers besides 127.0.0.1, ::1 and localhost."""
+    max_loaded_models: int | None = None
+    """At most this many models resident (None: models.toml's figure, or memory)."""
 
 
 @contextlib.contextmanager
@@ -212,6 +214,7 @@ class Daemon:
         self.supervisor = Supervisor(
             registry, limits=config.limits, auto_load=config.auto_load, audit=audit,
             on_shutdown=self.stop, keep_alive=config.keep_alive, rpc=config.rpc,
+            max_loaded_models=config.max_loaded_models,
         )
         self._stop = anyio.Event()
         self._connections: set[_Connection] = set()

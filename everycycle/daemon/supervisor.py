@@ -79,6 +79,7 @@ class Supervisor:
         audit: AuditLog | None = None,
         on_shutdown: Callable[[], None] | None = None,
         keep_alive: float = DEFAULT_KEEP_ALIVE,
+        max_loaded_models: int | None = None,
         rpc: Sequence[str] = (),
         isolate: bool = True,
         engine_factory: EngineFactory | None = None,
@@ -97,7 +98,9 @@ class Supervisor:
         self.residency = Residency(
             registry, self.requests, self.remote, notify=self._outputs.put,
             on_death=self._outputs.put, isolate=isolate, engine_factory=engine_factory,
-            keep_alive=keep_alive)
+            keep_alive=keep_alive,
+            max_loaded_models=max_loaded_models or registry.max_loaded_models,
+            audit=audit.write if audit is not None else None)
         self.fleet = FleetView(self.residency, self.requests)
         self._admission: dict[str, anyio.Lock] = {}
         self._deaths: deque[Engine] = deque()

@@ -10,9 +10,11 @@ on executor lists built as data.
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
-from collections.abc import Sequence
-from dataclasses import dataclass
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -153,9 +155,60 @@ def _backend_key(reg_name: str) -> str:
     return _BACKEND_NAMES.get(low, low)
 
 
-def discover() -> list[Executor]:
-    """Every backend this llama.cpp build has, GPU executors first, cpu last.
+MEMORY_OVERRIDE_ENV = "EVERYCYCLE_TEST_MEMORY"
+"""Tests only: ``cpu=300MiB,vulkan=1GiB`` gives each named executor that much memory in
+all, of which what the daemon's own models hold (``held``) is not free, as a device
+would report it, in place of the hardware's figures: memory budgets for the tests of
+making room, through the same placement a real figure takes."""
 
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def host_available() -> int | None:
+    """The host memory a new model can have: Linux's MemAvailable (free memory plus the
+    page cache the kernel can reclaim); None where the OS does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _memory_overrides() -> dict[str, int]:
+    spec = os.environ.get(MEMORY_OVERRIDE_ENV, "")
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, size = part.partition("=")
+        number = re.sub(r"[A-Za-z]+$", "", size)
+        out[name] = int(float(number) * _SIZE_UNITS[size[len(number):].lower()])
+    return out
+
+
+def _with_overrides(found: list[Executor], held: Mapping[str, int]) -> list[Executor]:
+    budgets = _memory_overrides()
+    if not budgets:
+        return found
+    out = []
+    for e in found:
+        budget = budgets.get(e.name)
+        if budget is not None:
+            each, free = budget // len(e.devices), max(0, budget - held.get(e.name, 0))
+            e = replace(e, devices=tuple(replace(d, memory_total=each,
+                                                 memory_free=free // len(e.devices))
+                                         for d in e.devices))
+        out.append(e)
+    return out
+
+
+def discover(held: Mapping[str, int] | None = None) -> list[Executor]:
+    """Every backend this llama.cpp build has, GPU executors first, cpu last; the host's
+    free memory is what it has available (ggml reports all of it as free).
+
+    ``held``: bytes the caller's own models hold, by executor name (only a test's
+    memory override needs it: real devices report their free memory themselves).
     A backend with no CPU or GPU device of its own (BLAS, AMX, meta devices) is not an
     executor. Loads ggml (not llama_cpp) on first use.
     """
@@ -172,12 +225,14 @@ def discover() -> list[Executor]:
                 continue
             free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
             lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+            available = host_available() if kind == _DEV_CPU else None
             devices.append(
                 Device(
                     name=lib.ggml_backend_dev_name(dev).decode("utf-8", "replace"),
                     description=lib.ggml_backend_dev_description(dev).decode("utf-8", "replace"),
                     memory_total=total.value,
-                    memory_free=free.value,
+                    memory_free=free.value if available is None else min(available,
+                                                                        total.value),
                     is_gpu=kind in _GPU_TYPES,
                 )
             )
@@ -186,7 +241,7 @@ def discover() -> list[Executor]:
         vendor = vendor_of(key, [dv.description for dv in devices])
         found.append(Executor(name=key, vendor=vendor, devices=tuple(devices)))
     found.sort(key=lambda e: (not e.is_gpu, e.name == "cpu"))
-    return found
+    return _with_overrides(found, held or {})
 
 
 def device_handles(executor: str, indices: Sequence[int] | None = None, *,
@@ -236,13 +291,14 @@ def _fit_on(e: Executor, indices: Sequence[int], plan: MemoryPlan,
 
 def _check_host(placement: Placement, executors: Sequence[Executor], plan: MemoryPlan
                 ) -> Placement:
-    """What stays on the CPU must fit the host's memory."""
+    """What stays on the CPU must fit the host's available memory."""
     host = next((e for e in executors if e.name == "cpu"), None)
     on_host = placement.offload.cpu_bytes if placement.offload else plan.total
-    if host is not None and host.memory_total and on_host > host.memory_total:
+    if host is not None and host.memory_total and on_host > host.memory_free:
         raise RejectedError(
             f"the model needs {_mib(on_host)} of host memory beside what its executor "
-            f"holds; this machine has {_mib(host.memory_total)}")
+            f"holds; this machine has {_mib(host.memory_free)} available of "
+            f"{_mib(host.memory_total)}")
     return placement
 
 

@@ -50,6 +50,7 @@ _KEYS = {
     "gpu_layers": int,
     "speculative": bool,
     "threads": int,
+    "pin": bool,
 }
 _SAMPLING_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0),
@@ -126,6 +127,8 @@ class ModelSpec:
     threads: int | None = None
     """CPU threads for decoding (llama.cpp's -t, Ollama's num_thread); None: the
     engine's default for this machine."""
+    pin: bool = False
+    """Never unloaded to make room for another model (nor is a ``keep_alive = -1`` one)."""
 
     @property
     def hub_ref(self) -> hub.HubRef:
@@ -153,6 +156,9 @@ class Registry:
     default: str | None
     rpc: tuple[str, ...] = ()
     """Remote executors' RPC servers (``rpc = ["HOST:PORT", …]`` at the top level)."""
+    max_loaded_models: int | None = None
+    """At most this many models resident at once (``max_loaded_models = N`` at the top
+    level); None: as many as memory holds."""
 
     def get(self, name: str) -> ModelSpec:
         """The spec for ``name``. Raises InvalidRequestError for an unknown name."""
@@ -228,7 +234,10 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
     sha = raw.get("sha256")
     if sha is not None and (len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha)):
         raise ConfigError(f"{where}.sha256 must be 64 lowercase hex digits")
-    path = Path(raw["path"]).expanduser() if "path" in raw else None
+    try:
+        path = Path(raw["path"]).expanduser() if "path" in raw else None
+    except RuntimeError:  # ~someone who is not a user here
+        raise ConfigError(f"{where}.path = {raw['path']!r}: no such user's home") from None
     if path is not None and not path.is_absolute():
         path = origin.parent / path
     return ModelSpec(
@@ -252,16 +261,27 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         gpu_layers=raw.get("gpu_layers"),
         threads=raw.get("threads"),
         speculative=raw.get("speculative", True),
+        pin=raw.get("pin", False),
     )
 
 
 def parse_file(path: Path) -> tuple[dict[str, ModelSpec], str | None]:
     """Parse one models.toml. Raises ConfigError naming the file, line or model."""
-    models, default, _ = _parse(path)
-    return models, default
+    found = _parse(path)
+    return found.models, found.default
 
 
-def _parse(path: Path) -> tuple[dict[str, ModelSpec], str | None, tuple[str, ...]]:
+@dataclass(frozen=True, slots=True)
+class _File:
+    """What one models.toml says."""
+
+    models: dict[str, ModelSpec]
+    default: str | None
+    rpc: tuple[str, ...]
+    max_loaded_models: int | None
+
+
+def _parse(path: Path) -> _File:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -271,9 +291,9 @@ def _parse(path: Path) -> tuple[dict[str, ModelSpec], str | None, tuple[str, ...
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     for key in data:
-        if key not in ("default", "models", "rpc"):
+        if key not in ("default", "models", "rpc", "max_loaded_models"):
             raise ConfigError(f"{path}: unknown top-level key '{key}' "
-                              "(expected default, models, rpc)")
+                              "(expected default, models, rpc, max_loaded_models)")
     rpc = data.get("rpc", [])
     if not isinstance(rpc, list) or not all(
             isinstance(h, str) and h.rpartition(":")[0] and h.rpartition(":")[2].isdigit()
@@ -285,8 +305,12 @@ def _parse(path: Path) -> tuple[dict[str, ModelSpec], str | None, tuple[str, ...
     models_raw = data.get("models", {})
     if not isinstance(models_raw, dict):
         raise ConfigError(f"{path}: models must be a table of [models.NAME] entries")
+    cap = data.get("max_loaded_models")
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool)
+                            or not 1 <= cap <= 1000):
+        raise ConfigError(f"{path}: max_loaded_models must be a whole number from 1 to 1000")
     models = {name: _parse_entry(name, raw, path) for name, raw in models_raw.items()}
-    return models, default, tuple(rpc)
+    return _File(models, default, tuple(rpc), cap)
 
 
 def load_registry(models_file: Path | None = None) -> Registry:
@@ -299,20 +323,22 @@ def load_registry(models_file: Path | None = None) -> Registry:
     default: str | None = None
     used: list[Path] = []
     rpc: list[str] = []
+    cap: int | None = None
     for i, f in enumerate(files):
         if i > 0 and not f.exists():
             continue
-        entries, file_default, hosts = _parse(f)
-        if models_file is not None and not entries and not hosts and not file_default:
+        found = _parse(f)
+        if models_file is not None and not found.models and not found.rpc and not found.default:
             raise ConfigError(f"{f} is empty: it names no models (add a [models.NAME] table "
                               "with a path, package or hf_repo)")
-        rpc.extend(h for h in hosts if h not in rpc)
-        models.update(entries)
-        default = file_default or default
+        rpc.extend(h for h in found.rpc if h not in rpc)
+        models.update(found.models)
+        default = found.default or default
+        cap = found.max_loaded_models or cap
         used.append(f)
     if default is not None and default not in models:
         raise ConfigError(f"{used[-1]}: default '{default}' is not a model in the registry")
-    return Registry(models=models, default=default, rpc=tuple(rpc))
+    return Registry(models=models, default=default, rpc=tuple(rpc), max_loaded_models=cap)
 
 
 def local_file(spec: ModelSpec, *, download: bool = False, progress: bool = False) -> Path:
@@ -419,7 +445,7 @@ def remove_user_entry(name: str) -> Path:
     text = target.read_text(encoding="utf-8") if target.exists() else ""
     entries = parse_file(target)[0] if text else {}
     if name not in entries:
-        shipped = name in _parse(SHIPPED_MODELS)[0]
+        shipped = name in _parse(SHIPPED_MODELS).models
         raise ConfigError(f"model '{name}' is shipped with everycycle, not in {target}: it "
                           "cannot be removed (an entry of yours with its name overrides it)"
                           if shipped else f"{target} has no model '{name}'")

@@ -181,6 +181,8 @@ class FleetSnapshot:
     """The active requests, oldest first (the first 100)."""
     cpu_kernels: str | None = field(default=None, metadata=_EXT)
     """Why the CPU's extra kernels (AMX, repacked weights) are off, when they are."""
+    last_eviction: str | None = field(default=None, metadata=_EXT)
+    """The last model unloaded to make room for another, in a line."""
 
 
 @dataclass(frozen=True, slots=True)

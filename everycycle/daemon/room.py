@@ -1,0 +1,154 @@
+"""Making room for a model: what the resident models hold on each executor, which of
+them may go (idle, least recently used first), and what to say when none may.
+
+The residency measures, unloads and loads; this decides.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..engine import executors as ex
+from ..engine.memory import MemoryPlan
+from ..errors import RejectedError
+from ..models.registry import ModelSpec
+from .remote import in_order
+
+if TYPE_CHECKING:
+    from .residency import Residency, Resident
+
+
+def held(model: Resident) -> dict[str, int]:
+    """Bytes ``model`` is counted as holding, by executor name: its devices' share on
+    its GPU executor, the rest on the host (``cpu``)."""
+    need: MemoryPlan | None = model.need
+    if need is None or model.remote is not None:
+        return {}
+    offload = model.placement.offload if model.placement is not None else None
+    if offload is None:
+        return {"cpu": need.total}
+    assert model.placement is not None
+    return {model.placement.executor.name: sum(offload.device_bytes),
+            "cpu": offload.cpu_bytes}
+
+
+def held_by_all(models: Iterable[Resident]) -> dict[str, int]:
+    """What the resident models hold, by executor name."""
+    total: dict[str, int] = {}
+    for m in models:
+        for name, n in held(m).items():
+            total[name] = total.get(name, 0) + n
+    return total
+
+
+def why_kept(model: Resident, busy: Callable[[str], bool]) -> str | None:
+    """Why ``model`` may not be unloaded to make room (None: it may)."""
+    if model.remote is not None:
+        return "on an RPC host"
+    if busy(model.name):
+        return "busy"
+    if model.spec.pin or model.keep_alive < 0:
+        return "pinned"
+    if model.up is not None:
+        return "restarting"
+    return None
+
+
+def victim(models: Iterable[Resident], busy: Callable[[str], bool],
+           on: str | None = None) -> Resident | None:
+    """The least recently used model that may go; with ``on``, only one holding memory
+    on that executor."""
+    free_to_go = [m for m in models if why_kept(m, busy) is None
+                  and (on is None or held(m).get(on))]
+    return min(free_to_go, key=lambda m: m.last_used, default=None)
+
+
+def holders(models: Iterable[Resident], busy: Callable[[str], bool]) -> str:
+    """The resident models and why each stays: ``'a' (300 MiB, busy), 'b' (pinned)``."""
+    parts = []
+    for m in models:
+        size = sum(held(m).values())
+        reason = why_kept(m, busy) or "idle"
+        parts.append(f"'{m.name}' ({size / (1 << 20):.0f} MiB, {reason})" if size
+                     else f"'{m.name}' ({reason})")
+    return ", ".join(parts) or "nothing of ours"
+
+
+def _short(placement: ex.Placement, spec: ModelSpec) -> bool:
+    """Whether ``placement`` puts fewer of the model's layers on its GPU than it could
+    (than all of them, or models.toml's ``gpu_layers``)."""
+    offload = placement.offload
+    if offload is None or offload.full:
+        return False
+    return spec.gpu_layers is None or offload.gpu_layers < min(spec.gpu_layers,
+                                                               offload.n_layer)
+
+
+async def make_room(res: Residency, spec: ModelSpec, need: MemoryPlan, wanted: str
+                    ) -> ex.Placement:
+    """Where ``spec`` goes, after unloading idle models (least recently used first)
+    while it does not fit, or gets fewer GPU layers than it could, or the daemon
+    holds ``max_loaded_models``. Raises RejectedError naming what holds the memory
+    when nothing more may go."""
+    busy = res.requests.busy
+    while True:
+        local = await res.measure()
+        refusal: RejectedError | None = None
+        placement: ex.Placement | None = None
+        try:
+            placement = ex.place(wanted, in_order(local, res.remote.executors()),
+                                 need, max_layers=spec.gpu_layers)
+        except RejectedError as exc:
+            refusal = exc
+        residents = [m for m in res.models.values() if m.name != spec.name]
+        full = res.max_loaded_models is not None and \
+            len(residents) >= res.max_loaded_models
+        if placement is not None and placement.executor.remote is not None and not full:
+            return placement  # an RPC host serves one model: nothing to make room on
+        if full:
+            reason, on = "max_loaded_models", None
+        elif refusal is not None:
+            if wanted.startswith("rpc:"):
+                raise refusal
+            reason, on = "memory", None if wanted == "auto" else wanted.partition(":")[0]
+        elif placement is not None and _short(placement, spec):
+            reason, on = "memory", placement.executor.name
+        else:
+            assert placement is not None
+            return placement
+        going = victim(residents, busy, on)
+        if going is None:
+            if full:
+                raise RejectedError(
+                    f"{len(residents)} models are loaded (max_loaded_models = "
+                    f"{res.max_loaded_models}) and none may be unloaded for "
+                    f"'{spec.name}': {holders(residents, busy)}")
+            if refusal is not None:
+                raise RejectedError(f"{refusal.message}; held by "
+                                    f"{holders(residents, busy)}") from None
+            assert placement is not None
+            return placement  # fewer GPU layers: nothing idle holds that executor
+        await res.evict(going, spec.name, reason)
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """One model unloaded to make room for another."""
+
+    model: str
+    for_model: str
+    reason: str
+    """``memory`` (the new model did not fit) or ``max_loaded_models``."""
+    idle_s: float
+    at: float
+    """Wall-clock time (time.time())."""
+
+    def describe(self) -> str:
+        """One line for ``fleet``."""
+        clock = time.strftime("%H:%M:%S", time.localtime(self.at))
+        why = "memory" if self.reason == "memory" else "max_loaded_models"
+        return (f"last eviction: '{self.model}' (idle {self.idle_s:.0f} s) for "
+                f"'{self.for_model}' ({why}) at {clock}")

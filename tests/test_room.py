@@ -1,0 +1,190 @@
+"""Making room: a model that does not fit unloads idle models, least recently used first;
+a busy, queued, loading or pinned model is never unloaded; max_loaded_models caps how
+many stay. Memory budgets come from the test-only override of the free-memory figure
+(EVERYCYCLE_TEST_MEMORY), which placement reads as it reads the hardware's."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+from daemonhelp import running_daemon
+from httphelp import fleet_http, raw
+
+from everycycle import paths
+from everycycle.client import connect
+from everycycle.engine.memory import plan
+from everycycle.protocol import Accepted, Error, ErrorKind, ServerEvent, Tokens
+
+pytestmark = pytest.mark.anyio
+
+CONTEXT = 256
+
+
+def registry(tmp_path: Path, tiny_gguf: Path, names: str = "abc", extra: str = "",
+             top: str = "") -> Path:
+    """Models ``a``, ``b``, ``c``…: each the tiny GGUF, one slot of CONTEXT tokens."""
+    f = tmp_path / "room.toml"
+    f.write_text(top + "".join(f'[models.{n}]\npath = "{tiny_gguf}"\ncontext = {CONTEXT}\n'
+                               f"parallel = 1\n{extra if n == 'a' else ''}" for n in names))
+    return f
+
+
+def budget(tiny_gguf: Path, models: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host memory for ``models`` of them (the tiny model's own plan, times that)."""
+    need = plan(tiny_gguf, context=CONTEXT, parallel=1).total
+    monkeypatch.setenv("EVERYCYCLE_TEST_MEMORY", f"cpu={int(need * models)}")
+
+
+async def ask(model: str) -> list[ServerEvent]:
+    async with connect() as c:
+        return [e async for e in c.generate(model, "hello", max_tokens=3, temperature=0.0)]
+
+
+async def started(stream: AsyncIterator[ServerEvent]) -> ServerEvent:
+    """Read ``stream`` up to its first Tokens (the model is decoding it)."""
+    async for e in stream:
+        if isinstance(e, Tokens | Error):
+            return e
+    raise AssertionError("the stream ended")
+
+
+def answered(events: list[ServerEvent]) -> bool:
+    return isinstance(events[-1], Tokens) and events[-1].finished
+
+
+def evictions() -> list[dict[str, object]]:
+    return [r for r in map(json.loads, paths.audit_file().read_text().splitlines())
+            if r.get("event") == "evict"]
+
+
+async def test_the_third_model_unloads_the_least_recently_used_idle_one(
+        tmp_path: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    budget(tiny_gguf, 2.5, monkeypatch)
+    async with running_daemon(registry(tmp_path, tiny_gguf), http=("127.0.0.1", 0)) as d:
+        sup = d.supervisor
+        for name in ("a", "b", "a"):  # b is now the least recently used
+            assert answered(await ask(name))
+        assert set(sup.residency.models) == {"a", "b"}
+        assert answered(await ask("c"))
+        assert set(sup.residency.models) == {"a", "c"}
+        [record] = evictions()
+        assert (record["model"], record["for_model"], record["reason"]) == ("b", "c", "memory")
+        snap = sup.snapshot()
+        assert snap.last_eviction is not None
+        assert "'b'" in snap.last_eviction and "for 'c' (memory)" in snap.last_eviction
+        loads = [r for r in map(json.loads, paths.audit_file().read_text().splitlines())
+                 if r.get("event") == "load"]
+        assert [r["model"] for r in loads] == ["a", "b", "c"]
+        url = await anyio.to_thread.run_sync(fleet_http)
+        _, _, metrics = await anyio.to_thread.run_sync(raw, url, "GET", "/metrics")
+        assert b'everycycle_model_evictions_total{reason="memory"} 1.0' in metrics
+        # The free memory the fleet shows is the budget less what the two models hold.
+        await sup.residency.measure()
+        [cpu] = [e for e in sup.snapshot().executors if e.name == "cpu"]
+        assert cpu.memory_free is not None and cpu.memory_total is not None
+        assert cpu.memory_free < cpu.memory_total / 2
+
+
+async def test_a_busy_model_is_not_unloaded_and_the_refusal_names_it(
+        tmp_path: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    budget(tiny_gguf, 1.5, monkeypatch)
+    async with running_daemon(registry(tmp_path, tiny_gguf, "ab")) as d:
+        async with connect() as c:
+            stream = c.generate("a", "hello", max_tokens=4000, temperature=1.0)
+            assert isinstance(await started(stream), Tokens)  # a is decoding now
+            refused = await ask("b")
+            assert isinstance(refused[-1], Error) and refused[-1].kind is ErrorKind.REJECTED
+            assert "held by 'a' (" in refused[-1].message and "busy)" in refused[-1].message
+            assert "the model needs" in refused[-1].message
+            rest = [e async for e in stream]
+        assert answered(rest) and set(d.supervisor.residency.models) == {"a"}
+        assert evictions() == []
+        # Idle now: the same request makes room.
+        assert answered(await ask("b")) and set(d.supervisor.residency.models) == {"b"}
+
+
+async def test_a_queued_request_keeps_its_model(
+        tmp_path: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    budget(tiny_gguf, 1.5, monkeypatch)
+    async with running_daemon(registry(tmp_path, tiny_gguf, "ab")) as d:
+        sup = d.supervisor
+        async with connect() as c1, connect() as c2:
+            running = c1.generate("a", "hello", max_tokens=300, temperature=1.0)
+            assert isinstance(await started(running), Tokens)
+            queued = c2.generate("a", "hi", max_tokens=3, temperature=0.0)
+            accepted = await queued.__anext__()  # one slot, one running: it waits
+            assert isinstance(accepted, Accepted) and accepted.queue_position == 1
+            assert sup.requests.lane("a").queue
+            refused = await ask("b")
+            assert isinstance(refused[-1], Error) and "busy)" in refused[-1].message
+            assert answered([e async for e in running])
+            assert answered([e async for e in queued])
+        assert evictions() == [] and set(sup.residency.models) == {"a"}
+
+
+async def test_a_model_still_loading_is_not_unloaded(
+        tmp_path: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Room for one. Eight first requests for a and eight for b at once: whichever loads
+    # first keeps its model until its waiters are served; none is cut off by the other's
+    # load, and every request is answered or refused whole.
+    budget(tiny_gguf, 1.5, monkeypatch)
+    results: list[list[ServerEvent]] = []
+
+    async def one(model: str) -> None:
+        results.append(await ask(model))
+
+    async with running_daemon(registry(tmp_path, tiny_gguf, "ab")), \
+            anyio.create_task_group() as tg:
+            for i in range(16):
+                tg.start_soon(one, "ab"[i % 2])
+    ends = [r[-1] for r in results]
+    assert len(ends) == 16
+    assert sum(answered(r) for r in results) >= 8
+    for e in ends:
+        if isinstance(e, Error):
+            assert e.kind is ErrorKind.REJECTED and "busy)" in e.message, e
+
+
+@pytest.mark.parametrize("pin", ["pin = true\n", 'keep_alive = "-1"\n'])
+async def test_a_pinned_model_is_not_unloaded(
+        tmp_path: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, pin: str) -> None:
+    budget(tiny_gguf, 1.5, monkeypatch)
+    async with running_daemon(registry(tmp_path, tiny_gguf, "ab", extra=pin)) as d:
+        assert answered(await ask("a"))
+        refused = await ask("b")
+        assert isinstance(refused[-1], Error) and "'a' (" in refused[-1].message
+        assert "pinned)" in refused[-1].message
+        assert set(d.supervisor.residency.models) == {"a"} and evictions() == []
+
+
+async def test_max_loaded_models_one_alternating_twenty_times(
+        tmp_path: Path, tiny_gguf: Path) -> None:
+    models = registry(tmp_path, tiny_gguf, "ab", top="max_loaded_models = 1\n")
+    async with running_daemon(models) as d:
+        sup = d.supervisor
+        texts: dict[str, set[str]] = {"a": set(), "b": set()}
+        for i in range(20):
+            name = "ab"[i % 2]
+            events = await ask(name)
+            assert answered(events), events
+            texts[name].add("".join(e.chunk.text for e in events if isinstance(e, Tokens)))
+            assert list(sup.residency.models) == [name]
+        assert all(len(t) == 1 for t in texts.values())  # greedy: the same answer each time
+        assert sup.residency.evictions == {"max_loaded_models": 19}
+        assert sup.residency.loads == 20
+
+
+async def test_max_loaded_models_from_the_daemon_flag_refuses_when_none_is_idle(
+        tmp_path: Path, tiny_gguf: Path) -> None:
+    async with running_daemon(registry(tmp_path, tiny_gguf, "ab"), max_loaded_models=1), \
+            connect() as c:
+            stream = c.generate("a", "hello", max_tokens=4000, temperature=1.0)
+            assert isinstance(await started(stream), Tokens)
+            refused = await ask("b")
+            assert isinstance(refused[-1], Error)
+            assert "max_loaded_models = 1" in refused[-1].message
+            assert "'a' (" in refused[-1].message and "busy)" in refused[-1].message
