@@ -1,14 +1,16 @@
-"""A local stand-in for the Hugging Face hub's download route, for hub tests.
+"""A local stand-in for the Hugging Face hub's download and repo-info routes, for hub tests.
 
 Serves ``/{owner}/{repo}/resolve/{revision}/{file}`` (HEAD and GET with Range) with
-the headers huggingface-hub reads (X-Repo-Commit, ETag, Content-Length) and the hub's
-X-Error-Code 404s. ``drop_first_get`` cuts the first body transfer half-way, as a
+the headers huggingface-hub reads (X-Repo-Commit, ETag, Content-Length), the model-info
+route ``/api/models/{owner}/{repo}[/revision/{revision}]`` (the commit and its files
+with their sizes), and the hub's X-Error-Code 404s. ``drop_first_get`` cuts the first body transfer half-way, as a
 dropped connection would.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -51,9 +53,29 @@ class FakeHub:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
+            def _info(self, parts: list[str]) -> None:
+                repo = "/".join(parts[2:4])
+                rev = parts[5] if len(parts) > 5 and parts[4] == "revision" else "main"
+                if not any(r == repo for r, _, _ in hub.files):
+                    return self._fail("RepoNotFound")
+                commit = hub.branches.get((repo, rev), rev)
+                files = [(n, len(d)) for (r, c, n), d in hub.files.items()
+                         if r == repo and c == commit]
+                if not files:
+                    return self._fail("RevisionNotFound")
+                data = json.dumps({"id": repo, "sha": commit, "siblings": [
+                    {"rfilename": n, "size": size} for n, size in sorted(files)]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
             def _serve(self, body: bool) -> None:
                 hub.requests.append((self.command, self.path, self.headers.get("Range")))
                 parts = self.path.split("?")[0].strip("/").split("/")
+                if parts[:2] == ["api", "models"] and len(parts) >= 4:
+                    return self._info(parts)
                 if len(parts) < 5 or parts[2] != "resolve":
                     return self._fail("RepoNotFound")
                 repo, rev, name = "/".join(parts[:2]), parts[3], "/".join(parts[4:])

@@ -215,6 +215,10 @@ def pulls(client: ollama.Client, url: str) -> None:
     sizes = [p.completed for p in big if p.completed is not None]
     assert sizes[-1] == 3 << 20 and big[-1].status == "success"
     assert client.pull(f"hf://acme/big/big.gguf@{COMMIT}").status == "success"  # cached
+    assert client.pull("hf://acme/tiny").status == "success"  # by quantization: its one GGUF
+    with pytest.raises(ollama.ResponseError, match="has no Q8_0 GGUF") as info:
+        client.pull("hf://acme/tiny:Q8_0")
+    assert info.value.status_code == 400
     gone = socket.create_connection(hostport(url))
     body = json.dumps({"model": f"hf://acme/huge/huge.gguf@{COMMIT}"}).encode()
     gone.sendall(b"POST /api/pull HTTP/1.1\r\nHost: localhost\r\nContent-Length: "

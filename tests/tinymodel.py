@@ -50,8 +50,11 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
 def write_tiny_gguf(path: Path, *, seed: int = 1234,
                     chat_template: str | None = CHAT_TEMPLATE,
                     sliding_window: int | None = None, n_head: int = N_HEAD,
-                    n_layer: int = N_LAYER, n_embd: int = N_EMBD, n_ff: int = N_FF) -> Path:
-    """Write the tiny model to ``path`` and return it.
+                    n_layer: int = N_LAYER, n_embd: int = N_EMBD, n_ff: int = N_FF,
+                    split_max_tensors: int = 0) -> Path:
+    """Write the tiny model to ``path`` and return it (with ``split_max_tensors``, as a
+    split GGUF of that many tensors a part, ``STEM-00001-of-0000N.gguf`` and on beside
+    ``path``: the first part is returned).
 
     With ``sliding_window`` it is a gemma3-architecture model whose layers attend to
     that many positions only (llama.cpp keeps a window-sized KV cache for them).
@@ -60,7 +63,7 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
     tokens, scores, types = vocabulary()
     n_vocab = len(tokens)
     arch = "llama" if sliding_window is None else "gemma3"
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name(f"tiny-random-{arch}")
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
@@ -112,6 +115,8 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
         t(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
         w.add_tensor(f"blk.{i}.ffn_down.weight", _no_write_to_dim0(rng, n_embd, n_ff))
     finish(w)
+    if split_max_tensors:
+        return path.with_name(f"{path.stem}-00001-of-{len(w.tensors):05d}.gguf")
     return path
 
 

@@ -88,18 +88,18 @@ def list_models(as_json: bool, models: Path | None, wide: bool = False) -> None:
 @models_app.command("add")
 def models_add(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The name to record it by.")],
-    url: Annotated[str, typer.Argument(metavar="URL",
-                                       help="hf://owner/repo/file.gguf[@revision]")],
+    url: Annotated[str, typer.Argument(
+        metavar="URL", help="hf://owner/repo[:QUANT][@revision] or "
+        "hf://owner/repo/file.gguf[@revision]")],
     context: Annotated[int, typer.Option("--context", help="Tokens per slot.")] = 4096,
     parallel: Annotated[int, typer.Option(
         "--parallel", help="Slots: requests decoded at once.")] = 4,
 ) -> None:
-    """Download a hub GGUF and record it, pinned, in your models.toml.
+    """Download a hub GGUF and record it, pinned (commit and sha256), in your models.toml.
 
     \b
     Example:
-      everycycle models add qwen \\
-        hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf
+      everycycle models add qwen hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M
     """
     from ..models import hub
     from ..models.registry import add_user_entry
@@ -107,32 +107,54 @@ def models_add(
 
     try:
         check_model_name(name)  # before a download, not after it
-        ref = hub.parse_hf_url(url)
-        path = hub.download(ref, progress=sys.stderr.isatty())
-        commit = hub.commit_of(path) or ref.revision
+        repo, path, commit = _fetch(url, progress=sys.stderr.isatty())
         digest = hub.sha256_of(path)
         where = add_user_entry(name, {
-            "hf_repo": ref.repo, "hf_file": ref.file, "revision": commit, "sha256": digest,
-            "context": context, "parallel": parallel,
+            "hf_repo": repo, "hf_file": _repo_path(path, commit), "revision": commit,
+            "sha256": digest, "context": context, "parallel": parallel,
         })
     except EverycycleError as exc:
         exit_for(exc)
-    sys.stderr.write(f"everycycle: added '{name}' (revision {commit}, sha256 {digest}) "
-                     f"to {where}\n")
+    sys.stderr.write(f"everycycle: added '{name}' ({_repo_path(path, commit)}, revision "
+                     f"{commit}, sha256 {digest}) to {where}\n")
+
+
+def _fetch(url: str, *, progress: bool) -> tuple[str, Path, str]:
+    """Download ``url`` (a repo by quantization, or one file): (repo, the file llama.cpp
+    loads, the commit). Raises the hub's errors."""
+    from ..models import hub, hubrepo
+
+    by_quant = hubrepo.parse_repo_url(url)
+    if by_quant is not None:
+        pulled = hubrepo.pull(by_quant, progress=progress)
+        if len(pulled.paths) > 1:
+            sys.stderr.write(f"everycycle: {pulled.choice.first} and its "
+                             f"{len(pulled.paths) - 1} other parts\n")
+        return by_quant.repo, pulled.path, pulled.commit
+    ref = hub.parse_hf_url(url)
+    path = hub.download(ref, progress=progress)
+    return ref.repo, path, hub.commit_of(path) or ref.revision or ""
+
+
+def _repo_path(path: Path, commit: str) -> str:
+    """A cached snapshot file's path inside its repo."""
+    parts = path.parts
+    return "/".join(parts[parts.index(commit) + 1:]) if commit in parts else path.name
 
 
 @app.command()
 def pull(
     model: Annotated[str, typer.Argument(
-        metavar="MODEL", help="A registry name or hf://owner/repo/file[@rev]")],
+        metavar="MODEL", help="A registry name, hf://owner/repo[:QUANT][@rev] (QUANT: "
+        "Q4_K_M by default) or hf://owner/repo/file.gguf[@rev]")],
     models: ModelsOpt = None,
 ) -> None:
-    """Download a model into the Hugging Face cache; prints its local path.
+    """Download a model into the Hugging Face cache; prints its local path (a split
+    GGUF's first part).
 
     \b
     Example:
-      everycycle pull \\
-        hf://ggml-org/gemma-3-270m-it-GGUF/gemma-3-270m-it-Q8_0.gguf
+      everycycle pull hf://ggml-org/gemma-3-270m-it-GGUF:Q8_0
     """
     from ..models import hub
     from ..models.registry import load_registry, local_file
@@ -144,7 +166,7 @@ def pull(
         fail(f"{model!r} is a web address; pull it as hf://{web[1]}/{web[3]}@{web[2]}", 2)
     try:
         if model.startswith("hf:"):
-            path = hub.download(hub.parse_hf_url(model), progress=progress)
+            path = _fetch(model, progress=progress)[1]
         else:
             spec = load_registry(models).get(model)
             if spec.hf_repo is not None:
@@ -257,18 +279,44 @@ def show(
 
 
 @app.command()
-def rm(model: Annotated[str, typer.Argument(
-        metavar="MODEL", help="A model you added (your models.toml).")]) -> None:
-    """Remove a model from your models.toml (its downloaded file stays in the cache).
+def rm(
+    model: Annotated[str, typer.Argument(
+        metavar="MODEL", help="A model you added (your models.toml).")],
+    purge: Annotated[bool, typer.Option(
+        "--purge", help="Also delete its downloaded files from the hub cache (unless "
+        "another entry uses them).")] = False,
+) -> None:
+    """Remove a model from your models.toml (with --purge, its downloaded files too).
 
     \b
     Example:
-      everycycle rm qwen
+      everycycle rm qwen --purge
     """
-    from ..models.registry import remove_user_entry
+    from ..models import hub
+    from ..models.registry import hub_files, load_registry, remove_user_entry
 
     try:
+        files: list[Path] = []
+        if purge:
+            registry = load_registry()
+            spec = registry.get(model)
+            if spec.hf_repo is None:
+                fail(f"'{model}' is {spec.source}, not a download: --purge deletes only "
+                     "files from the hub cache (nothing was removed)", 2)
+            shared = [m.name for m in registry.models.values() if m.name != model
+                      and (m.hf_repo, m.hf_file, m.revision) ==
+                      (spec.hf_repo, spec.hf_file, spec.revision)]
+            if not shared:
+                try:
+                    files = hub_files(spec)
+                except EverycycleError:
+                    files = []  # (not downloaded: nothing to delete)
         where = remove_user_entry(model)
+        freed = sum(hub.delete_cached(f) for f in files)
     except EverycycleError as exc:
         exit_for(exc)
     sys.stderr.write(f"everycycle: removed '{model}' from {where}\n")
+    if purge:
+        sys.stderr.write(f"everycycle: deleted {len(files)} file(s), {freed / (1 << 20):.1f} "
+                         "MiB, from the hub cache\n" if files or not shared else
+                         f"everycycle: kept its files: {', '.join(shared)} uses them\n")

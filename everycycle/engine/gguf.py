@@ -7,6 +7,7 @@ load it.
 
 from __future__ import annotations
 
+import re
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -59,6 +60,35 @@ def _skip_metadata(f: BinaryIO, n_kv: int) -> dict[str, Any]:
         key = _string(f)
         out[key] = _value(f, _read(f, "I"), False)
     return out
+
+
+_SPLIT = re.compile(r"(?P<stem>.+)-00001-of-(?P<n>\d{5})\.gguf")
+
+
+def split_parts(first: Path) -> list[Path]:
+    """The parts of a split GGUF (``name-00001-of-00003.gguf`` and the rest, beside it),
+    or just ``first`` when it is not the first part of one."""
+    split = _SPLIT.fullmatch(first.name)
+    if split is None:
+        return [first]
+    n = split["n"]
+    return [first.with_name(f"{split['stem']}-{i:05d}-of-{n}.gguf")
+            for i in range(1, int(n) + 1)]
+
+
+def model_bytes(first: Path) -> tuple[int, list[int], int]:
+    """A model's file size, each repeating layer's bytes and the other tensors' bytes,
+    over every part of a split GGUF."""
+    size, other = 0, 0
+    layers: list[int] = []
+    for part in split_parts(first):
+        part_layers, part_other = layer_bytes(part)
+        size += part.stat().st_size
+        layers += [0] * (len(part_layers) - len(layers))
+        for i, n in enumerate(part_layers):
+            layers[i] += n
+        other += part_other
+    return size, layers, other
 
 
 def layer_bytes(path: Path) -> tuple[list[int], int]:

@@ -160,7 +160,7 @@ def plan(path: Path, *, context: int, parallel: int, kv_cache_type: str = "f16",
     Raises InvalidRequestError for a file that is not a readable GGUF, ConfigError for
     an unknown ``kv_cache_type``.
     """
-    from .gguf import layer_bytes, read_metadata
+    from .gguf import model_bytes, read_metadata
 
     kv_type_id(kv_cache_type)
     per_element = KV_CACHE_TYPES[kv_cache_type][1]
@@ -183,8 +183,8 @@ def plan(path: Path, *, context: int, parallel: int, kv_cache_type: str = "f16",
     layer_kv = tuple(int(parallel * (swa_cells if swa else per_seq) * n_head_kv
                          * (k_dim + v_dim) * per_element)
                      for swa in swa_layers(meta, arch, n_layer))
-    layers, other = layer_bytes(path)
+    size, layers, other = model_bytes(path)  # (every part of a split GGUF)
     if len(layers) != n_layer:  # an architecture whose layers are not blk.N: one lump
-        layers, other = [0] * n_layer, path.stat().st_size
-    return MemoryPlan(weights=path.stat().st_size, kv=sum(layer_kv),
+        layers, other = [0] * n_layer, size
+    return MemoryPlan(weights=size, kv=sum(layer_kv),
                       layer_weights=tuple(layers), other_weights=other, layer_kv=layer_kv)

@@ -108,7 +108,7 @@ _OFFLINE_HINT = ("offline, use a model already downloaded (`everycycle models` s
 REACH_TIMEOUT = 3.0
 
 
-def _check_reachable(where: str) -> None:
+def check_reachable(where: str) -> None:
     """Fail fast, in one line, when the hub's host cannot be reached at all: not after
     the hub library's retries (about 24 s of "Retrying in 8s")."""
     import socket
@@ -156,7 +156,7 @@ def download(ref: HubRef, *, sha256: str | None = None, progress: bool = False,
                 else _RichBar if progress else _SilentBar)
     where = ref.url
     if not offline():
-        _check_reachable(where)
+        check_reachable(where)
     try:
         found = hf_hub_download(
             ref.repo, ref.file, revision=ref.revision, cache_dir=str(cache_dir()),
@@ -187,6 +187,20 @@ def download(ref: HubRef, *, sha256: str | None = None, progress: bool = False,
     if sha256:
         verify(path, sha256)
     return path
+
+
+def delete_cached(path: Path) -> int:
+    """Delete a cached snapshot file and the blob it links to (the HF cache's layout);
+    the bytes freed. A file outside the cache is refused (InvalidRequestError)."""
+    root = cache_dir().resolve()
+    blob = path.resolve()
+    if not blob.is_relative_to(root) or "snapshots" not in path.parts:
+        raise InvalidRequestError(f"{path} is not in the hub cache ({root}): not deleted")
+    size = blob.stat().st_size if blob.exists() else 0
+    for p in {path, blob}:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    return size
 
 
 def commit_of(path: Path) -> str | None:

@@ -22,7 +22,7 @@ from typing import Any
 from .. import paths
 from ..errors import ChecksumMismatchError, ConfigError, InvalidRequestError, ProtocolError
 from ..protocol import Format, check_model_name
-from . import hub
+from . import hub, hubrepo
 
 SHIPPED_MODELS = Path(__file__).parent.parent / "models.toml"
 
@@ -357,14 +357,32 @@ def local_file(spec: ModelSpec, *, download: bool = False, progress: bool = Fals
         return spec.path
     if spec.package is not None:
         return _package_file(spec)
-    try:
-        return hub.cached_file(spec.hub_ref, sha256=spec.sha256, name=spec.name)
-    except ChecksumMismatchError:
-        raise
-    except InvalidRequestError:
-        if not download or hub.offline():
+    return hub_files(spec, download=download, progress=progress)[0]
+
+
+def hub_files(spec: ModelSpec, *, download: bool = False, progress: bool = False,
+              on_progress: hub.Progress | None = None) -> list[Path]:
+    """A hub model's files in the cache: its GGUF, or every part of a split one (the
+    first checked against the sha256 pin, the rest pinned by the commit). Downloads
+    what is missing when ``download`` is set and the hub is not offline."""
+    first = spec.hub_ref
+    split = hubrepo.SPLIT.fullmatch(first.file)
+    names = [first.file] if split is None or split["i"] != "00001" else [
+        f"{split['stem']}-{i:05d}-of-{split['n']}.gguf" for i in range(1, int(split["n"]) + 1)]
+    found = []
+    for i, name in enumerate(names):
+        ref = hub.HubRef(first.repo, name, first.revision)
+        sha = spec.sha256 if i == 0 else None
+        try:
+            found.append(hub.cached_file(ref, sha256=sha, name=spec.name))
+            continue
+        except ChecksumMismatchError:
             raise
-    return hub.download(spec.hub_ref, sha256=spec.sha256, progress=progress)
+        except InvalidRequestError:
+            if not download or hub.offline():
+                raise
+        found.append(hub.download(ref, sha256=sha, progress=progress, on_progress=on_progress))
+    return found
 
 
 def package_path(spec: ModelSpec) -> Path | None:

@@ -37,8 +37,8 @@ from starlette.routing import BaseRoute, Route
 
 from ... import __version__, paths
 from ...errors import EverycycleError, UnavailableError
-from ...models import hub
-from ...models.registry import ModelSpec, local_file, remove_user_entry
+from ...models import hub, hubrepo
+from ...models.registry import ModelSpec, hub_files, local_file, remove_user_entry
 from ...protocol import Done, Error, Load, Unload
 from ..keys import Principal, load_or_create_token
 from . import ollama_request as parse
@@ -224,9 +224,15 @@ class OllamaMeta:
         Raises HttpError (400 for a bad URL, 404 for an unknown name)."""
         if given.startswith("hf:"):
             try:
-                ref = hub.parse_hf_url(given)
+                repo = hubrepo.parse_repo_url(given)  # by quantization: hf://owner/repo:Q8_0
+                ref = hub.parse_hf_url(given) if repo is None else None
             except EverycycleError as exc:
                 raise HttpError(400, exc.message, "invalid_model") from None
+            if repo is not None:
+                return ((lambda report: hubrepo.pull(
+                    repo, on_progress=lambda _, done, total: report(done, total)).path),
+                    repo.url, None)
+            assert ref is not None
             return (lambda report: hub.download(ref, on_progress=report)), ref.file, None
         name = given if given in self.api.supervisor.registry.models else (
             given.removesuffix(parse.TAG))
@@ -237,9 +243,8 @@ class OllamaMeta:
                             "model_not_found")
         if spec.hf_repo is None:
             return (lambda report: local_file(spec)), name, spec.sha256
-        return ((lambda report: hub.download(spec.hub_ref, sha256=spec.sha256,
-                                             on_progress=report)), spec.hf_file or name,
-                spec.sha256)
+        return ((lambda report: hub_files(spec, download=True, on_progress=report)[0]),
+                spec.hf_file or name, spec.sha256)
 
     async def pull(self, request: HttpRequest) -> Response:
         data = await self.reader.json(request)
