@@ -123,6 +123,11 @@ class InternalError(EverycycleError):
     kind = ErrorKind.INTERNAL
 
 
+class AllocationError(InternalError):
+    """llama.cpp could not allocate a model's weights or KV cache where it was placed
+    (a device that reported more free memory than it had): a load may retry smaller."""
+
+
 class RequestFailedError(EverycycleError):
     """The daemon ended a request with ``Error{kind, message}``; ``kind`` is the daemon's."""
 

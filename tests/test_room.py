@@ -13,6 +13,7 @@ import anyio
 import pytest
 from daemonhelp import running_daemon
 from httphelp import fleet_http, raw
+from tinymodel import write_tiny_gguf
 
 from everycycle import paths
 from everycycle.client import connect
@@ -188,3 +189,30 @@ async def test_max_loaded_models_from_the_daemon_flag_refuses_when_none_is_idle(
             assert isinstance(refused[-1], Error)
             assert "max_loaded_models = 1" in refused[-1].message
             assert "'a' (" in refused[-1].message and "busy)" in refused[-1].message
+
+
+async def test_a_load_that_cannot_allocate_is_refused_with_the_numbers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_gguf: Path) -> None:
+    # The host "reports" 1000 GiB (the override), so placement lets through a KV cache no
+    # machine here has: llama.cpp's own allocation fails, for real, and the request gets
+    # the numbers; the daemon goes on serving.
+    mem = Path("/proc/meminfo").read_text().split()  # noqa: ASYNC240 - before serving
+    ram = int(mem[mem.index("MemTotal:") + 1]) + int(mem[mem.index("SwapTotal:") + 1])
+    if ram > 400 << 20:  # KiB: a machine that might grant 512 GiB at once
+        pytest.skip("this machine might allocate the test's 512 GiB KV cache")
+    # 128 KiB of KV cache per cell (wide heads), in few cells: llama.cpp's per-cell
+    # bookkeeping stays small, and its buffer's one allocation is the one that fails.
+    wide = write_tiny_gguf(tmp_path / "wide.gguf", head_dim=4096)
+    models = tmp_path / "huge.toml"
+    models.write_text(f'[models.huge]\npath = "{wide}"\ncontext = 1048576\nparallel = 4\n'
+                      f'[models.tiny]\npath = "{tiny_gguf}"\ncontext = 256\nparallel = 1\n')
+    monkeypatch.setenv("EVERYCYCLE_TEST_MEMORY", "cpu=1000GiB")
+    async with running_daemon(models) as d:
+        refused = await ask("huge")
+        assert isinstance(refused[-1], Error) and refused[-1].kind is ErrorKind.REJECTED
+        message = refused[-1].message
+        assert "model 'huge' could not be allocated on cpu (it needs 524" in message, message
+        assert "cpu reports 1024000 MiB free" in message
+        assert "llama.cpp could not allocate the KV cache" in message
+        assert d.supervisor.residency.models == {}
+        assert answered(await ask("tiny"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ from everycycle.client import SyncClient
 from everycycle.engine import executors as ex
 from everycycle.engine.memory import fit, plan
 from everycycle.errors import RequestFailedError
-from everycycle.protocol import Error, LoadedModel
+from everycycle.protocol import Error, LoadedModel, Unload
 
 pytestmark = pytest.mark.vulkan
 
@@ -127,3 +127,57 @@ def test_fleet_shows_the_vulkan_executor_and_layers(client: SyncClient) -> None:
                          check=True, env={**os.environ, "COLUMNS": "160"})
     assert "vulkan" in out.stderr and "Mesa" in out.stderr and "3/6" in out.stderr, out.stderr
     assert "no GPU backend" not in out.stderr
+
+
+@pytest.mark.anyio
+async def test_a_failed_allocation_retries_on_fewer_gpu_layers(
+        vulkan: ex.Executor, deep_gguf: Path, tmp_path: Path) -> None:
+    # lavapipe never runs out of memory, so the failure is injected where llama.cpp's
+    # would surface (the engine's load); everything after it is the real path: the fit
+    # again, then half the layers on a real engine process, then a refusal with numbers.
+    import anyio
+    from test_supervisor_engines import Peer, until
+
+    from everycycle.daemon.supervisor import Supervisor
+    from everycycle.engine.contract import Engine, LoadOptions, Notify
+    from everycycle.engine.process import EngineProcess
+    from everycycle.errors import AllocationError
+    from everycycle.models.registry import load_registry
+    from everycycle.protocol import ErrorKind, Generate, Tokens
+
+    models = tmp_path / "vk.toml"
+    models.write_text(f'[models.deep]\npath = "{deep_gguf}"\ncontext = 256\nparallel = 1\n'
+                      'executor = "vulkan"\n')
+    tried: list[int] = []
+    room = [3]  # layers the "device" can really take
+
+    def make(name: str, path: Path, options: LoadOptions, notify: Notify,
+             on_death: Callable[[Engine], None]) -> Engine:
+        tried.append(options.n_gpu_layers)
+        if options.n_gpu_layers > room[0]:
+            raise AllocationError("llama.cpp could not allocate the weights of "
+                                  f"{path}: ggml_vulkan: Device memory allocation failed")
+        return EngineProcess(path, options, notify=notify, label=name, on_death=on_death)
+
+    sup = Supervisor(load_registry(models), engine_factory=make)
+    peer = Peer()
+    async with anyio.create_task_group() as tg:
+        await tg.start(sup.run)
+        await sup.handle(peer, Generate("g1", "deep", "hello", max_tokens=4))
+        await until(lambda: peer.ended("g1"))
+        assert isinstance(peer.of("g1")[-1], Tokens) and peer.of("g1")[-1].finished
+        assert tried == [7, 3]  # all 6 layers and the head; the fit agrees; then 3
+        [loaded] = sup.snapshot().loaded_models
+        assert (loaded.device_layers, loaded.total_layers) == (3, 6)
+        await sup.handle(peer, Unload("u1", "deep"))
+        tried.clear()
+        room[0] = 0
+        await sup.handle(peer, Generate("g2", "deep", "hello", max_tokens=4))
+        await until(lambda: peer.ended("g2"))
+        last = peer.of("g2")[-1]
+        assert isinstance(last, Error) and last.kind is ErrorKind.REJECTED, last
+        assert "could not be allocated on vulkan with 6, then 3 of 6 layers on the GPU" in \
+            last.message and "Device memory allocation failed" in last.message
+        assert tried == [7, 3]
+        await sup.close()
+        tg.cancel_scope.cancel()

@@ -51,13 +51,14 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
                     chat_template: str | None = CHAT_TEMPLATE,
                     sliding_window: int | None = None, n_head: int = N_HEAD,
                     n_layer: int = N_LAYER, n_embd: int = N_EMBD, n_ff: int = N_FF,
-                    split_max_tensors: int = 0) -> Path:
+                    split_max_tensors: int = 0, head_dim: int | None = None) -> Path:
     """Write the tiny model to ``path`` and return it (with ``split_max_tensors``, as a
     split GGUF of that many tensors a part, ``STEM-00001-of-0000N.gguf`` and on beside
     ``path``: the first part is returned).
 
     With ``sliding_window`` it is a gemma3-architecture model whose layers attend to
-    that many positions only (llama.cpp keeps a window-sized KV cache for them).
+    that many positions only (llama.cpp keeps a window-sized KV cache for them). With
+    ``head_dim``, its attention heads are that wide (a KV cache that much bigger).
     """
     rng = np.random.default_rng(seed)
     tokens, scores, types = vocabulary()
@@ -65,13 +66,15 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
     arch = "llama" if sliding_window is None else "gemma3"
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name(f"tiny-random-{arch}")
+    head = head_dim or n_embd // n_head
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
-        w.add_key_length(n_embd // n_head)
-        w.add_value_length(n_embd // n_head)
+    if sliding_window is not None or head_dim is not None:
+        w.add_key_length(head)
+        w.add_value_length(head)
     write_hparams(w, n_ctx=N_CTX, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, n_head=n_head,
                   file_type=gguf.LlamaFileType.ALL_F32, tokens=tokens, scores=scores,
-                  types=types)
+                  types=types, head_dim=head)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     if chat_template is not None:
@@ -101,15 +104,16 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
     w.add_tensor("output.weight", out)
     for i in range(n_layer):
         ones(f"blk.{i}.attn_norm.weight")
-        t(f"blk.{i}.attn_q.weight", n_embd, n_embd)
-        t(f"blk.{i}.attn_k.weight", n_embd, n_embd)
-        t(f"blk.{i}.attn_v.weight", n_embd, n_embd)
-        w.add_tensor(f"blk.{i}.attn_output.weight", _no_write_to_dim0(rng, n_embd, n_embd))
+        t(f"blk.{i}.attn_q.weight", n_head * head, n_embd)
+        t(f"blk.{i}.attn_k.weight", n_head * head, n_embd)
+        t(f"blk.{i}.attn_v.weight", n_head * head, n_embd)
+        w.add_tensor(f"blk.{i}.attn_output.weight",
+                     _no_write_to_dim0(rng, n_embd, n_head * head))
         if sliding_window is not None:  # gemma3's extra norms
             ones(f"blk.{i}.post_attention_norm.weight")
             ones(f"blk.{i}.post_ffw_norm.weight")
-            w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(n_embd // n_head, np.float32))
-            w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(n_embd // n_head, np.float32))
+            w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head, np.float32))
+            w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head, np.float32))
         ones(f"blk.{i}.ffn_norm.weight")
         t(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
         t(f"blk.{i}.ffn_up.weight", n_ff, n_embd)

@@ -260,9 +260,9 @@ class Residency:
                 raise InternalError(down)
         async with self._turns.setdefault(key, anyio.Lock()):
             placement = await room.make_room(self, spec, need, wanted)
-            options = self._options(spec, placement)
             try:
-                engine = await anyio.to_thread.run_sync(self.spawn, spec, path, options)
+                engine, placement, options = await room.start(self, spec, path, need,
+                                                              wanted, placement)
             except InternalError as exc:
                 if placement.executor.remote is not None:  # the host went away: fleet says so
                     self.remote.mark_down(placement.executor.remote, exc.message)
@@ -289,7 +289,7 @@ class Residency:
         await self.unload(model.name, f"model '{model.name}' unloaded to make room for "
                                       f"'{for_model}'")
 
-    def _options(self, spec: ModelSpec, placement: ex.Placement) -> LoadOptions:
+    def options(self, spec: ModelSpec, placement: ex.Placement) -> LoadOptions:
         offload = placement.offload
         remote = placement.executor.remote
         kernels = cpukernels.decide(paths.state_dir())

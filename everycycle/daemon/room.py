@@ -1,24 +1,33 @@
 """Making room for a model: what the resident models hold on each executor, which of
-them may go (idle, least recently used first), and what to say when none may.
+them may go (idle, least recently used first), and what to say when none may; and
+starting it, again on fewer GPU layers when llama.cpp cannot allocate what the fit chose.
 
 The residency measures, unloads and loads; this decides.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import anyio.to_thread
+
 from ..engine import executors as ex
+from ..engine.contract import Engine, LoadOptions
 from ..engine.memory import MemoryPlan
-from ..errors import RejectedError
+from ..errors import AllocationError, RejectedError
 from ..models.registry import ModelSpec
 from .remote import in_order
 
 if TYPE_CHECKING:
     from .residency import Residency, Resident
+
+log = logging.getLogger("everycycle.daemon.residency")
 
 
 def held(model: Resident) -> dict[str, int]:
@@ -132,6 +141,66 @@ async def make_room(res: Residency, spec: ModelSpec, need: MemoryPlan, wanted: s
             assert placement is not None
             return placement  # fewer GPU layers: nothing idle holds that executor
         await res.evict(going, spec.name, reason)
+
+
+def _layers(placement: ex.Placement) -> int:
+    return placement.offload.gpu_layers if placement.offload is not None else 0
+
+
+async def start(res: Residency, spec: ModelSpec, path: Path, need: MemoryPlan, wanted: str,
+                placement: ex.Placement) -> tuple[Engine, ex.Placement, LoadOptions]:
+    """Start ``spec``'s engine at ``placement``. When llama.cpp cannot allocate there (a
+    device reported more free memory than it had), retry once with the layers the fit
+    gives for the memory reported now, then once on half as many GPU layers; then refuse
+    with the numbers (RejectedError). As Ollama, which retries a failed load once."""
+    tried: list[int] = []
+    first: AllocationError | None = None
+    retries = 0
+    while True:
+        options = res.options(spec, placement)
+        tried.append(_layers(placement))
+        try:
+            engine = await anyio.to_thread.run_sync(res.spawn, spec, path, options)
+            if first is not None:
+                log.info("loaded %s with %d GPU layers after: %s", spec.name, tried[-1],
+                         first.message)
+            return engine, placement, options
+        except AllocationError as exc:
+            first = first or exc
+            log.warning("%s (with %d GPU layers)", exc.message, tried[-1])
+        again: ex.Placement | None = None
+        if retries == 0:  # the fit again, on the free memory the devices report now
+            retries = 1
+            local = await res.measure()
+            with contextlib.suppress(RejectedError):
+                refit = ex.place(wanted, in_order(local, res.remote.executors()), need,
+                                 max_layers=spec.gpu_layers)
+                if (refit.executor.name == placement.executor.name
+                        and _layers(refit) < tried[-1]):
+                    again = refit
+        if again is None and retries == 1:  # then on half as many GPU layers
+            retries = 2
+            if tried[-1] > 0:
+                again = ex.with_layers(placement, need, tried[-1] // 2)
+        if again is None:
+            raise RejectedError(_refusal(spec, need, placement, tried, first))
+        placement = again
+
+
+def _refusal(spec: ModelSpec, need: MemoryPlan, placement: ex.Placement, tried: list[int],
+             error: AllocationError | None) -> str:
+    devices = [placement.executor.devices[i] for i in placement.device_indices]
+    free = sum(d.memory_free for d in devices) if devices else placement.executor.memory_free
+    where = placement.executor.name
+    layers = (f" with {', then '.join(str(n) for n in dict.fromkeys(tried))} of "
+              f"{need.n_layer} layers on the GPU" if placement.offload is not None else "")
+    return (f"model '{spec.name}' could not be allocated on {where}{layers} "
+            f"(it needs {_mib(need.total)}; {where} reports {_mib(free)} free): "
+            f"{error.message if error else 'allocation failed'}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from ..errors import ErrorKind, EverycycleError
+from ..errors import AllocationError, ErrorKind, EverycycleError
 from ..protocol import Format, Message
 from .chat import ChatPrompt
 from .jobs import Job, Logprob, Output, Sampling
@@ -98,14 +98,18 @@ class LoadOptions:
 class WireError(NamedTuple):
     kind: str
     message: str
+    allocation: bool = False
+    """An AllocationError (the load may retry on fewer GPU layers)."""
 
     @classmethod
     def of(cls, exc: BaseException) -> WireError:
         if isinstance(exc, EverycycleError):
-            return cls(exc.kind.value, exc.message)
+            return cls(exc.kind.value, exc.message, isinstance(exc, AllocationError))
         return cls(ErrorKind.INTERNAL.value, f"{type(exc).__name__}: {exc}")
 
     def exception(self) -> EverycycleError:
+        if self.allocation:
+            return AllocationError(self.message)
         return EverycycleError(self.message, kind=ErrorKind(self.kind))
 
 

@@ -289,6 +289,14 @@ def _fit_on(e: Executor, indices: Sequence[int], plan: MemoryPlan,
     return Placement(e, tuple(indices), fit(plan, free, max_layers=max_layers))
 
 
+def with_layers(placement: Placement, plan: MemoryPlan, layers: int) -> Placement:
+    """``placement`` with at most ``layers`` repeating layers on its devices (the rest,
+    and the output head unless all of them go, on the CPU)."""
+    return Placement(placement.executor, placement.device_indices,
+                     _fit_on(placement.executor, placement.device_indices, plan,
+                             layers).offload, placement.pinned)
+
+
 def _check_host(placement: Placement, executors: Sequence[Executor], plan: MemoryPlan
                 ) -> Placement:
     """What stays on the CPU must fit the host's available memory."""

@@ -9,16 +9,17 @@ from typing import Any
 
 def write_hparams(w: Any, *, n_ctx: int, n_embd: int, n_layer: int, n_ff: int, n_head: int,
                   file_type: int, tokens: Sequence[str], scores: Sequence[float],
-                  types: Sequence[int]) -> None:
+                  types: Sequence[int], head_dim: int | None = None) -> None:
     """A llama-shaped model's hyperparameters and SentencePiece-style vocabulary
-    (<unk> 0, <s> 1, </s> 2) on the GGUFWriter ``w``."""
+    (<unk> 0, <s> 1, </s> 2) on the GGUFWriter ``w``; attention heads ``head_dim`` wide
+    (default: ``n_embd / n_head``), rotated in full."""
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head)
-    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_rope_dimension_count(head_dim or n_embd // n_head)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(file_type)
     w.add_tokenizer_model("llama")

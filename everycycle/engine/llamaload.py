@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import InternalError, InvalidRequestError
+from ..errors import AllocationError, InternalError, InvalidRequestError
 from .contract import LoadOptions
 from .llamalog import backend_init, log_capture
 from .memory import kv_type_id
@@ -32,6 +32,15 @@ def devices_for(options: LoadOptions) -> list[int]:
     if options.device_indices:
         return ex.device_handles(options.executor, options.device_indices)
     return []
+
+
+_ALLOCATION = ("failed to allocate", "insufficient memory", "out of memory",
+               "unable to allocate", "allocation of size", "cudamalloc failed")
+
+
+def _allocation_failure(errors: list[str]) -> str | None:
+    """The first of llama.cpp's error lines that says an allocation failed, if any."""
+    return next((e for e in errors if any(s in e.lower() for s in _ALLOCATION)), None)
 
 
 @dataclass(eq=False)
@@ -70,6 +79,10 @@ def load_model(L: Any, path: Path, *, gpu_devices: list[int], n_gpu_layers: int 
     with log_capture() as loading:
         model = L.llama_model_load_from_file(str(path).encode(), mparams)
     if not model:
+        cause = _allocation_failure(loading.errors)
+        if cause is not None:
+            raise AllocationError(f"llama.cpp could not allocate the weights of {path}: "
+                                  f"{cause}")
         raise InvalidRequestError(f"llama.cpp could not load {path} (not a valid GGUF?)")
     return Weights(model, loading.offloaded, (devices, split))
 
@@ -99,5 +112,9 @@ def create_context(L: Any, weights: Weights, path: Path, *, context: int, parall
         ctx = L.llama_init_from_model(weights.model, cparams)
     if not ctx:
         L.llama_model_free(weights.model)
+        cause = _allocation_failure(reported.errors)
+        if cause is not None:
+            raise AllocationError(f"llama.cpp could not allocate the KV cache and compute "
+                                  f"buffers of {path}: {cause}")
         raise InternalError(f"llama.cpp could not create a context for {path}")
     return ctx, reported.kv_bytes
