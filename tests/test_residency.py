@@ -4,6 +4,7 @@ fleet says so."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import anyio
 import pytest
 from daemonhelp import running_daemon
 
+from everycycle import paths
 from everycycle.client import connect
 from everycycle.protocol import Error, ErrorKind, LoadedModel, ServerEvent, Tokens
 
@@ -54,6 +56,9 @@ async def test_sixteen_first_requests_cause_one_load_and_all_finish(
     assert all(isinstance(r[-1], Tokens) and r[-1].finished for r in results), results
     loaded = [r for r in caplog.records if r.getMessage().startswith("loaded tiny on")]
     assert len(loaded) == 1
+    audited = [json.loads(x) for x in paths.audit_file().read_text().splitlines()]
+    assert [r["model"] for r in audited if r.get("event") == "load"] == ["tiny"]
+    assert sum(1 for r in audited if "request_id" in r) == 16
     assert seen and seen[0].name == "tiny" and max(m.queued or 0 for m in seen) >= 2
 
 

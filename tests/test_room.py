@@ -76,7 +76,8 @@ async def test_the_third_model_unloads_the_least_recently_used_idle_one(
         assert (record["model"], record["for_model"], record["reason"]) == ("b", "c", "memory")
         snap = sup.snapshot()
         assert snap.last_eviction is not None
-        assert "'b'" in snap.last_eviction and "for 'c' (memory)" in snap.last_eviction
+        assert snap.last_eviction.startswith("last eviction: 'b' for 'c' at ")
+        assert snap.last_eviction.endswith(" (memory)")
         loads = [r for r in map(json.loads, paths.audit_file().read_text().splitlines())
                  if r.get("event") == "load"]
         assert [r["model"] for r in loads] == ["a", "b", "c"]

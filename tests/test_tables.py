@@ -4,11 +4,13 @@ or cell cut to "…", nothing wrapped onto a second line."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from rich.console import Console
 
 from everycycle.cli.render import fleet_view, models_view, usage_view
+from everycycle.daemon.room import Eviction
 from everycycle.daemon.usage import UsageRow
 from everycycle.protocol import (
     ActiveRequest,
@@ -54,12 +56,16 @@ def test_fleet_at_80_columns() -> None:
         requests=(ActiveRequest("0e027cbc1e344af7ba61dcc091e0f280", "smollm2-135m", "local",
                                 "running", 12_000, 310),),
         daemon_rss=37 * MIB,
+        last_eviction=Eviction("gemma-3-270m", "qwen2.5-0.5b", "max_loaded_models", 312.4,
+                               time.time()).describe(),
     )
     text = render(fleet_view(snap))
     assert "idle" not in text.split("qwen2.5-0.5b")[0].splitlines()[-1]  # busy is not idle
     whole(text, ["smollm2-135m", "pypi-0.1.2", "aaaaaaaaaaaa", "cuda 24/24", "4/4 +2",
                  "busy", "in 4m59s", "92+360 MiB", "0e027cbc1e344af7ba61dcc091e0f280",
-                 "running", "last died: SIGSEGV (segmentation fault)"])
+                 "running", "last died: SIGSEGV (segmentation fault)",
+                 "last eviction: 'gemma-3-270m' for 'qwen2.5-0.5b' at ",
+                 "(max_loaded_models)"])
 
 
 def test_models_at_80_columns() -> None:

@@ -218,6 +218,4 @@ class Eviction:
     def describe(self) -> str:
         """One line for ``fleet``."""
         clock = time.strftime("%H:%M:%S", time.localtime(self.at))
-        why = "memory" if self.reason == "memory" else "max_loaded_models"
-        return (f"last eviction: '{self.model}' (idle {self.idle_s:.0f} s) for "
-                f"'{self.for_model}' ({why}) at {clock}")
+        return f"last eviction: '{self.model}' for '{self.for_model}' at {clock} ({self.reason})"
