@@ -94,7 +94,7 @@ def test_errors_are_anthropic_shaped(client: anthropic.Anthropic, url: str) -> N
         ("/v1/messages", b"{not json", 400, "invalid_request_error"),
         ("/v1/messages", json.dumps({"model": "tiny", "messages": HI}).encode(), 400,
          "invalid_request_error"),
-        ("/v1/messages/count_tokens", b"x" * (5 << 20), 413, "request_too_large"),
+        ("/v1/messages/count_tokens", b"x" * (9 << 20), 413, "request_too_large"),
         ("/v1/messages/nowhere", b"{}", 404, "not_found_error"),
     ]:
         got, _, data = raw(url, "POST", path, body, {"anthropic-version": "2023-06-01"})

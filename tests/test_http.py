@@ -226,7 +226,7 @@ def test_a_deadline_header_and_a_chosen_request_id(url: str) -> None:
 def test_malformed_and_oversized_bodies(url: str) -> None:
     assert raw(url, "POST", "/v1/chat/completions", b"{not json")[0] == 400
     assert raw(url, "POST", "/v1/chat/completions", b"[1, 2]")[0] == 400
-    status, _, data = raw(url, "POST", "/v1/completions", b"x" * (5 << 20))
+    status, _, data = raw(url, "POST", "/v1/completions", b"x" * (9 << 20))
     assert status == 413 and json.loads(data)["error"]["code"] == "too_large"
     assert raw(url, "GET", "/v1/nowhere")[0] == 404
     assert raw(url, "GET", "/v1/chat/completions")[0] == 405

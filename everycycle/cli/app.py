@@ -25,6 +25,7 @@ from ..errors import (
 )
 from ..protocol import (
     Accepted,
+    ContentPart,
     Error,
     Format,
     Generate,
@@ -54,6 +55,7 @@ from .common import (
     fail,
     prepull,
     report,
+    with_images,
 )
 from .stats import RunStats
 from .thinking import Thoughts
@@ -130,6 +132,9 @@ def run(
     think: Annotated[bool | None, typer.Option(
         "--think/--no-think", help="Show a thinking model's thoughts on stderr / ask it "
         "not to think (where its template can say).")] = None,
+    image: Annotated[list[Path] | None, typer.Option(
+        "--image", metavar="FILE", help="An image for a vision model to read (PNG, JPEG, "
+        "WebP, GIF; repeatable), before the prompt.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the ServerEvent lines.")]
     = False,
     no_daemon: NoDaemonOpt = False,
@@ -159,7 +164,11 @@ def run(
     status = Status(verbose)
     try:
         name = model or _registry_default(models)
-        turn = _tool_fields(tools, tool_choice, text)
+        if image and raw:
+            fail("usage: --image needs the chat template (not --raw)", 2)
+        turn = _tool_fields(tools, tool_choice, with_images(text, image))
+        if image and not turn:
+            turn = {"messages": (Message(Role.USER, with_images(text, image)),)}
         req = Generate(
             request_id=uuid.uuid4().hex, model=name, prompt=None if turn else text,
             think=think, **turn, max_tokens=max_tokens,
@@ -180,7 +189,8 @@ def run(
     raise typer.Exit(code)
 
 
-def _tool_fields(tools: Path | None, choice: str | None, text: str) -> dict[str, Any]:
+def _tool_fields(tools: Path | None, choice: str | None,
+                 text: str | tuple[ContentPart, ...]) -> dict[str, Any]:
     """With ``--tools``: the prompt as the user's turn, the tools and the choice."""
     if tools is None:
         if choice is not None:

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
+import anyio.to_thread
 
 from .. import paths
-from ..errors import DaemonUnavailableError, ErrorKind, unwrap_groups
+from ..errors import DaemonUnavailableError, ErrorKind, EverycycleError, unwrap_groups
 from ..protocol import Accepted, Error, Generate, Message, Role, Tokens, Usage
-from .common import EXIT_CODES
+from .common import EXIT_CODES, image_part, with_images
 from .interrupt import Interrupt
 from .thinking import Thoughts
 
@@ -39,6 +40,7 @@ Commands:
   /help, /?      this help
   /clear         forget the conversation (the system prompt stays)
   /system TEXT   set the system prompt (and forget the conversation); /system shows it
+  /image PATH    an image for your next message (a vision model reads it)
   /bye           leave (so do Ctrl-D, and Ctrl-C on an empty prompt)
 Enter sends. Alt-Enter, or a line ending in \\, starts a new line; so does \"\"\" (until \"\"\").
 Ctrl-C during an answer stops it and keeps what was shown.
@@ -53,6 +55,8 @@ class Conversation:
     turns: list[Message] = field(default_factory=list)
     pending: str | None = None
     """A message the daemon went away before answering: sent again first."""
+    images: list[Path] = field(default_factory=list)
+    """Images for the next message (``/image PATH``)."""
 
     def messages(self) -> tuple[Message, ...]:
         lead = (Message(Role.SYSTEM, self.system),) if self.system else ()
@@ -195,11 +199,27 @@ async def chat(client: BaseClient, model: str, *, system: str | None = None,
                 convo.system = arg.strip()
                 convo.clear()
                 notice.write("(system prompt set; conversation cleared)\n")
+            elif command == "/image":
+                path = Path(arg.strip())
+                try:  # (readable, and not too big: said now, not later)
+                    await anyio.to_thread.run_sync(image_part, path)
+                except EverycycleError as exc:
+                    notice.write(f"{exc.message}\n")
+                else:
+                    convo.images.append(path)
+                    notice.write(f"(image {path.name} goes with your next message)\n")
             else:
                 notice.write(f"unknown command {command}; /help lists them\n")
             notice.flush()
             continue
-        convo.turns.append(Message(Role.USER, text))
+        try:
+            content = await anyio.to_thread.run_sync(with_images, text, convo.images)
+        except EverycycleError as exc:  # (an image changed since /image)
+            notice.write(f"{exc.message}\n")
+            convo.images.clear()
+            continue
+        convo.images.clear()
+        convo.turns.append(Message(Role.USER, content))
         try:
             with unwrap_groups():
                 answer, ok, failed = await _answer(client, model, convo.messages(),

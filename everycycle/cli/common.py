@@ -14,7 +14,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from ..errors import DaemonUnavailableError, ErrorKind, EverycycleError, UnavailableError
-from ..protocol import MAX_TOKENS_LIMIT
+from ..protocol import MAX_TOKENS_LIMIT, ContentPart
 
 EXIT_CODES = {
     ErrorKind.INTERNAL: 1,
@@ -140,3 +140,35 @@ def prepull(name: str, models: Path | None, offline: bool) -> None:
     if offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
     local_file(spec, download=not offline, progress=sys.stderr.isatty())
+
+
+def image_part(path: Path) -> ContentPart:
+    """An image file as a message part. Raises InvalidRequestError for a file that
+    cannot be read or is over the size limit (what the image is, the model decides)."""
+    import base64
+
+    from ..errors import InvalidRequestError, ProtocolError
+    from ..protocol import MAX_IMAGE_BYTES, PartType
+
+    path = path.expanduser()
+    try:
+        size = path.stat().st_size
+        if size > MAX_IMAGE_BYTES:
+            raise InvalidRequestError(f"{path}: {size >> 20} MiB; an image is at most "
+                                      f"{MAX_IMAGE_BYTES >> 20} MiB")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InvalidRequestError(f"{path}: {exc.strerror or exc}") from None
+    try:
+        return ContentPart(PartType.IMAGE, data=base64.b64encode(data).decode("ascii"))
+    except ProtocolError as exc:
+        raise InvalidRequestError(f"{path}: {exc.message}") from None
+
+
+def with_images(text: str, images: list[Path] | None) -> str | tuple[ContentPart, ...]:
+    """A user's content: ``text``, after the images (each a part), if any."""
+    if not images:
+        return text
+    from ..protocol import PartType
+
+    return (*(image_part(p) for p in images), ContentPart(PartType.TEXT, text))

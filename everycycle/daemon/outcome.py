@@ -69,7 +69,7 @@ def prompt_bytes(req: Generate | Embed) -> int:
     if isinstance(req, Embed):
         return sum(len(text.encode("utf-8")) for text in req.input)
     if req.messages is not None:
-        return sum(len(m.content.encode("utf-8")) for m in req.messages)
+        return sum(len(m.text.encode("utf-8")) for m in req.messages)
     return len((req.prompt or "").encode("utf-8"))
 
 

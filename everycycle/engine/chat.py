@@ -42,8 +42,20 @@ class ChatPrompt:
     """The prompt opened the thinking section: the output starts inside it."""
 
 
+MEDIA_MARKER = "<__media__>"
+"""Where an image goes in a rendered prompt: libmtmd's default marker, which it replaces
+with the image's embeddings (llama-server renders image parts the same way)."""
+
+
+def flat(m: Message) -> str:
+    """``m``'s content as one string: its text, and MEDIA_MARKER where each image is."""
+    if isinstance(m.content, str):
+        return m.content
+    return "".join(MEDIA_MARKER if p.text is None else p.text for p in m.content)
+
+
 def _dict(m: Message) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": m.role.value, "content": m.content}
+    out: dict[str, Any] = {"role": m.role.value, "content": flat(m)}
     if m.tool_calls is not None:
         out["tool_calls"] = [{"id": c.id, "type": "function",
                               "function": {"name": c.name, "arguments": c.arguments}}
@@ -63,9 +75,9 @@ def _polyfill(m: Message) -> dict[str, Any]:
         return {"role": "assistant", "content": json.dumps({"tool_calls": calls},
                                                            ensure_ascii=False)}
     if m.role is Role.TOOL:
-        result = {"tool_response": {"id": m.tool_call_id, "content": m.content}}
+        result = {"tool_response": {"id": m.tool_call_id, "content": m.text}}
         return {"role": "user", "content": json.dumps(result, ensure_ascii=False)}
-    return {"role": m.role.value, "content": m.content}
+    return {"role": m.role.value, "content": flat(m)}
 
 
 def renderer_of(source: str | None) -> str:

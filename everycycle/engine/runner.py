@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import InternalError
 from ..protocol import Format, Message, Role
-from .chat import ChatFormat, ChatPrompt
+from .chat import ChatFormat, ChatPrompt, flat
 from .contract import LoadOptions, Notify
 from .jobs import EMBED_MAX_TOKENS, Job, Output
 from .llamaload import create_context, devices_for, load_model
@@ -166,7 +166,7 @@ class Runner(EngineThread):
         if as_prompt and self.vocab.template_source is None:
             with self._life:
                 self._check_alive()
-                text = messages[0].content
+                text = flat(messages[0])
                 return self.vocab.tokenize(text, special=False), ChatPrompt(text)
         prompt = self._chat().render(messages, tools=tools, think=think)
         with self._life:

@@ -35,12 +35,14 @@ from .framing import MAX_LINE_BYTES, LineFramer
 from .requests import (
     Auth,
     Cancel,
+    ContentPart,
     DescribeFleet,
     Embed,
     Format,
     Generate,
     Load,
     Message,
+    PartType,
     Request,
     Role,
     Shutdown,
@@ -50,6 +52,8 @@ from .requests import (
 )
 from .validation import (
     MAX_EMBED_INPUTS,
+    MAX_IMAGE_BYTES,
+    MAX_IMAGES,
     MAX_TOKENS_LIMIT,
     check_model_name,
     validate_request_id,
@@ -57,12 +61,15 @@ from .validation import (
 
 __all__ = [
     "MAX_EMBED_INPUTS",
+    "MAX_IMAGES",
+    "MAX_IMAGE_BYTES",
     "MAX_LINE_BYTES",
     "MAX_TOKENS_LIMIT",
     "Accepted",
     "ActiveRequest",
     "Auth",
     "Cancel",
+    "ContentPart",
     "DescribeFleet",
     "Done",
     "Embed",
@@ -78,6 +85,7 @@ __all__ = [
     "Load",
     "LoadedModel",
     "Message",
+    "PartType",
     "PrincipalLoad",
     "Request",
     "Role",

@@ -45,9 +45,19 @@ def _hints(cls: type[Any]) -> dict[str, Any]:
 
 def _optional_inner(tp: Any) -> Any | None:
     """X for ``X | None``; None for any other type."""
-    if get_origin(tp) in (Union, types.UnionType):
+    if get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp):
         (inner,) = (a for a in get_args(tp) if a is not type(None))
         return inner
+    return None
+
+
+def _text_or_list(tp: Any) -> Any | None:
+    """X for ``str | tuple[X, ...]`` (serde's untagged enum of a string and a list:
+    a message's content); None for any other type."""
+    if get_origin(tp) in (Union, types.UnionType):
+        args = get_args(tp)
+        if len(args) == 2 and args[0] is str and get_origin(args[1]) is tuple:
+            return args[1]
     return None
 
 
@@ -75,6 +85,10 @@ def _compile_encoder(tp: Any) -> _Encoder:
     if inner is not None:
         enc = _compile_encoder(inner)
         return lambda v: "null" if v is None else enc(v)
+    listed = _text_or_list(tp)
+    if listed is not None:
+        items = _compile_encoder(listed)
+        return lambda v: _string(v) if type(v) is str else items(v)
     if tp is str:
         return _string
     if tp is bool:
@@ -211,6 +225,18 @@ def _compile_decoder(tp: Any) -> _Decoder:
     if inner is not None:
         dec = _compile_decoder(inner)
         return lambda v: None if v is None else dec(v)
+    listed = _text_or_list(tp)
+    if listed is not None:
+        items = _compile_decoder(listed)
+
+        def text_or_list(value: Any) -> Any:
+            if type(value) is str:
+                return _string_decoder(value)
+            if type(value) is list:
+                return items(value)
+            raise _Bad(f"expected a string or an array of parts, got {_describe(value)}")
+
+        return text_or_list
     if tp in _SCALARS:
         return _SCALARS[tp]
     if isinstance(tp, type) and issubclass(tp, enum.Enum):

@@ -1,10 +1,10 @@
-"""Splitting a byte stream into protocol lines, with the 1 MiB limit. No I/O."""
+"""Splitting a byte stream into protocol lines, with the 8 MiB limit (images ride in requests). No I/O."""
 
 from __future__ import annotations
 
 from ..errors import LineTooLongError
 
-MAX_LINE_BYTES = 1 << 20
+MAX_LINE_BYTES = 8 << 20
 """Longest line (excluding the newline) either side may send."""
 
 

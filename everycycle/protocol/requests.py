@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import enum
 import json
 from dataclasses import field
@@ -12,7 +14,10 @@ from .validation import (
     KEEP_ALIVE,
     MAX_EMBED_INPUTS,
     MAX_GRAMMAR_CHARS,
+    MAX_IMAGE_BYTES,
+    MAX_IMAGES,
     MAX_MESSAGES,
+    MAX_PARTS,
     MAX_STOP_CHARS,
     MAX_STOPS,
     MAX_TOKENS_LIMIT,
@@ -70,17 +75,76 @@ class ToolCall:
             raise ProtocolError("tool call arguments must be a JSON object")
 
 
+class PartType(enum.Enum):
+    """What a part of a message's content is."""
+
+    TEXT = "text"
+    IMAGE = "image"
+
+
+@message()
+class ContentPart:
+    """A part of a message's content (an extension): ``{"type": "text", "text"}`` or
+    ``{"type": "image", "data": base64, "mime"}``. An image is at most MAX_IMAGE_BYTES."""
+
+    type: PartType
+    text: str | None = field(default=None, metadata=_EXT)
+    data: str | None = field(default=None, metadata=_EXT)
+    """The image file's bytes (PNG, JPEG, WebP, GIF), base64."""
+    mime: str | None = field(default=None, metadata=_EXT)
+
+    def _validate(self) -> None:
+        if self.type is PartType.TEXT:
+            if self.text is None or self.data is not None:
+                raise ProtocolError("a text part has `text` and no `data`")
+            return
+        if self.data is None or self.text is not None:
+            raise ProtocolError("an image part has base64 `data` and no `text`")
+        if len(self.data) > (MAX_IMAGE_BYTES + 2) // 3 * 4 + 4:
+            raise ProtocolError(f"an image is at most {MAX_IMAGE_BYTES >> 20} MiB")
+        if self.mime is not None and not (0 < len(self.mime) <= 100):
+            raise ProtocolError("`mime` must be 1-100 characters")
+
+    def image_bytes(self) -> bytes:
+        """The image's bytes. Raises ProtocolError for data that is not base64."""
+        assert self.data is not None
+        try:
+            return base64.b64decode(self.data, validate=True)
+        except (binascii.Error, ValueError):
+            raise ProtocolError("an image's `data` is not base64") from None
+
+
 @message()
 class Message:
     """One turn of a conversation (an extension: ``Generate.messages``). An assistant's
-    turn may carry the ``tool_calls`` it made; a tool's turn answers ``tool_call_id``."""
+    turn may carry the ``tool_calls`` it made; a tool's turn answers ``tool_call_id``.
+    ``content`` is text, or (an extension) a list of text and image parts."""
 
     role: Role
-    content: str
+    content: str | tuple[ContentPart, ...]
     tool_calls: tuple[ToolCall, ...] | None = field(default=None, metadata=_EXT)
     tool_call_id: str | None = field(default=None, metadata=_EXT)
 
+    @property
+    def text(self) -> str:
+        """The content's text (an image part counts as none)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content)
+
+    @property
+    def images(self) -> tuple[ContentPart, ...]:
+        """The content's image parts, in order."""
+        if isinstance(self.content, str):
+            return ()
+        return tuple(p for p in self.content if p.type is PartType.IMAGE)
+
     def _validate(self) -> None:
+        if not isinstance(self.content, str):
+            if not 1 <= len(self.content) <= MAX_PARTS:
+                raise ProtocolError(f"content must hold 1-{MAX_PARTS} parts")
+            if self.images and self.role is not Role.USER:
+                raise ProtocolError("only a user message carries images")
         if self.tool_calls is not None and self.role is not Role.ASSISTANT:
             raise ProtocolError("only an assistant message carries tool_calls")
         if self.tool_calls is not None and not 1 <= len(self.tool_calls) <= MAX_TOOL_CALLS:
@@ -157,6 +221,8 @@ class Generate:
             if self.format is Format.RAW:
                 raise ProtocolError("`messages` need the chat template: format `raw` is for "
                                     "`prompt`")
+            if sum(len(m.images) for m in self.messages) > MAX_IMAGES:
+                raise ProtocolError(f"at most {MAX_IMAGES} images in a request")
         if self.json_schema is not None and self.grammar is not None:
             raise ProtocolError("give at most one of `json_schema` and `grammar`")
         for name in ("json_schema", "grammar"):

@@ -31,6 +31,11 @@ MAX_MESSAGES = 4096
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_EMBED_INPUTS = 2048
 MAX_TOOL_CALLS = 128
+MAX_PARTS = 64
+MAX_IMAGE_BYTES = 4 << 20
+"""An image's file, at most (base64 on the wire: a third more)."""
+MAX_IMAGES = 8
+"""Images in one request, at most."""
 
 Range = tuple[float, float]
 U32: Range = (0, U32_MAX)

@@ -17,8 +17,8 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 
 from ...errors import ProtocolError
-from ...protocol import Message, Role, ToolCall, ToolChoice
-from .common import HttpError, deadline
+from ...protocol import ContentPart, Message, PartType, Role, ToolCall, ToolChoice
+from .common import HttpError, deadline, image_part
 from .openai_request import check_types
 
 _CHOICES = {"auto": ToolChoice.AUTO, "any": ToolChoice.REQUIRED, "none": ToolChoice.NONE}
@@ -28,7 +28,8 @@ def _bad(where: str, what: str) -> HttpError:
     return HttpError(400, f"{where}: {what}", "invalid_request")
 
 
-def _message(where: str, role: Role, content: str, calls: tuple[ToolCall, ...] | None = None,
+def _message(where: str, role: Role, content: str | tuple[ContentPart, ...],
+             calls: tuple[ToolCall, ...] | None = None,
              call_id: str | None = None) -> Message:
     try:
         return Message(role, content, calls, call_id)
@@ -76,6 +77,7 @@ def _turn(where: str, role: str, blocks: list[Any]) -> list[Message]:
     """One Anthropic message as protocol Messages: a user's tool results come first (as
     Anthropic requires them first), then the rest of its text."""
     text: list[str] = []
+    images: list[tuple[int, ContentPart]] = []  # (where in the text, the image)
     calls: list[ToolCall] = []
     out: list[Message] = []
     for j, block in enumerate(blocks):
@@ -83,6 +85,13 @@ def _turn(where: str, role: str, blocks: list[Any]) -> list[Message]:
         at = f"{where}.content[{j}]"
         if kind == "text" and isinstance(block.get("text"), str):
             text.append(block["text"])
+        elif kind == "image" and role == "user":
+            source = block.get("source")
+            if not isinstance(source, dict) or source.get("type") not in ("base64", "url"):
+                raise _bad(f"{at}.source", "must be {type: base64, media_type, data}")
+            images.append((len(text), image_part(
+                f"{at}.source", source.get("data") if source["type"] == "base64"
+                else source.get("url"), source.get("media_type"))))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue
         elif kind == "tool_use" and role == "assistant":
@@ -91,9 +100,16 @@ def _turn(where: str, role: str, blocks: list[Any]) -> list[Message]:
             out.append(_result(at, block))
         else:
             raise _bad(at, f"{json.dumps(kind)[:40]} blocks are not supported in a {role} "
-                       "message (text, tool_use, tool_result, thinking)")
+                       "message (text, image, tool_use, tool_result, thinking)")
     if role == "assistant" and (text or calls):
         out.append(_message(where, Role.ASSISTANT, "".join(text), tuple(calls) or None))
+    elif role == "user" and images:
+        parts: list[ContentPart] = []
+        for k, piece in enumerate(text + [""]):
+            parts.extend(image for at, image in images if at == k)
+            if piece:
+                parts.append(ContentPart(PartType.TEXT, piece))
+        out.append(_message(where, Role.USER, tuple(parts)))
     elif role == "user" and (text or not out):
         out.append(_message(where, Role.USER, "".join(text)))
     return out

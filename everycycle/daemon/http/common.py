@@ -11,11 +11,35 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 
 from ...errors import EverycycleError, ProtocolError
-from ...protocol import validate_request_id
+from ...protocol import ContentPart, PartType, validate_request_id
 from ..keys import LOCAL, KeyStore, Principal
 from ..supervisor import Supervisor
 
-MAX_BODY_BYTES = 4 << 20
+MAX_BODY_BYTES = 8 << 20
+
+
+def image_part(where: str, data: object, mime: object = None) -> ContentPart:
+    """An image content part from a data URL (``data:image/png;base64,…``) or, with
+    ``mime``, plain base64. A web address is refused: the daemon fetches nothing.
+    Raises HttpError (400; 413 for an image over the size limit)."""
+    if not isinstance(data, str):
+        raise HttpError(400, f"{where}: an image is a data URL or base64 text", "invalid_image")
+    if data.startswith(("http://", "https://")):
+        raise HttpError(400, f"{where}: image URLs are not fetched (the daemon reaches no "
+                        "network); send the image inline as a data URL, "
+                        "data:image/png;base64,…", "image_url_not_supported")
+    if data.startswith("data:"):
+        head, comma, payload = data.partition(",")
+        if not comma or not head.endswith(";base64"):
+            raise HttpError(400, f"{where}: a data URL must be data:<mime>;base64,<data>",
+                            "invalid_image")
+        mime, data = head[5:].removesuffix(";base64") or None, payload
+    try:
+        return ContentPart(PartType.IMAGE, data=data,
+                           mime=mime if isinstance(mime, str) else None)
+    except ProtocolError as exc:
+        status = 413 if "at most" in exc.message else 400
+        raise HttpError(status, f"{where}: {exc.message}", "invalid_image") from None
 
 
 class HttpError(Exception):

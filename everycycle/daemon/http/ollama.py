@@ -211,7 +211,8 @@ class Ollama:
 
     async def generate(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)
-        parse.refuse(data, "images", "suffix", "template", "context", "logprobs")
+        parse.refuse(data, "suffix", "template", "context", "logprobs")
+        images = data.get("images")
         prompt, system, raw = data.get("prompt"), data.get("system"), data.get("raw", False)
         if prompt is None or prompt == "":
             return await self._load_or_unload(request, data, chat=False)
@@ -221,7 +222,15 @@ class Ollama:
             raise HttpError(400, "`raw` must be a boolean and `system` a string",
                             "invalid_type")
         fields: dict[str, Any] = parse.think(data)
-        if raw:
+        if images not in (None, []):  # a one-turn chat: the images, then the prompt
+            if raw:
+                raise HttpError(400, "`images` need the chat template (not `raw`)",
+                                "invalid_images")
+            turn = [*parse.image_urls("images", images), {"type": "text", "text": prompt}]
+            fields["messages"] = parse.messages(
+                [*([{"role": "system", "content": system}] if system else []),
+                 {"role": "user", "content": turn}])
+        elif raw:
             fields.update(prompt=prompt, format=Format.RAW)
         elif system:
             fields["messages"] = (Message(Role.SYSTEM, system), Message(Role.USER, prompt))

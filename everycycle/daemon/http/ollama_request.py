@@ -117,14 +117,22 @@ def refuse(data: dict[str, Any], *fields: str) -> None:
     """Refuse fields we cannot honour, when given (their empty values are fine)."""
     for name in fields:
         if data.get(name) not in (None, "", [], False):
-            why = {"images": "images are not supported (everycycle serves text models)",
-                   "suffix": "`suffix` (fill-in-the-middle) is not supported",
+            why = {"suffix": "`suffix` (fill-in-the-middle) is not supported",
                    "template": "`template` is not supported: everycycle renders the "
                                "model's own chat template (`raw: true` sends the prompt as is)",
                    "context": "`context` (token arrays) is not supported: send the "
                               "conversation to /api/chat",
                    "logprobs": "`logprobs` is not supported"}[name]
             raise HttpError(400, why, f"unsupported_{name}")
+
+
+def image_urls(where: str, images: object) -> list[dict[str, Any]]:
+    """Ollama's ``images`` (base64, no type given) as OpenAI ``image_url`` parts (the
+    engine finds the format from the bytes)."""
+    if not isinstance(images, list) or not all(isinstance(x, str) for x in images):
+        raise HttpError(400, f"`{where}` must be a list of base64 strings", "invalid_images")
+    return [{"type": "image_url", "image_url": {"url": f"data:image/*;base64,{x}"}}
+            for x in images]
 
 
 def messages(raw: object) -> tuple[Message, ...]:
@@ -139,10 +147,13 @@ def messages(raw: object) -> tuple[Message, ...]:
         if not isinstance(item, dict):
             shaped.append(item)
             continue
-        refuse(item, "images")
         item = dict(item)
         if item.get("content") is None:
             item["content"] = ""
+        images = item.pop("images", None)
+        if images not in (None, []):
+            item["content"] = [*image_urls(f"messages[{i}].images", images),
+                               {"type": "text", "text": item["content"]}]
         calls = item.get("tool_calls")
         if item.get("role") == "assistant" and isinstance(calls, list):
             item["tool_calls"] = calls = [

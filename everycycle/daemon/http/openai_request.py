@@ -11,8 +11,8 @@ from starlette.requests import Request as HttpRequest
 
 from ...engine.grammar import JSON_OBJECT_SCHEMA
 from ...errors import ProtocolError
-from ...protocol import Message, Role, ToolCall, ToolChoice
-from .common import HttpError, deadline
+from ...protocol import ContentPart, Message, PartType, Role, ToolCall, ToolChoice
+from .common import HttpError, deadline, image_part
 
 _ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER,
           "assistant": Role.ASSISTANT, "tool": Role.TOOL}
@@ -78,21 +78,32 @@ def response_format(raw: object) -> dict[str, str]:
                      "invalid_response_format")
 
 
-def _text(i: int, content: object, *, nullable: bool) -> str:
-    """A message's content: a string, or text parts joined (null where allowed)."""
+def _content(i: int, content: object, *, nullable: bool) -> str | tuple[ContentPart, ...]:
+    """A message's content: a string, or its parts (text joined; images as image parts,
+    from ``image_url`` data URLs), null where allowed."""
     if content is None and nullable:
         return ""
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise HttpError(400, f"messages[{i}].content: only text parts are supported",
-                                "unsupported_content")
-            parts.append(part["text"])
-        return "".join(parts)
+        parts: list[ContentPart] = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                if parts and parts[-1].type is PartType.TEXT:
+                    parts[-1] = ContentPart(PartType.TEXT, (parts[-1].text or "") + part["text"])
+                else:
+                    parts.append(ContentPart(PartType.TEXT, part["text"]))
+            elif kind == "image_url":
+                url = part.get("image_url")
+                parts.append(image_part(f"messages[{i}].content[{j}].image_url",
+                                        url.get("url") if isinstance(url, dict) else url))
+            else:
+                raise HttpError(400, f"messages[{i}].content[{j}]: only text and image_url "
+                                "parts are supported", "unsupported_content")
+        if not any(p.type is PartType.IMAGE for p in parts):
+            return "".join(p.text or "" for p in parts)
+        return tuple(parts)
     if not isinstance(content, str):
-        raise HttpError(400, f"messages[{i}].content must be a string or text parts",
+        raise HttpError(400, f"messages[{i}].content must be a string or a list of parts",
                         "invalid_messages")
     return content
 
@@ -135,7 +146,7 @@ def messages(raw: object) -> tuple[Message, ...]:
                             "invalid_messages")
         calls = (_calls(i, item["tool_calls"]) if role is Role.ASSISTANT
                  and item.get("tool_calls") else None)
-        content = _text(i, item.get("content"), nullable=calls is not None)
+        content = _content(i, item.get("content"), nullable=calls is not None)
         call_id = item.get("tool_call_id") if role is Role.TOOL else None
         if role is Role.TOOL and not isinstance(call_id, str):
             raise HttpError(400, f"messages[{i}].tool_call_id must be a string",

@@ -63,7 +63,7 @@ def _call(out: list[Message], where: str, item: dict[str, Any]) -> None:
     last = out[-1] if out else None
     if last is not None and last.role is Role.ASSISTANT:
         out.pop()
-        _append(out, where, Role.ASSISTANT, last.content, (*(last.tool_calls or ()), call))
+        _append(out, where, Role.ASSISTANT, last.text, (*(last.tool_calls or ()), call))
     else:
         _append(out, where, Role.ASSISTANT, "", (call,))
 
