@@ -12,6 +12,7 @@ image chunks' content ids behave. Run it with ``.venv/bin/python tests/vision_sp
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import sys
 import tempfile
@@ -21,18 +22,28 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tinymodel import write_tiny_gguf  # noqa: E402
-from tinyvision import write_tiny_mmproj  # noqa: E402
+from tinymodel import write_tiny_gguf
+from tinyvision import write_tiny_mmproj
 
 N_CTX = 512
 N_BATCH = 64
-N_THREADS = 2
+# One thread: on a loaded machine (more runnable threads than cores), ggml's threads
+# spin at their barriers and a 2-thread encode of this tiny graph jumps to 100s of ms.
+N_THREADS = 1
 N_GENERATE = 8
 PROMPT = "look: {marker} what is it?"
 GGML_LOG_LEVEL_WARN = 3
+# libmtmd is built with video support (MTMD_VIDEO): whatever stb_image cannot decode, the
+# helper hands to ffprobe / ffmpeg, found on PATH. Pointing ffmpeg_bin_dir at a folder
+# without them makes that launch fail at once.
+NO_FFMPEG = b"/nonexistent/ffmpeg-disabled"
+IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM")
+
+
+def looks_like_image(data: bytes) -> bool:
+    """Whether ``data`` starts like a PNG, JPEG, GIF or BMP (what stb_image decodes
+    here, with PSD, TGA, HDR, PIC and PNM): anything else never reaches libmtmd."""
+    return data.startswith(IMAGE_MAGIC)
 
 
 def say(*parts: object) -> None:
@@ -68,23 +79,21 @@ class Spike:
         # libmtmd logs through its own callback (not llama_log_set's): keep its lines,
         # show the warnings and errors. The CFUNCTYPE object must outlive the library's
         # use of it.
-        @llama_cpp.llama_log_callback
         def on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
             line = text.decode("utf-8", "replace")
             self.log.append((level, line))
             if level >= GGML_LOG_LEVEL_WARN and level != 5 and line.strip():  # 5: CONT
                 sys.stderr.write(f"  [mtmd log {level}] {line.rstrip()}\n")
 
-        self._on_log = on_log
-        mtmd.mtmd_helper_log_set(on_log, None)  # also calls mtmd_log_set
+        self._on_log = llama_cpp.llama_log_callback(on_log)
+        mtmd.mtmd_helper_log_set(self._on_log, None)  # also calls mtmd_log_set
 
-        @llama_cpp.llama_log_callback
         def quiet(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
             if level == 4:
                 sys.stderr.write(f"  [llama log] {text.decode('utf-8', 'replace').rstrip()}\n")
 
-        self._quiet = quiet
-        llama_cpp.llama_log_set(quiet, None)
+        self._quiet = llama_cpp.llama_log_callback(quiet)
+        llama_cpp.llama_log_set(self._quiet, None)
 
         L = self.L
         L.llama_backend_init()
@@ -134,11 +143,14 @@ class Spike:
 
     # --- images -------------------------------------------------------------------
 
-    def bitmap(self, data: bytes) -> int | None:
+    def bitmap(self, data: bytes, *, video: bool = False) -> int | None:
         """A bitmap of the encoded image ``data`` (PNG, JPEG, BMP, GIF... via stb_image),
-        its id set to the SHA-256 of ``data``; None where libmtmd cannot decode it."""
+        its id set to the SHA-256 of ``data``; None where libmtmd cannot decode it. With
+        ``video``, what stb_image cannot decode goes on to ffprobe on PATH."""
         buf = (ctypes.c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
         opt = self.M.mtmd_helper_init_opt_default()
+        if not video:
+            opt.video_params.ffmpeg_bin_dir = NO_FFMPEG
         wrapper = self.M.mtmd_helper_bitmap_init_from_buf_wrapper(
             self.mctx, buf, len(data), False, opt)
         if wrapper.video_ctx:  # a video: not wanted here
@@ -174,7 +186,7 @@ class Spike:
                 line += (f" image_tokens={M.mtmd_image_tokens_get_n_tokens(img)} "
                          f"grid={M.mtmd_image_tokens_get_nx(img)}x"
                          f"{M.mtmd_image_tokens_get_ny(img)} "
-                         f"id={cid.decode() if cid else None}")
+                         f"id={cid!r}")
             out.append(line)
         return out
 
@@ -236,6 +248,36 @@ class Spike:
         n_embd = self.L.llama_model_n_embd_inp(self.model)
         ptr = M.mtmd_get_output_embd(self.mctx)
         return np.ctypeslib.as_array(ptr, shape=(n, n_embd)).copy()
+
+
+    def eval_granular(self, chunks: Any) -> int:
+        """Evaluate ``chunks`` as a server would, one chunk at a time: text chunks with
+        mtmd_helper_eval_chunk_single, image chunks encoded by mtmd_encode_chunk (their
+        embeddings copied out: a cache could keep them) and decoded with
+        mtmd_helper_decode_image_chunk. The new n_past."""
+        L, M = self.L, self.M
+        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        n_past = 0
+        n = M.mtmd_input_chunks_size(chunks)
+        for i in range(n):
+            c = M.mtmd_input_chunks_get(chunks, i)
+            # the text path ADDS its token count to *new_n_past: start it at n_past
+            new_n_past = L.llama_pos(n_past)
+            if M.mtmd_input_chunk_get_type(c) == M.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                rc = M.mtmd_helper_eval_chunk_single(self.mctx, self.ctx, c, n_past, 0,
+                                                     N_BATCH, i == n - 1,
+                                                     ctypes.byref(new_n_past))
+            else:
+                embd = self.embeddings(c)  # a copy: mtmd's buffer is reused by each encode
+                flat = np.ascontiguousarray(embd, dtype=np.float32)
+                ptr = flat.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+                rc = M.mtmd_helper_decode_image_chunk(self.mctx, self.ctx, c, ptr, n_past, 0,
+                                                      N_BATCH, ctypes.byref(new_n_past),
+                                                      M.mtmd_helper_post_decode_callback(),
+                                                      None)
+            assert rc == 0, f"chunk {i}: {rc}"
+            n_past = int(new_n_past.value)
+        return n_past
 
 
 def main() -> None:
@@ -307,6 +349,10 @@ def run(s: Spike) -> None:
     rc, chunks = s.tokenize(prompt, [bmp])
     again = s.generate(s.evaluate(chunks), N_GENERATE)
     say(f"image A again: {again} (same as before: {again == sequences[0]})")
+    n_past = s.eval_granular(chunks)
+    granular = s.generate(n_past, N_GENERATE)
+    say(f"image A chunk by chunk (encode, copy, decode_image_chunk): n_past {n_past}, "
+        f"{granular} (same: {granular == sequences[0]})")
     M.mtmd_input_chunks_free(chunks)
 
     say("\n== content ids")
@@ -331,7 +377,7 @@ def run(s: Spike) -> None:
     rc, chunks = s.tokenize(prompt, [bmp2])
     say(f"after mtmd_bitmap_set_id(None): chunk id {cid(s.image_chunk(chunks))!r}")
     M.mtmd_input_chunks_free(chunks)
-    text_rc, chunks = s.tokenize("no image here", [])
+    _, chunks = s.tokenize("no image here", [])
     c0 = M.mtmd_input_chunks_get(chunks, 0)
     say(f"text chunk id: {cid(c0)!r}")
     M.mtmd_input_chunks_free(chunks)
@@ -366,14 +412,37 @@ def run(s: Spike) -> None:
     }
     for name, data in bad.items():
         n_log = len(s.log)
+        t0 = time.perf_counter()
         bmp_bad = s.bitmap(data)
+        ms = 1000 * (time.perf_counter() - t0)
         errors = [t.strip() for lv, t in s.log[n_log:] if lv >= GGML_LOG_LEVEL_WARN]
         if bmp_bad is None:
-            say(f"{name}: NULL bitmap; log: {errors}")
+            say(f"{name}: NULL bitmap in {ms:.1f} ms (looks like an image: "
+                f"{looks_like_image(data)}); log: {errors}")
         else:
             say(f"{name}: bitmap {M.mtmd_bitmap_get_nx(bmp_bad)}x"
                 f"{M.mtmd_bitmap_get_ny(bmp_bad)} audio={M.mtmd_bitmap_is_audio(bmp_bad)}")
             M.mtmd_bitmap_free(bmp_bad)
+
+    # A fake ffprobe first on PATH, that notes each launch: the default options launch
+    # it for undecodable bytes, NO_FFMPEG does not.
+    with tempfile.TemporaryDirectory() as bindir:
+        note = Path(bindir) / "launched"
+        fake = Path(bindir) / "ffprobe"
+        fake.write_text(f"#!/bin/sh\necho \"$@\" >> {note}\nexit 1\n")
+        fake.chmod(0o755)
+        saved = os.environ["PATH"]
+        os.environ["PATH"] = f"{bindir}:{saved}"
+        try:
+            for video in (True, False):
+                assert s.bitmap(bad["truncated PNG (first half)"], video=video) is None
+                launched = note.read_text().strip() if note.exists() else None
+                say(f"truncated PNG, ffmpeg_bin_dir "
+                    f"{'NULL (ffprobe from PATH)' if video else repr(NO_FFMPEG)}: NULL; "
+                    f"fake ffprobe launched: {launched!r}")
+                note.unlink(missing_ok=True)
+        finally:
+            os.environ["PATH"] = saved
 
     say("\n== raw RGB bitmap (mtmd_bitmap_init) and a 1x1 image")
     rgb = bytes(range(256)) * 12  # 32x32x3 = 3072

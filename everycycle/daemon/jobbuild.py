@@ -23,7 +23,7 @@ from ..engine.tools import (
     tool_names,
     trigger_patterns,
 )
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, ProtocolError
 from ..models.registry import ModelSpec
 from ..protocol import Embed, Format, Generate, Message, Role, ToolChoice
 
@@ -63,6 +63,21 @@ def _tool_grammar(req: Generate, prompt: ChatPrompt, tools: list[dict[str, Any]]
     if constrained_from_start(fmt, forced=forced):
         return grammar, ()
     return grammar, tuple(trigger_patterns(fmt))
+
+
+def _images(spec: ModelSpec, req: Generate) -> tuple[bytes, ...]:
+    """The request's images, in order. Raises InvalidRequestError for a model without a
+    vision projector, or data that is not base64."""
+    parts = [p for m in req.messages or () for p in m.images]
+    if not parts:
+        return ()
+    if spec.mmproj is None:
+        raise InvalidRequestError(f"model '{spec.name}' cannot read images: it has no vision "
+                                  "projector (`mmproj` in models.toml)")
+    try:
+        return tuple(p.image_bytes() for p in parts)
+    except ProtocolError as exc:
+        raise InvalidRequestError(exc.message) from None
 
 
 def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: object
@@ -107,9 +122,12 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
     # checked at load); asked for explicitly, it runs regardless.
     lookup = (req.speculative if req.speculative is not None
               else spec.speculative and engine.lookup_exact) and req.logprobs is None
+    images = _images(spec, req)
     job = Job(tokens=tokens, max_tokens=req.max_tokens or engine.n_ctx_slot,
               sampling=sampling(req, spec.sampling, grammar, triggers), stop=req.stop or (),
-              tag=tag, lookup=lookup, special=output is not None, logprobs=req.logprobs)
+              tag=tag, lookup=lookup and not images, special=output is not None,
+              logprobs=req.logprobs, images=images,
+              text=prompt.text if images and prompt is not None else None)
     job.check_fits(engine.n_ctx_slot)
     if grammar is not None:
         engine.check_grammar(grammar, triggers)  # compiled once: the engine keeps it

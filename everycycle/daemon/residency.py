@@ -36,7 +36,13 @@ from ..errors import (
     RejectedError,
     RequestCancelledError,
 )
-from ..models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry, local_file
+from ..models.registry import (
+    DEFAULT_KEEP_ALIVE,
+    ModelSpec,
+    Registry,
+    local_file,
+    projector_file,
+)
 from . import room
 from .lifecycle import Requests
 from .remote import RemoteHosts
@@ -250,8 +256,14 @@ class Residency:
         taken. Loads on different RPC hosts proceed in parallel."""
         # (an auto-pulled hub model's download is logged)
         path = await anyio.to_thread.run_sync(lambda: local_file(spec, download=True))
+        projector = await anyio.to_thread.run_sync(
+            lambda: projector_file(spec, download=True))
         need = plan(path, context=spec.context, parallel=spec.parallel,
                     kv_cache_type=spec.kv_cache_type)
+        if projector is not None:  # (loaded beside the model: counted with its weights)
+            size = projector.stat().st_size
+            need = replace(need, weights=need.weights + size,
+                           other_weights=need.other_weights + size)
         wanted = executor or spec.executor
         key = wanted.removeprefix("rpc:").rpartition("/")[0] if wanted.startswith("rpc:") else ""
         if key:
@@ -261,8 +273,8 @@ class Residency:
         async with self._turns.setdefault(key, anyio.Lock()):
             placement = await room.make_room(self, spec, need, wanted)
             try:
-                engine, placement, options = await room.start(self, spec, path, need,
-                                                              wanted, placement)
+                engine, placement, options = await room.start(
+                    self, spec, path, need, wanted, placement, projector)
             except InternalError as exc:
                 if placement.executor.remote is not None:  # the host went away: fleet says so
                     self.remote.mark_down(placement.executor.remote, exc.message)
@@ -289,13 +301,15 @@ class Residency:
         await self.unload(model.name, f"model '{model.name}' unloaded to make room for "
                                       f"'{for_model}'")
 
-    def options(self, spec: ModelSpec, placement: ex.Placement) -> LoadOptions:
+    def options(self, spec: ModelSpec, placement: ex.Placement,
+                projector: Path | None = None) -> LoadOptions:
         offload = placement.offload
         remote = placement.executor.remote
         kernels = cpukernels.decide(paths.state_dir())
         common = LoadOptions(context=spec.context, parallel=spec.parallel,
                              n_threads=spec.threads, kv_cache_type=spec.kv_cache_type,
-                             extra_bufts=kernels.extra)
+                             extra_bufts=kernels.extra,
+                             mmproj=str(projector) if projector is not None else None)
         if remote is not None:
             holder = self.host_in_use(remote)
             if holder is not None:

@@ -148,7 +148,8 @@ def _layers(placement: ex.Placement) -> int:
 
 
 async def start(res: Residency, spec: ModelSpec, path: Path, need: MemoryPlan, wanted: str,
-                placement: ex.Placement) -> tuple[Engine, ex.Placement, LoadOptions]:
+                placement: ex.Placement, projector: Path | None = None
+                ) -> tuple[Engine, ex.Placement, LoadOptions]:
     """Start ``spec``'s engine at ``placement``. When llama.cpp cannot allocate there (a
     device reported more free memory than it had), retry once with the layers the fit
     gives for the memory reported now, then once on half as many GPU layers; then refuse
@@ -157,7 +158,7 @@ async def start(res: Residency, spec: ModelSpec, path: Path, need: MemoryPlan, w
     first: AllocationError | None = None
     retries = 0
     while True:
-        options = res.options(spec, placement)
+        options = res.options(spec, placement, projector)
         tried.append(_layers(placement))
         try:
             engine = await anyio.to_thread.run_sync(res.spawn, spec, path, options)

@@ -90,6 +90,8 @@ class LoadOptions:
     rpc_endpoints: tuple[str, ...] = ()
     """RPC servers to register first; the model goes on device ``device_indices[0]`` of
     the first."""
+    mmproj: str | None = None
+    """A vision projector GGUF to load beside the model (libmtmd): images in."""
 
 
 # ---------------------------------------------------------------------- the pipe
@@ -125,6 +127,8 @@ class SubmitJob(NamedTuple):
     lookup: bool
     special: bool
     logprobs: int | None
+    images: tuple[bytes, ...] = ()
+    text: str | None = None
 
 
 class CancelJob(NamedTuple):

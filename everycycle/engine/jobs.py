@@ -71,6 +71,10 @@ class Job:
     logprobs: int | None = None
     """Report each generated token's log-probability and this many likeliest
     alternatives (None: none)."""
+    images: tuple[bytes, ...] = ()
+    """Image files for a vision model, one per media marker in ``text`` (in order)."""
+    text: str | None = None
+    """With ``images``: the rendered prompt, which the engine tokenizes with them."""
     # Filled in by the runner, read by callers once the job finished:
     n_prompt: int = 0
     n_reused: int = 0

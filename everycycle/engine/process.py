@@ -120,7 +120,8 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
             job = Job(tokens=message.tokens, max_tokens=message.max_tokens,
                       sampling=message.sampling, stop=message.stop,
                       embed_inputs=message.embed_inputs, lookup=message.lookup,
-                      special=message.special, logprobs=message.logprobs)
+                      special=message.special, logprobs=message.logprobs,
+                      images=message.images, text=message.text)
             jobs[message.jid] = job
             ids[id(job)] = message.jid
             try:
@@ -344,7 +345,7 @@ class EngineProcess:
         try:
             self._send(SubmitJob(jid, list(job.tokens), job.max_tokens, job.sampling,
                                  tuple(job.stop), job.embed_inputs, job.lookup, job.special,
-                                 job.logprobs))
+                                 job.logprobs, job.images, job.text))
         except InternalError:
             with self._lock:
                 self._jobs.pop(jid, None)

@@ -51,6 +51,8 @@ _KEYS = {
     "speculative": bool,
     "threads": int,
     "pin": bool,
+    "mmproj": str,
+    "mmproj_sha256": str,
 }
 _SAMPLING_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0),
@@ -129,6 +131,10 @@ class ModelSpec:
     engine's default for this machine."""
     pin: bool = False
     """Never unloaded to make room for another model (nor is a ``keep_alive = -1`` one)."""
+    mmproj: str | None = None
+    """Its vision projector: a GGUF path (relative to models.toml) or an
+    ``hf://owner/repo/file.gguf@commit`` URL; the model then reads images."""
+    mmproj_sha256: str | None = None
 
     @property
     def hub_ref(self) -> hub.HubRef:
@@ -231,9 +237,20 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
     fmt = raw.get("format")
     if fmt is not None and fmt not in ("chat", "raw"):
         raise ConfigError(f"{where}.format must be \"chat\" or \"raw\"")
+    for key in ("sha256", "mmproj_sha256"):
+        sha = raw.get(key)
+        if sha is not None and (len(sha) != 64 or any(c not in "0123456789abcdef"
+                                                      for c in sha)):
+            raise ConfigError(f"{where}.{key} must be 64 lowercase hex digits")
     sha = raw.get("sha256")
-    if sha is not None and (len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha)):
-        raise ConfigError(f"{where}.sha256 must be 64 lowercase hex digits")
+    mmproj = raw.get("mmproj")
+    if isinstance(mmproj, str) and mmproj.startswith("hf:"):
+        try:
+            hub.parse_hf_url(mmproj)
+        except InvalidRequestError as exc:
+            raise ConfigError(f"{where}.mmproj: {exc.message}") from None
+    elif isinstance(mmproj, str):
+        mmproj = str(origin.parent / Path(mmproj).expanduser())
     try:
         path = Path(raw["path"]).expanduser() if "path" in raw else None
     except RuntimeError:  # ~someone who is not a user here
@@ -262,6 +279,8 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         threads=raw.get("threads"),
         speculative=raw.get("speculative", True),
         pin=raw.get("pin", False),
+        mmproj=mmproj,
+        mmproj_sha256=raw.get("mmproj_sha256"),
     )
 
 
@@ -383,6 +402,30 @@ def hub_files(spec: ModelSpec, *, download: bool = False, progress: bool = False
                 raise
         found.append(hub.download(ref, sha256=sha, progress=progress, on_progress=on_progress))
     return found
+
+
+def projector_file(spec: ModelSpec, *, download: bool = False) -> Path | None:
+    """``spec``'s vision projector on disk (None: it has none), checked against its
+    pin; a hub one is downloaded when ``download`` is set and the hub is not offline.
+    Raises as ``local_file`` does."""
+    if spec.mmproj is None:
+        return None
+    if not spec.mmproj.startswith("hf:"):
+        path = Path(spec.mmproj)
+        if not path.is_file():
+            raise InvalidRequestError(f"model '{spec.name}': its mmproj {path} is not a file")
+        if spec.mmproj_sha256:
+            hub.verify(path, spec.mmproj_sha256)
+        return path
+    ref = hub.parse_hf_url(spec.mmproj)
+    try:
+        return hub.cached_file(ref, sha256=spec.mmproj_sha256, name=spec.name)
+    except ChecksumMismatchError:
+        raise
+    except InvalidRequestError:
+        if not download or hub.offline():
+            raise
+    return hub.download(ref, sha256=spec.mmproj_sha256)
 
 
 def package_path(spec: ModelSpec) -> Path | None:
