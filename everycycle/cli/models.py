@@ -107,11 +107,13 @@ def models_add(
 
     try:
         check_model_name(name)  # before a download, not after it
-        repo, path, commit = _fetch(url, progress=sys.stderr.isatty())
+        repo, path, commit, projector = _fetch(url, progress=sys.stderr.isatty())
         digest = hub.sha256_of(path)
         where = add_user_entry(name, {
             "hf_repo": repo, "hf_file": _repo_path(path, commit), "revision": commit,
             "sha256": digest, "context": context, "parallel": parallel,
+            **({"mmproj": f"hf://{repo}/{_repo_path(projector, commit)}@{commit}",
+                "mmproj_sha256": hub.sha256_of(projector)} if projector else {}),
         })
     except EverycycleError as exc:
         exit_for(exc)
@@ -119,9 +121,9 @@ def models_add(
                      f"{commit}, sha256 {digest}) to {where}\n")
 
 
-def _fetch(url: str, *, progress: bool) -> tuple[str, Path, str]:
+def _fetch(url: str, *, progress: bool) -> tuple[str, Path, str, Path | None]:
     """Download ``url`` (a repo by quantization, or one file): (repo, the file llama.cpp
-    loads, the commit). Raises the hub's errors."""
+    loads, the commit, the repo's vision projector if any). Raises the hub's errors."""
     from ..models import hub, hubrepo
 
     by_quant = hubrepo.parse_repo_url(url)
@@ -130,10 +132,12 @@ def _fetch(url: str, *, progress: bool) -> tuple[str, Path, str]:
         if len(pulled.paths) > 1:
             sys.stderr.write(f"everycycle: {pulled.choice.first} and its "
                              f"{len(pulled.paths) - 1} other parts\n")
-        return by_quant.repo, pulled.path, pulled.commit
+        if pulled.projector is not None:
+            sys.stderr.write(f"everycycle: its vision projector {pulled.projector.name}\n")
+        return by_quant.repo, pulled.path, pulled.commit, pulled.projector
     ref = hub.parse_hf_url(url)
     path = hub.download(ref, progress=progress)
-    return ref.repo, path, hub.commit_of(path) or ref.revision or ""
+    return ref.repo, path, hub.commit_of(path) or ref.revision or "", None
 
 
 def _repo_path(path: Path, commit: str) -> str:

@@ -129,6 +129,7 @@ class FleetView:
             unload_in_ms=None if left is None else max(0, int(left * 1000)),
             lookup=m.spec.speculative and m.engine.lookup_exact,
             lookup_drafted=m.engine.lookup_drafted,
+            images_encoded=m.engine.images_encoded if m.options.mmproj else None,
             lookup_accepted=m.engine.lookup_accepted,
             keep_alive_ms=-1 if m.keep_alive < 0 else int(m.keep_alive * 1000),
             engine_pid=m.engine.pid if m.engine.dead is None else None,

@@ -45,6 +45,11 @@ class Engine(Protocol):
     """How its process ended when it died unasked (``SIGILL (illegal instruction)``);
     None while it serves, after ``close``, and in-process."""
 
+    @property
+    def images_encoded(self) -> int:
+        """Images its vision projector encoded."""
+        ...
+
     def submit(self, job: Job) -> None:
         """Queue ``job``; outputs come through ``notify``. Raises InvalidRequestError
         when it cannot fit, InternalError when the engine is gone."""
@@ -186,6 +191,7 @@ class Outputs(NamedTuple):
     items: list[JobOutput]
     lookup_drafted: int
     lookup_accepted: int
+    images_encoded: int = 0
 
 
 class Returned(NamedTuple):

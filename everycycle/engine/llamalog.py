@@ -116,3 +116,12 @@ def backend_init() -> None:
         _backend_state["log"] = callback  # keep the ctypes callback alive
         L.llama_log_set(callback, ctypes.c_void_p(0))
         L.llama_backend_init()
+
+
+def route_mtmd_log(mtmd: Any) -> None:
+    """libmtmd logs through a callback of its own: send it where llama.cpp's goes."""
+    backend_init()
+    with _backend_lock:
+        if "mtmd" not in _backend_state:
+            _backend_state["mtmd"] = True
+            mtmd.mtmd_helper_log_set(_backend_state["log"], ctypes.c_void_p(0))

@@ -101,7 +101,8 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
                 del ids[id(job)]
                 jobs.pop(jid, None)
         assert runner is not None  # jobs come only once it is loaded
-        send(Outputs(items, runner.lookup_drafted, runner.lookup_accepted))
+        send(Outputs(items, runner.lookup_drafted, runner.lookup_accepted,
+                     runner.images_encoded))
 
     try:
         runner = Runner.load(Path(path), options, notify)
@@ -131,7 +132,8 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
                 ids.pop(id(job), None)
                 send(Outputs([JobOutput(message.jid, "", (), True, "error", WireError.of(exc),
                                         None, 0, 0, 0)],
-                             runner.lookup_drafted, runner.lookup_accepted))
+                             runner.lookup_drafted, runner.lookup_accepted,
+                             runner.images_encoded))
         elif isinstance(message, CancelJob):
             if message.jid in jobs:
                 runner.cancel(jobs[message.jid], message.reason)
@@ -200,6 +202,7 @@ class EngineProcess:
         self.lookup_exact = info.lookup_exact
         self.lookup_drafted = 0
         self.lookup_accepted = 0
+        self.images_encoded = 0
         self._reader = threading.Thread(target=self._read, name=f"engine {label}", daemon=True)
         self._reader.start()
 
@@ -276,6 +279,7 @@ class EngineProcess:
     def _deliver(self, message: Outputs) -> None:
         self.lookup_drafted, self.lookup_accepted = (message.lookup_drafted,
                                                      message.lookup_accepted)
+        self.images_encoded = message.images_encoded
         batch = []
         with self._lock:
             for o in message.items:

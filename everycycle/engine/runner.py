@@ -36,6 +36,7 @@ from .lookup import History, PromptLookup, StepCost
 from .sampling import Samplers
 from .slots import Slot
 from .steps import EngineThread
+from .vision import Vision
 from .vocab import Vocab
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ class Runner(EngineThread):
         return cls(path, context=options.context, parallel=options.parallel, notify=notify,
                    gpu_devices=devices_for(options), n_gpu_layers=options.n_gpu_layers,
                    tensor_split=options.tensor_split, n_threads=options.n_threads,
-                   kv_cache_type=options.kv_cache_type, extra_bufts=options.extra_bufts)
+                   kv_cache_type=options.kv_cache_type, extra_bufts=options.extra_bufts,
+                   mmproj=Path(options.mmproj) if options.mmproj else None)
 
     def __init__(
         self,
@@ -79,6 +81,7 @@ class Runner(EngineThread):
         n_batch: int = 512,
         kv_cache_type: str = "f16",
         extra_bufts: bool = True,
+        mmproj: Path | None = None,
     ) -> None:
         import llama_cpp as L
 
@@ -112,6 +115,15 @@ class Runner(EngineThread):
                                             threads=threads, kv_cache_type=kv_cache_type)
         """The KV cache's size as llama.cpp reports it when creating the context."""
         self.weights_bytes = int(L.llama_model_size(model))
+        self._vision: Vision | None = None
+        if mmproj is not None:
+            try:
+                self._vision = Vision(model, mmproj, n_threads=threads,
+                                      use_gpu=bool(gpu_devices))
+            except BaseException:
+                L.llama_free(ctx)
+                L.llama_model_free(model)
+                raise
         self._n_swa = int(L.llama_model_n_swa(model))
         self._ctx = ctx
         self._mem = L.llama_get_memory(ctx)
@@ -136,6 +148,12 @@ class Runner(EngineThread):
         probed.wait()
 
     # ------------------------------------------------------------------ any thread
+
+    @property
+    def images_encoded(self) -> int:
+        """Images the projector encoded (an image whose cells a slot still holds is not
+        encoded again)."""
+        return self._vision.images_encoded if self._vision is not None else 0
 
     @property
     def has_chat_template(self) -> bool:
@@ -250,6 +268,8 @@ class Runner(EngineThread):
             L = self._L
             if self._embedder is not None:
                 self._embedder.close()
+            if self._vision is not None:
+                self._vision.close()
             self._samplers.close()
             L.llama_batch_free(self._batch)
             L.llama_free(self._ctx)

@@ -32,6 +32,8 @@ class Slot:
     draft: list[int] = field(default_factory=list)
     """This step's draft, in batch rows ``draft_row`` on."""
     draft_row: int = 0
+    prompt: Any = None
+    """A job with images: its libmtmd prompt, once read (vision.Prompt)."""
 
     def reset_text(self) -> None:
         """A new job: nothing held back."""

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import EverycycleError, InternalError, InvalidRequestError
 from .contract import Notify
-from .jobs import EMBED_MAX_TOKENS, Job, Logprob, Output
+from .jobs import EMBED_MAX_TOKENS, Job, Logprob, Output, common_prefix
 from .lookup import History, PromptLookup, StepCost, accepted_prefix, expected_accepted
 from .probes import batch_probe, put
 from .sampling import Samplers
@@ -61,6 +61,8 @@ class EngineThread:
     _cost: StepCost
     _history: History
     _embedder: Any
+    _vision: Any
+    """The model's Vision (images in), or None."""
 
     def _run(self, probed: threading.Event) -> None:
         # Every llama_decode of this context runs on this thread, the load-time probe
@@ -111,6 +113,9 @@ class EngineThread:
                 return
             if embeds:
                 self._embed(embeds, out)
+            for s in self._slots:
+                if s.job is not None and s.job.images and s.prompt is None and not s.todo:
+                    self._prepare_images(s, out)
             active = [s for s in self._slots if s.job is not None]
             n, rows, prefill = self._build(active)
             if n == 0:
@@ -268,8 +273,11 @@ class EngineThread:
             pos_min = L.llama_memory_seq_pos_min(self._mem, slot.seq)
             if pos_min > 0 and pos_min >= reuse - self._n_swa:
                 reuse = 0
-        L.llama_memory_seq_rm(self._mem, slot.seq, reuse if reuse else -1, -1)
-        del slot.cached[reuse:]
+        if job.images:  # its cells are settled once its images are read (_prepare_images)
+            reuse = len(slot.cached)
+        else:
+            L.llama_memory_seq_rm(self._mem, slot.seq, reuse if reuse else -1, -1)
+            del slot.cached[reuse:]
         slot.job = job
         greedy = job.sampling.temperature <= 0.0 and job.sampling.repeat_penalty == 1.0
         # Under a grammar, as llama-server does it: the argmax (or a sample), and the
@@ -281,10 +289,48 @@ class EngineThread:
         slot.lookup = (self.lookup_type(job.tokens, self._history)
                        if job.lookup and greedy and job.sampling.grammar is None else None)
         slot.draft = []
-        slot.todo = list(job.tokens[reuse:])
+        slot.todo = [] if job.images else list(job.tokens[reuse:])
+        slot.prompt = None
         slot.n_past = reuse
         slot.reset_text()
         job.n_prompt, job.n_reused, job.n_generated = len(job.tokens), reuse, 0
+
+    def _prepare_images(self, slot: Slot, out: list[tuple[Job, Output]]) -> None:
+        """Read a job's images and prompt (libmtmd), keep the slot's cells that match
+        them (an image by its content), decode the rest but the last text chunk, which
+        prefills in the shared batch as any prompt does."""
+        job = slot.job
+        assert job is not None and job.text is not None
+        vision = self._vision
+        if vision is None:
+            self._finish(slot, out, "error", InvalidRequestError(
+                "this model has no vision projector: it cannot read images"))
+            return
+        L = self._L
+        try:
+            prompt = slot.prompt = vision.prompt(job.text, job.images)
+            keys = prompt.keys
+            if len(keys) >= self.n_ctx_slot:
+                raise InvalidRequestError(f"prompt is {len(keys)} tokens with its images; "
+                                          f"the context holds {self.n_ctx_slot}")
+            if vision.is_image(prompt, len(prompt.starts) - 1):
+                raise InvalidRequestError("the prompt ends with an image: text must follow")
+            reuse = 0 if vision.mrope else min(common_prefix(slot.cached, keys), len(keys) - 1)
+            first = prompt.chunk_at(reuse)
+            reuse = prompt.starts[first]  # (a chunk is decoded whole)
+            L.llama_memory_seq_rm(self._mem, slot.seq, reuse if reuse else -1, -1)
+            del slot.cached[reuse:]
+            slot.n_past = reuse
+            last = len(prompt.starts) - 1
+            for index in range(first, last):
+                slot.n_past = vision.eval_chunk(self._ctx, prompt, index, slot.n_past,
+                                                slot.seq, self._n_batch)
+                end = prompt.starts[index + 1]
+                slot.cached.extend(keys[prompt.starts[index]:end])
+            slot.todo = vision.text_tokens(prompt, last)
+            job.n_prompt, job.n_reused = len(keys), reuse
+        except EverycycleError as exc:
+            self._finish(slot, out, "error", exc)
 
     def _finish(self, slot: Slot, out: list[tuple[Job, Output]], reason: str,
                 error: EverycycleError | None = None) -> None:
@@ -303,6 +349,9 @@ class EngineThread:
         slot.sampler = slot.grammar = None
         slot.job = None
         slot.todo = []
+        if slot.prompt is not None:
+            self._vision.free_prompt(slot.prompt)
+            slot.prompt = None
         if reason == "error":  # the KV cells may be half-written
             self._L.llama_memory_seq_rm(self._mem, slot.seq, -1, -1)
             slot.cached.clear()

@@ -5,7 +5,8 @@ to the commit it resolves to) names its GGUFs; the one whose name carries QUANT 
 chosen (default: Q4_K_M, else the smallest of at least 4 bits). Vision projectors
 (``mmproj``) are not models. A split GGUF (``name-00001-of-00003.gguf``) is one
 choice: every part is downloaded into the same snapshot, and llama.cpp loads it from
-the first. Offline, the list comes from what the cache holds.
+the first. A repo's vision projector (``mmproj-*.gguf``) comes along. Offline, the list
+comes from what the cache holds.
 """
 
 from __future__ import annotations
@@ -204,13 +205,29 @@ def _cached_listing(ref: RepoRef) -> tuple[str, list[tuple[str, int | None]]]:
     return commit, files
 
 
+def projector(files: Iterable[tuple[str, int | None]], quant: str | None) -> str | None:
+    """The repo's vision projector (``mmproj*.gguf``) to go with a model of ``quant``:
+    the one of that quantization, else F16, else BF16, else the smallest; None: none."""
+    found = [(n, size) for n, size in files
+             if Path(n).name.lower().startswith("mmproj") and n.lower().endswith(".gguf")]
+    if not found:
+        return None
+    for wanted in (quant, "F16", "BF16"):
+        named = [n for n, _ in found if wanted is not None and quant_of(n) == wanted]
+        if named:
+            return min(named)
+    return min(found, key=lambda f: (f[1] if f[1] is not None else 1 << 62, f[0]))[0]
+
+
 @dataclass(frozen=True, slots=True)
 class Pulled:
-    """A repo pull's result: the commit, the chosen file and its parts on disk."""
+    """A repo pull's result: the commit, the chosen file and its parts on disk, and the
+    repo's vision projector if it has one."""
 
     commit: str
     choice: Choice
     paths: tuple[Path, ...]
+    projector: Path | None = None
 
     @property
     def path(self) -> Path:
@@ -234,4 +251,7 @@ def pull(ref: RepoRef, *, progress: bool = False,
                 on_progress(part, done, total)
         got.append(hub.download(hub.HubRef(ref.repo, part, commit), progress=progress,
                                 on_progress=report))
-    return Pulled(commit, choice, tuple(got))
+    mmproj = projector(files, choice.quant)
+    extra = (hub.download(hub.HubRef(ref.repo, mmproj, commit), progress=progress)
+             if mmproj is not None else None)
+    return Pulled(commit, choice, tuple(got), extra)

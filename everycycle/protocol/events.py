@@ -117,6 +117,8 @@ class LoadedModel:
     lookup_drafted: int | None = field(default=None, metadata=_EXT)
     """Prompt-lookup draft tokens proposed so far, and those the model confirmed."""
     lookup_accepted: int | None = field(default=None, metadata=_EXT)
+    images_encoded: int | None = field(default=None, metadata=_EXT)
+    """Images its vision projector encoded (absent: it has none)."""
     device_layers: int | None = field(default=None, metadata=_EXT)
     """Repeating layers on the executor's devices (the rest on the CPU); GPU only."""
     total_layers: int | None = field(default=None, metadata=_EXT)
