@@ -12,6 +12,7 @@ import pytest
 from fakehub import FakeHub
 from test_hub import COMMIT, ec, sha
 from tinymodel import write_tiny_gguf
+from tinyvision import write_tiny_mmproj
 
 from everycycle import paths
 from everycycle.errors import InvalidRequestError
@@ -76,7 +77,8 @@ def quants(tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     for part in sorted(first.parent.iterdir()):
         server.add("acme/quants", COMMIT, part.name, part.read_bytes())
     server.add("acme/quants", COMMIT, "tiny-Q8_0.gguf", tiny_gguf.read_bytes())
-    server.add("acme/quants", COMMIT, "mmproj-tiny-f16.gguf", b"GGUF not a model")
+    projector = write_tiny_mmproj(tmp_path / "mmproj-tiny-f16.gguf")
+    server.add("acme/quants", COMMIT, projector.name, projector.read_bytes())
     server.add("acme/quants", COMMIT, "README.md", b"# tiny")
     server.add("acme/docs", COMMIT, "README.md", b"# words only")
     server.start()
@@ -91,8 +93,9 @@ def test_pull_by_quantization(quants: FakeHub, tiny_gguf: Path) -> None:
     assert out.returncode == 0, out.stderr
     path = Path(out.stdout.strip())
     assert path.name == SPLIT[0] and path.parts[-2] == COMMIT
+    # Every part beside the first, and the repo's vision projector; nothing else.
     assert sorted(p.name for p in path.parent.iterdir()) == sorted(
-        [*SPLIT])  # every part beside the first, nothing else of the repo
+        [*SPLIT, "mmproj-tiny-f16.gguf"])
     q8 = ec("pull", "hf://acme/quants:q8_0")
     assert q8.returncode == 0, q8.stderr
     assert Path(q8.stdout.strip()).read_bytes() == tiny_gguf.read_bytes()
@@ -106,7 +109,7 @@ def test_pull_by_quantization(quants: FakeHub, tiny_gguf: Path) -> None:
 
 
 def test_models_add_by_quant_pins_it_runs_offline_and_rm_purge_deletes_it(
-        quants: FakeHub, tiny_gguf: Path) -> None:
+        quants: FakeHub, tiny_gguf: Path, tmp_path: Path) -> None:
     out = ec("models", "add", "mine", "hf://acme/quants:Q4_K_M", "--context", "256",
              "--parallel", "1")
     assert out.returncode == 0, out.stderr
@@ -114,6 +117,9 @@ def test_models_add_by_quant_pins_it_runs_offline_and_rm_purge_deletes_it(
     assert f'hf_file = "{SPLIT[0]}"' in text and f'revision = "{COMMIT}"' in text
     cached = Path(ec("pull", "mine").stdout.strip())
     assert f'sha256 = "{sha(cached)}"' in text
+    projector = cached.parent / "mmproj-tiny-f16.gguf"
+    assert f'mmproj = "hf://acme/quants/mmproj-tiny-f16.gguf@{COMMIT}"' in text
+    assert f'mmproj_sha256 = "{sha(projector)}"' in text
     quants.stop()  # no network from here on
     os.environ["HF_HUB_OFFLINE"] = "1"
     run = ec("run", "-m", "mine", "--no-daemon", "--offline", "-n", "6", "--temperature", "0",
@@ -122,11 +128,17 @@ def test_models_add_by_quant_pins_it_runs_offline_and_rm_purge_deletes_it(
     whole = ec("run", "-m", str(tiny_gguf), "--no-daemon", "-n", "6", "--temperature", "0",
                "hello")
     assert run.stdout == whole.stdout  # the same weights, split in three
+    from PIL import Image
+
+    Image.new("RGB", (16, 16), (250, 10, 10)).save(tmp_path / "red.png")
+    seen = ec("run", "-m", "mine", "--no-daemon", "--offline", "-n", "4", "--image",
+              str(tmp_path / "red.png"), "what is it?")
+    assert seen.returncode == 0 and seen.stdout, seen.stderr  # its projector came along
     again = ec("pull", "hf://acme/quants:Q4_K_M")  # offline: chosen from the cache
     assert again.returncode == 0 and Path(again.stdout.strip()) == cached, again.stderr
     gone = ec("rm", "mine", "--purge")
     assert gone.returncode == 0, gone.stderr
-    assert "deleted 3 file(s)" in gone.stderr
+    assert "deleted 4 file(s)" in gone.stderr
     assert not cached.exists() and not any(cached.parent.iterdir())
     assert "mine" not in paths.user_models_file().read_text()
 

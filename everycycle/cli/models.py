@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -297,7 +298,7 @@ def rm(
       everycycle rm qwen --purge
     """
     from ..models import hub
-    from ..models.registry import hub_files, load_registry, remove_user_entry
+    from ..models.registry import hub_files, load_registry, projector_file, remove_user_entry
 
     try:
         files: list[Path] = []
@@ -315,6 +316,9 @@ def rm(
                     files = hub_files(spec)
                 except EverycycleError:
                     files = []  # (not downloaded: nothing to delete)
+                if spec.mmproj is not None and spec.mmproj.startswith("hf:"):
+                    with contextlib.suppress(EverycycleError):
+                        files += [p for p in [projector_file(spec)] if p is not None]
         where = remove_user_entry(model)
         freed = sum(hub.delete_cached(f) for f in files)
     except EverycycleError as exc:
