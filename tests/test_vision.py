@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import struct
 import subprocess
 import zlib
@@ -187,3 +188,32 @@ def test_run_image_on_a_pipe(vision_models: Path, tmp_path: Path) -> None:
     missing = run("--image", str(tmp_path / "nope.png"), "what?")
     assert missing.returncode == 2 and b"nope.png" in missing.stderr
     assert b"Traceback" not in missing.stderr
+
+
+def test_chat_image_command_on_a_terminal(vision_models: Path, tmp_path: Path) -> None:
+    import pexpect
+    from daemonhelp import daemon_process
+
+    from everycycle.client import SyncClient
+
+    (tmp_path / "red.png").write_bytes(RED)
+    with daemon_process("--models", str(vision_models)):
+        child = pexpect.spawn(EC[0], [*EC[1:], "chat", "--models", str(vision_models)],
+                              env={**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1"},
+                              timeout=60)
+        try:
+            child.expect_exact(">>>")
+            child.sendline(f"/image {tmp_path / 'nope.png'}")
+            child.expect_exact("nope.png: No such file or directory")
+            child.sendline(f"/image {tmp_path / 'red.png'}")
+            child.expect_exact("(image red.png goes with your next message)")
+            child.sendline("what is it?")
+            child.expect_exact(">>>")
+            child.sendeof()
+            child.expect(pexpect.EOF)
+        finally:
+            child.close(force=True)
+        assert child.exitstatus == 0
+        with SyncClient() as c:
+            [model] = c.describe_fleet().loaded_models
+        assert model.name == "tv" and model.images_encoded == 1  # the image went with it
