@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 import struct
 import subprocess
 import zlib
@@ -193,14 +192,13 @@ def test_run_image_on_a_pipe(vision_models: Path, tmp_path: Path) -> None:
 def test_chat_image_command_on_a_terminal(vision_models: Path, tmp_path: Path) -> None:
     import pexpect
     from daemonhelp import daemon_process
+    from test_chat import spawn_chat
 
     from everycycle.client import SyncClient
 
     (tmp_path / "red.png").write_bytes(RED)
     with daemon_process("--models", str(vision_models)):
-        child = pexpect.spawn(EC[0], [*EC[1:], "chat", "--models", str(vision_models)],
-                              env={**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1"},
-                              timeout=60)
+        child = spawn_chat(vision_models)
         try:
             child.expect_exact(">>>")
             child.sendline(f"/image {tmp_path / 'nope.png'}")

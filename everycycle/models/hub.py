@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, cast
@@ -129,6 +129,27 @@ def check_reachable(where: str) -> None:
                                   f"problem; {_OFFLINE_HINT}") from None
 
 
+@contextlib.contextmanager
+def repo_errors(where: str) -> Iterator[None]:
+    """The hub's answers about a repo (gated, missing, no such revision) as one-line
+    InvalidRequestErrors naming ``where``."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        yield
+    except GatedRepoError:
+        raise InvalidRequestError(f"{where}: the repo is gated; log in with `hf auth login`"
+                                  ) from None
+    except RepositoryNotFoundError:
+        raise InvalidRequestError(f"{where}: no such repository on the hub") from None
+    except RevisionNotFoundError:
+        raise InvalidRequestError(f"{where}: no such revision") from None
+
+
 Progress = Callable[[int, int | None], None]
 """Told (bytes done, total bytes if known) as a download moves, on the downloading thread."""
 
@@ -144,13 +165,7 @@ def download(ref: HubRef, *, sha256: str | None = None, progress: bool = False,
     """
     import httpx2
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     bar: Any = (_reporting(on_progress) if on_progress is not None
                 else _RichBar if progress else _SilentBar)
@@ -158,18 +173,12 @@ def download(ref: HubRef, *, sha256: str | None = None, progress: bool = False,
     if not offline():
         check_reachable(where)
     try:
-        found = hf_hub_download(
-            ref.repo, ref.file, revision=ref.revision, cache_dir=str(cache_dir()),
-            endpoint=os.environ.get("HF_ENDPOINT") or None, local_files_only=offline(),
-            tqdm_class=cast(Any, bar),
-        )
-    except GatedRepoError:
-        raise InvalidRequestError(f"{where}: the repo is gated; log in with `hf auth login`"
-                                  ) from None
-    except RepositoryNotFoundError:
-        raise InvalidRequestError(f"{where}: no such repository on the hub") from None
-    except RevisionNotFoundError:
-        raise InvalidRequestError(f"{where}: no such revision") from None
+        with repo_errors(where):
+            found = hf_hub_download(
+                ref.repo, ref.file, revision=ref.revision, cache_dir=str(cache_dir()),
+                endpoint=os.environ.get("HF_ENDPOINT") or None, local_files_only=offline(),
+                tqdm_class=cast(Any, bar),
+            )
     except LocalEntryNotFoundError as exc:
         if offline():
             raise InvalidRequestError(

@@ -146,24 +146,13 @@ def listing(ref: RepoRef) -> tuple[str, list[tuple[str, int | None]]]:
     if hub.offline():
         return _cached_listing(ref)
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub.errors import HfHubHTTPError
 
     hub.check_reachable(ref.url)
     api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
     try:
-        info = api.model_info(ref.repo, revision=ref.revision, files_metadata=True)
-    except GatedRepoError:
-        raise InvalidRequestError(f"{ref.url}: the repo is gated; log in with `hf auth login`"
-                                  ) from None
-    except RepositoryNotFoundError:
-        raise InvalidRequestError(f"{ref.url}: no such repository on the hub") from None
-    except RevisionNotFoundError:
-        raise InvalidRequestError(f"{ref.url}: no such revision") from None
+        with hub.repo_errors(ref.url):
+            info = api.model_info(ref.repo, revision=ref.revision, files_metadata=True)
     except (HfHubHTTPError, OSError) as exc:
         raise HubUnreachableError(f"{ref.url}: cannot list the repository: {exc}") from None
     except (ValueError, KeyError, TypeError) as exc:  # a bad answer
