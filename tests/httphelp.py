@@ -35,9 +35,12 @@ def hostport(url: str) -> tuple[str, int]:
 
 
 def audit() -> list[dict[str, object]]:
-    """The audit log's request records, oldest first."""
-    return [json.loads(x) for x in paths.audit_file().read_text().splitlines()
-            if '"request_id"' in x]
+    """The audit log's request records, oldest first (not its load, eviction or auth
+    events)."""
+    if not paths.audit_file().exists():
+        return []
+    return [r for r in map(json.loads, paths.audit_file().read_text().splitlines())
+            if "request_id" in r]
 
 
 def raw(url: str, method: str, path: str, body: bytes | None = None,

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import SpawnDaemon
 from daemonhelp import EC, wait_until
+from httphelp import audit
 from typer.testing import CliRunner
 
 from everycycle import paths
@@ -29,12 +30,6 @@ def ec(*args: str, input: str | None = None, timeout: float = 60) -> subprocess.
 @pytest.fixture
 def daemon(spawn_daemon: SpawnDaemon) -> subprocess.Popen[bytes]:
     return spawn_daemon()
-
-
-def audit_records() -> list[dict[str, object]]:
-    if not paths.audit_file().exists():
-        return []
-    return [json.loads(x) for x in paths.audit_file().read_text().splitlines()]
 
 
 def test_run_streams_only_generated_text_and_matches_embedded(
@@ -109,7 +104,7 @@ def test_sigint_cancels_on_the_daemon_and_exits_130(
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 130, err
     assert b"Traceback" not in err
-    assert audit_records()[-1]["outcome"] == "Cancelled"
+    assert audit()[-1]["outcome"] == "Cancelled"
 
 
 def test_closed_stdout_cancels_quietly(daemon: subprocess.Popen[bytes], models_file: Path) -> None:
@@ -119,7 +114,7 @@ def test_closed_stdout_cancels_quietly(daemon: subprocess.Popen[bytes], models_f
                          timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.encode()) == 1 and out.stderr == ""
-    wait_until(lambda: any(r["outcome"] == "Cancelled" for r in audit_records()),
+    wait_until(lambda: any(r["outcome"] == "Cancelled" for r in audit()),
                "the daemon to record the cancel", timeout=10)
 
 

@@ -4,14 +4,13 @@ real daemon on a real socket."""
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import anyio
 import pytest
 from daemonhelp import Raw, running_daemon
+from httphelp import audit
 
-from everycycle import paths
 from everycycle.client import connect
 from everycycle.daemon.supervisor import Limits
 from everycycle.engine.runner import Runner
@@ -60,7 +59,7 @@ async def test_messages_are_rendered_with_the_chat_template(models_file: Path,
     finally:
         runner.close()
     assert "<start_of_turn>user" in rendered and rendered.count("<start_of_turn>") == 4
-    record = json.loads(paths.audit_file().read_text().splitlines()[-1])
+    record = audit()[-1]
     assert record["prompt"] == [[m.role.value, m.content] for m in turns]
 
 
@@ -72,7 +71,7 @@ async def test_turn_n_only_prefills_what_is_new(models_file: Path) -> None:
             text = "".join([e.chunk.text async for e in client.generate(
                 "tiny", messages=convo(*turns), max_tokens=6, temperature=0.0)
                 if isinstance(e, Tokens)])
-            record = json.loads(paths.audit_file().read_text().splitlines()[-1])
+            record = audit()[-1]
             prompt_tokens.append(record["prompt_tokens"])
             cached_tokens.append(record["cached_tokens"])
             turns += [("assistant", text), ("user", f"follow-up {i}")]
@@ -174,6 +173,6 @@ async def test_every_generated_id_reaches_the_client_once(models_file: Path) -> 
         events = [e async for e in client.generate("tiny", "hello", max_tokens=40,
                                                    temperature=1.0, seed=3)]
     chunks = [e.chunk for e in events if isinstance(e, Tokens)]
-    record = json.loads(paths.audit_file().read_text().splitlines()[-1])
+    record = audit()[-1]
     assert sum(len(c.ids) for c in chunks) == record["output_tokens"] == 40
     assert all(c.ids for c in chunks[:-1])  # no empty chunk before the last one

@@ -10,6 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 from daemonhelp import Raw, running_daemon
+from httphelp import audit
 
 from everycycle import paths
 from everycycle.client import connect
@@ -332,7 +333,7 @@ async def test_audit_log_records_finished_requests(models_file: Path) -> None:
     async with running_daemon(models_file), Raw.open() as c:
         await c.send(gen("au", max_tokens=3))
         await c.until_terminal("au")
-    rec = [json.loads(x) for x in paths.audit_file().read_text().splitlines()][-1]
+    rec = audit()[-1]
     assert rec["request_id"] == "au" and rec["model"] == "tiny" and rec["executor"] == "cpu"
     assert rec["outcome"] == "Finished" and rec["prompt_tokens"] > 0
     assert "prompt" not in rec

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,6 +11,7 @@ import anyio
 import pytest
 from conftest import SpawnDaemon
 from daemonhelp import EC, Raw, daemon_process, running_daemon, wait_until
+from httphelp import audit
 
 from everycycle import paths
 from everycycle.client import SyncClient
@@ -134,8 +134,7 @@ def test_sigterm_gives_every_request_its_cancelled_event(
         assert end.message == "daemon shutting down"
     assert daemon_proc.wait(20) == 0
     assert not paths.socket_path().exists()
-    audit = [json.loads(x) for x in paths.audit_file().read_text().splitlines()]
-    assert [a["outcome"] for a in audit][-3:] == ["Cancelled"] * 3
+    assert [a["outcome"] for a in audit()][-3:] == ["Cancelled"] * 3
 
 
 @pytest.mark.anyio

@@ -20,10 +20,10 @@ import pexpect
 import pytest
 from conftest import SpawnDaemon
 from daemonhelp import EC, wait_until
+from httphelp import audit
 from templatehelp import SMOLLM2, fixture_source
 from tinymodel import write_tiny_gguf
 
-from everycycle import paths
 from everycycle.client import SyncClient
 from everycycle.protocol import (
     Error,
@@ -212,7 +212,7 @@ def test_the_protocol_carries_calls_in_a_tool_calls_event(client: openai.OpenAI)
     (call,) = calls.calls
     assert call.name == "add" and isinstance(call, ToolCall)
     jsonschema.validate(json.loads(call.arguments), SCHEMAS["add"])
-    record = json.loads(paths.audit_file().read_text().splitlines()[-1])
+    record = audit()[-1]
     assert record["outcome"] == "Finished"
 
 
