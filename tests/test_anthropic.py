@@ -87,9 +87,12 @@ def test_errors_are_anthropic_shaped(client: anthropic.Anthropic, url: str) -> N
     body: Any = info.value.body
     assert body == {"type": "error", "error": {"type": "not_found_error",
                                                "message": body["error"]["message"]}}
-    with pytest.raises(anthropic.BadRequestError, match='"image" blocks are not supported'):
+    with pytest.raises(anthropic.BadRequestError, match="image URLs are not fetched"):
         client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}])
+    with pytest.raises(anthropic.BadRequestError, match='"document" blocks are not supported'):
+        client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "document", "source": {"type": "text", "data": "x"}}]}])  # type: ignore[misc,list-item]
     for path, body, status, kind in [
         ("/v1/messages", b"{not json", 400, "invalid_request_error"),
         ("/v1/messages", json.dumps({"model": "tiny", "messages": HI}).encode(), 400,

@@ -572,7 +572,8 @@ def test_show_a_model(models_file: Path) -> None:
 
 
 def test_rm_removes_only_your_own_entries(tiny_gguf: Path) -> None:
-    from everycycle.models.registry import add_user_entry, load_registry
+    from everycycle.models.registry import load_registry
+    from everycycle.models.userfile import add_user_entry
 
     add_user_entry("mine", {"path": str(tiny_gguf), "context": 256})
     add_user_entry("other one", {"path": str(tiny_gguf), "context": 512})

@@ -239,7 +239,7 @@ def test_unknown_model_and_missing_file_are_invalid(models_file: Path) -> None:
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from everycycle.models.registry import _toml_value
+from everycycle.models.userfile import _toml_value
 
 toml_scalars = (st.integers(-(2**40), 2**40) | st.booleans() | st.text(max_size=20)
                 | st.sampled_from(["auto", "chat", "raw", "x.gguf", "a" * 64]))

@@ -103,7 +103,7 @@ def models_add(
       everycycle models add qwen hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M
     """
     from ..models import hub
-    from ..models.registry import add_user_entry
+    from ..models.userfile import add_user_entry
     from ..protocol import check_model_name
 
     try:
@@ -298,7 +298,8 @@ def rm(
       everycycle rm qwen --purge
     """
     from ..models import hub
-    from ..models.registry import hub_files, load_registry, projector_file, remove_user_entry
+    from ..models.registry import hub_files, load_registry, projector_file
+    from ..models.userfile import remove_user_entry
 
     try:
         files: list[Path] = []

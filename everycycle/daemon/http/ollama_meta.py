@@ -38,7 +38,8 @@ from starlette.routing import BaseRoute, Route
 from ... import __version__, paths
 from ...errors import EverycycleError, UnavailableError
 from ...models import hub, hubrepo
-from ...models.registry import ModelSpec, hub_files, local_file, remove_user_entry
+from ...models.registry import ModelSpec, hub_files, local_file
+from ...models.userfile import remove_user_entry
 from ...protocol import Done, Error, Load, Unload
 from ..keys import Principal, load_or_create_token
 from . import ollama_request as parse
