@@ -228,7 +228,7 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
             stats.begin()
             status.show("loading…")
             async with anyio.create_task_group() as tg:
-                tg.start_soon(interrupt.watch, client, req.request_id)
+                await tg.start(interrupt.watch, client, req.request_id)
                 result = 0
                 try:
                     async for event in client.request(req):

@@ -253,7 +253,7 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
     thoughts = Thoughts(out)
     with _no_echo():
         async with anyio.create_task_group() as tg:
-            tg.start_soon(interrupt.watch, client, req.request_id)
+            await tg.start(interrupt.watch, client, req.request_id)
             try:
                 if on_loading is not None:
                     on_loading("loading…")  # (the words `run` uses)

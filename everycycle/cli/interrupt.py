@@ -6,6 +6,7 @@ import signal
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.abc
 
 if TYPE_CHECKING:
     from ..client.aio import BaseClient
@@ -18,9 +19,14 @@ class Interrupt:
     def __init__(self) -> None:
         self.pressed = False
 
-    async def watch(self, client: BaseClient, request_id: str) -> None:
-        """Until cancelled: each SIGINT cancels ``request_id`` (quietly if it just ended)."""
+    async def watch(self, client: BaseClient, request_id: str, *,
+                    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                    ) -> None:
+        """Until cancelled: each SIGINT cancels ``request_id`` (quietly if it just ended).
+        Start it with ``tg.start``: it is listening once that returns, so a Ctrl-C while
+        the model still loads cancels the request too."""
         with anyio.open_signal_receiver(signal.SIGINT) as signals:
+            task_status.started()
             async for _ in signals:
                 self.pressed = True
                 await client.cancel_if_active(request_id)
