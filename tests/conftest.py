@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -120,3 +121,8 @@ def busy(models_file: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Tests press Ctrl-C (SIGINT) on the CLI as a terminal would. A shell that started
+    # the suite in the background (`cmd &`) left SIGINT ignored, and children inherit
+    # that: give them the terminal's default instead.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
