@@ -92,5 +92,7 @@ def audit_record(outcome: Outcome, req: Generate | Embed, *, prompts: bool) -> d
     if prompts:
         record["prompt"] = (list(req.input) if isinstance(req, Embed) else
                             req.prompt if req.messages is None else
-                            [[m.role.value, m.content] for m in req.messages])
+                            [[m.role.value, m.text] + [f"(image, {len(i.data or '') * 3 // 4} bytes)"
+                                                       for i in m.images]
+                             for m in req.messages])
     return record
