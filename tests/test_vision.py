@@ -215,3 +215,12 @@ def test_chat_image_command_on_a_terminal(vision_models: Path, tmp_path: Path) -
         with SyncClient() as c:
             [model] = c.describe_fleet().loaded_models
         assert model.name == "tv" and model.images_encoded == 1  # the image went with it
+
+
+def test_an_audited_prompt_notes_an_image_by_its_size() -> None:
+    from everycycle.daemon.outcome import Outcome, audit_record
+    from everycycle.protocol import Generate
+
+    req = Generate("r1", "tv", messages=(user(image(RED), "what is it?"),))
+    record = audit_record(Outcome("r1", "tv", "cpu", None, "stop"), req, prompts=True)
+    assert record["prompt"] == [["user", "what is it?", f"(image, {len(RED)} bytes)"]]

@@ -73,6 +73,11 @@ def prompt_bytes(req: Generate | Embed) -> int:
     return len((req.prompt or "").encode("utf-8"))
 
 
+def _size(b64: str) -> int:
+    """The byte count base64 text decodes to."""
+    return len(b64) * 3 // 4 - b64[-2:].count("=")
+
+
 def audit_record(outcome: Outcome, req: Generate | Embed, *, prompts: bool) -> dict[str, Any]:
     """The audit log's line for a request (its prompt only with ``prompts``)."""
     record: dict[str, Any] = {
@@ -92,7 +97,7 @@ def audit_record(outcome: Outcome, req: Generate | Embed, *, prompts: bool) -> d
     if prompts:
         record["prompt"] = (list(req.input) if isinstance(req, Embed) else
                             req.prompt if req.messages is None else
-                            [[m.role.value, m.text] + [f"(image, {len(i.data or '') * 3 // 4} bytes)"
+                            [[m.role.value, m.text] + [f"(image, {_size(i.data or '')} bytes)"
                                                        for i in m.images]
                              for m in req.messages])
     return record
