@@ -339,6 +339,7 @@ def test_fleet_watch_refreshes_until_interrupted(daemon: subprocess.Popen[bytes]
         os.close(master)
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
     assert proc.returncode == 0, err
     assert out == b"" and b"Traceback" not in err
 
