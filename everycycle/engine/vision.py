@@ -66,7 +66,6 @@ class Prompt:
     keys: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     """The position each chunk starts at."""
-    images: int = 0
 
     def chunk_at(self, position: int) -> int:
         """The index of the chunk a reuse of ``position`` positions resumes at; a reuse
@@ -140,7 +139,6 @@ class Vision:
                 tokens = M.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
                 prompt.keys.extend(tokens[j] for j in range(n.value))
             else:
-                prompt.images += 1
                 key = _key(M.mtmd_input_chunk_get_id(chunk) or b"")
                 prompt.keys.extend([key] * M.mtmd_input_chunk_get_n_tokens(chunk))
         return prompt
