@@ -88,10 +88,8 @@ class BaseClient:
                 last = event
             assert last is not None
             return call.finish(last)
-        except EverycycleError:
-            if call.quiet:
-                return None  # type: ignore[return-value]  # a quiet Call's T is None
-            raise
+        except EverycycleError as exc:
+            return call.failed(exc)
 
     def generate(self, model: str, prompt: str | None = None, *,
                  messages: tuple[Message, ...] | None = None, request_id: str | None = None,

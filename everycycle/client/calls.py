@@ -9,7 +9,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
-from ..errors import RequestFailedError
+from ..errors import EverycycleError, RequestFailedError
 from ..protocol import (
     Cancel,
     DescribeFleet,
@@ -47,6 +47,12 @@ class Call(Generic[T]):
         if isinstance(last, Error):
             raise RequestFailedError(last.message, kind=last.kind, request_id=last.request_id)
         return self.result(last)
+
+    def failed(self, exc: EverycycleError) -> T:
+        """What the failure ``exc`` makes of this call: None when quiet, else raised."""
+        if self.quiet:
+            return None  # type: ignore[return-value]  # a quiet Call's T is None
+        raise exc
 
 
 def _nothing(event: ServerEvent) -> None:

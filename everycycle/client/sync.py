@@ -107,10 +107,8 @@ class SyncClient:
         """Send ``call``'s request; its result. Raises RequestFailedError (unless quiet)."""
         try:
             return call.finish(list(self.request(call.request))[-1])
-        except EverycycleError:
-            if call.quiet:
-                return None  # type: ignore[return-value]  # a quiet Call's T is None
-            raise
+        except EverycycleError as exc:
+            return call.failed(exc)
 
     def generate(self, model: str, prompt: str | None = None, *,
                  messages: tuple[Message, ...] | None = None, request_id: str | None = None,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
-import json
 from dataclasses import field
 
 from ..errors import ProtocolError
@@ -25,6 +24,7 @@ from .validation import (
     U32_MAX,
     check_name,
     message,
+    parse_json,
 )
 
 _EXT = {"skip_none": True}
@@ -67,12 +67,7 @@ class ToolCall:
 
     def _validate(self) -> None:
         check_name("tool call id", self.id)
-        try:
-            args = json.loads(self.arguments)
-        except ValueError as exc:
-            raise ProtocolError(f"tool call arguments are not JSON: {exc}") from None
-        if not isinstance(args, dict):
-            raise ProtocolError("tool call arguments must be a JSON object")
+        parse_json("tool call arguments", self.arguments, dict, "a JSON object")
 
 
 class PartType(enum.Enum):
@@ -230,12 +225,7 @@ class Generate:
             if value is not None and not 1 <= len(value) <= MAX_GRAMMAR_CHARS:
                 raise ProtocolError(f"`{name}` must be 1-{MAX_GRAMMAR_CHARS} characters")
         if self.json_schema is not None:
-            try:
-                schema = json.loads(self.json_schema)
-            except ValueError as exc:
-                raise ProtocolError(f"`json_schema` is not JSON: {exc}") from None
-            if not isinstance(schema, dict):
-                raise ProtocolError("`json_schema` must be a JSON object")
+            parse_json("`json_schema`", self.json_schema, dict, "a JSON object")
         if self.stop is not None:
             if len(self.stop) > MAX_STOPS:
                 raise ProtocolError(f"at most {MAX_STOPS} stop strings")
@@ -255,12 +245,7 @@ class Generate:
             raise ProtocolError("give `tools` or a `json_schema`/`grammar`, not both")
         if not 1 <= len(self.tools) <= MAX_GRAMMAR_CHARS:
             raise ProtocolError(f"`tools` must be 1-{MAX_GRAMMAR_CHARS} characters")
-        try:
-            tools = json.loads(self.tools)
-        except ValueError as exc:
-            raise ProtocolError(f"`tools` is not JSON: {exc}") from None
-        if not isinstance(tools, list) or not tools:
-            raise ProtocolError("`tools` must be a non-empty JSON array")
+        parse_json("`tools`", self.tools, list, "a non-empty JSON array")
         if self.tool_name is not None:
             check_name("tool_name", self.tool_name)
             if self.tool_choice is ToolChoice.NONE:

@@ -10,6 +10,7 @@ numeric fields named in ``ranges`` lie in theirs — and then the class's own
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -77,6 +78,18 @@ def check_name(what: str, value: str) -> str:
 def check_model_name(name: str) -> str:
     """``name`` if a request can name it as its model. Raises ProtocolError."""
     return check_name("model", name)
+
+
+def parse_json(what: str, text: str, kind: type, shape: str) -> Any:
+    """``text`` parsed as JSON, which must be a ``kind`` (``shape`` names it in the
+    error, e.g. "a JSON object"). Raises ProtocolError."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ProtocolError(f"{what} is not JSON: {exc}") from None
+    if not isinstance(value, kind) or (kind is list and not value):
+        raise ProtocolError(f"{what} must be {shape}")
+    return value
 
 
 def check_text(name: str, value: object) -> None:

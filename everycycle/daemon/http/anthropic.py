@@ -34,8 +34,8 @@ from ...protocol import Accepted, Error, Generate, ServerEvent, Tokens, ToolCall
 from ..keys import Principal
 from ..outcome import Outcome
 from . import anthropic_request as parse
-from .common import Reader, protocol_errors, request_id, stream_flag
-from .exchange import STATUS, Events, Exchange, Send, Spawner, dumps, sse_event
+from .common import protocol_errors, request_id, stream_flag
+from .exchange import STATUS, Dialect, Events, Exchange, Send, Spawner, Whole, dumps, sse_event
 
 OVERLOADED = 529
 
@@ -115,21 +115,12 @@ class _Message(_Exchange):
         return {"id": self.req.request_id, "type": "message", "role": "assistant",
                 "model": self.gen.model, "content": content, **stop, "usage": usage}
 
-    async def respond(self, events: Events, send: Send) -> None:
-        if self.stream:
-            await self._stream(events, send)
-            return
-        whole = await self.whole(events, send)
-        if whole is None:
-            return
-        content: list[dict[str, Any]] = []
-        if whole.reasoning:
-            content.append({"type": "thinking", "thinking": whole.reasoning, "signature": ""})
-        if whole.text or not whole.calls:
-            content.append({"type": "text", "text": whole.text})
-        for call in whole.calls.calls if whole.calls else ():
-            content.append({"type": "tool_use", "id": call.id, "name": call.name,
-                            "input": json.loads(call.arguments)})
+    async def answer(self, send: Send, whole: Whole) -> None:
+        content = whole.parts(
+            lambda thought: {"type": "thinking", "thinking": thought, "signature": ""},
+            lambda text: {"type": "text", "text": text},
+            lambda call: {"type": "tool_use", "id": call.id, "name": call.name,
+                          "input": json.loads(call.arguments)})
         await self.send_json(send, 200, dumps(self._message(content, whole.outcome,
                                                             _usage(whole.outcome))))
 
@@ -163,7 +154,7 @@ class _Message(_Exchange):
         await self.write(send, sse_event("message_start", {"message": self._message(
             [], None, {"input_tokens": 0, "output_tokens": 0})}))
 
-    async def _stream(self, events: Events, send: Send) -> None:
+    async def answer_stream(self, events: Events, send: Send) -> None:
         async for event, outcome in self.streamed(events, send):
             if isinstance(event, Accepted):
                 await self.write(send, sse_event("ping", {
@@ -195,20 +186,13 @@ class _Message(_Exchange):
 class _Count(_Exchange):
     """count_tokens: the prompt tokens of a one-token generation."""
 
-    async def respond(self, events: Events, send: Send) -> None:
-        whole = await self.whole(events, send)
-        if whole is None:
-            return
+    async def answer(self, send: Send, whole: Whole) -> None:
         tokens = whole.outcome.prompt_tokens if whole.outcome else 0
         await self.send_json(send, 200, dumps({"input_tokens": tokens}))
 
 
-class Anthropic:
+class Anthropic(Dialect):
     """The Anthropic routes over ``api`` (where requests run) and ``reader``."""
-
-    def __init__(self, api: Spawner, reader: Reader) -> None:
-        self.api = api
-        self.reader = reader
 
     def routes(self) -> list[BaseRoute]:
         return [

@@ -18,7 +18,7 @@ from starlette.requests import Request as HttpRequest
 
 from ...errors import ProtocolError
 from ...protocol import ContentPart, Message, PartType, Role, ToolCall, ToolChoice
-from .common import HttpError, deadline, image_part
+from .common import HttpError, deadline, image_part, joined_text
 from .openai_request import check_types
 
 _CHOICES = {"auto": ToolChoice.AUTO, "any": ToolChoice.REQUIRED, "none": ToolChoice.NONE}
@@ -39,17 +39,7 @@ def _message(where: str, role: Role, content: str | tuple[ContentPart, ...],
 
 def text_of(where: str, content: object) -> str:
     """A string, or a list of text blocks joined (``system``, a tool result's content)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, "must be a string or a list of text blocks")
-    parts = []
-    for j, block in enumerate(content):
-        if not (isinstance(block, dict) and block.get("type") == "text"
-                and isinstance(block.get("text"), str)):
-            raise _bad(f"{where}[{j}]", "only text blocks are supported here")
-        parts.append(block["text"])
-    return "".join(parts)
+    return joined_text(where, content, ("text",), "text blocks", "invalid_request")
 
 
 def _call(where: str, block: dict[str, Any]) -> ToolCall:

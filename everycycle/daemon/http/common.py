@@ -42,6 +42,24 @@ def image_part(where: str, data: object, mime: object = None) -> ContentPart:
         raise HttpError(status, f"{where}: {exc.message}", "invalid_image") from None
 
 
+def joined_text(where: str, content: object, kinds: tuple[str, ...], names: str,
+                code: str) -> str:
+    """A string, or a list of text blocks (each ``{type: one of kinds, text}``) joined.
+    ``names`` names those blocks in the HttpError (400, ``code``) for anything else."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise HttpError(400, f"{where}: must be a string or a list of {names}", code)
+    parts = []
+    for j, block in enumerate(content):
+        text = block.get("text", block.get("refusal")) if isinstance(block, dict) else None
+        if not isinstance(block, dict) or block.get("type") not in kinds or \
+                not isinstance(text, str):
+            raise HttpError(400, f"{where}[{j}]: only {names} are supported here", code)
+        parts.append(text)
+    return "".join(parts)
+
+
 class HttpError(Exception):
     """An HTTP error answer: status, message, an error code; each dialect shapes it."""
 

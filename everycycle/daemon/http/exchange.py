@@ -21,21 +21,24 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
+from starlette.routing import BaseRoute
 
 from ...errors import ErrorKind
 from ...mailbox import Mailbox
-from ...protocol import Embed, Error, Generate, ServerEvent, Tokens, ToolCalls
+from ...protocol import Embed, Error, Generate, ServerEvent, Tokens, ToolCall, ToolCalls
 from ..keys import Principal
 from ..outcome import Outcome
 from ..supervisor import Supervisor
+from .common import Reader
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 Events = AsyncIterator[tuple[ServerEvent, Outcome | None]]
+T = TypeVar("T")
 
 STATUS = {
     ErrorKind.INVALID: 400,
@@ -53,6 +56,18 @@ class Spawner(Protocol):
     supervisor: Supervisor
 
     def spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None: ...
+
+
+class Dialect:
+    """One API dialect's routes over ``api`` (where requests run) and ``reader``."""
+
+    def __init__(self, api: Spawner, reader: Reader) -> None:
+        self.api = api
+        self.reader = reader
+
+    def routes(self) -> list[BaseRoute]:
+        """The dialect's routes, for the app."""
+        raise NotImplementedError
 
 
 class HttpPeer:
@@ -104,6 +119,17 @@ class Whole:
     error: Error | None = None
     outcome: Outcome | None = None
 
+    def parts(self, thought: Callable[[str], T], text: Callable[[str], T],
+              call: Callable[[ToolCall], T]) -> list[T]:
+        """The answer's parts, each shaped by its function, in the order every dialect
+        gives them: the thoughts (if any), the text (even empty, unless there are tool
+        calls), then each tool call."""
+        out = [thought(self.reasoning)] if self.reasoning else []
+        if self.text or not self.calls:
+            out.append(text(self.text))
+        out.extend(call(c) for c in (self.calls.calls if self.calls else ()))
+        return out
+
 
 async def gather(events: Events) -> Whole:
     """The whole answer of a Generate from its events, up to the terminal one."""
@@ -127,7 +153,8 @@ async def gather(events: Events) -> Whole:
 
 
 class Exchange:
-    """One protocol request for one HTTP exchange; a dialect subclasses ``respond``."""
+    """One protocol request for one HTTP exchange; a dialect subclasses ``answer`` and
+    ``answer_stream`` (or ``collect``)."""
 
     def __init__(self, api: Spawner, req: Generate | Embed, principal: Principal,
                  more: Sequence[Generate] = ()) -> None:
@@ -141,8 +168,27 @@ class Exchange:
     started = False
     """Whether a stream began (its 200 and headers are sent)."""
 
+    stream = False
+    """Whether the client asked for a stream (else one whole answer)."""
+
     async def respond(self, events: Events, send: Send) -> None:
-        """Answer the client from the request's events (the dialect's shape)."""
+        """Answer the client from the request's events, in the dialect's shape."""
+        if self.stream:
+            await self.answer_stream(events, send)
+        else:
+            await self.collect(events, send)
+
+    async def collect(self, events: Events, send: Send) -> None:
+        """The whole answer: the events gathered (``whole``), then sent by ``answer``."""
+        if (whole := await self.whole(events, send)) is not None:
+            await self.answer(send, whole)
+
+    async def answer(self, send: Send, whole: Whole) -> None:
+        """Send the answer gathered whole, in the dialect's shape."""
+        raise NotImplementedError
+
+    async def answer_stream(self, events: Events, send: Send) -> None:
+        """Stream the answer as its events come, in the dialect's shape."""
         raise NotImplementedError
 
     def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:

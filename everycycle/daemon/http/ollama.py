@@ -46,7 +46,7 @@ from ..outcome import Outcome
 from . import ollama_request as parse
 from . import openai_request
 from .common import HttpError, Reader, deadline, protocol_errors, request_id
-from .exchange import STATUS, Events, Exchange, Send, Spawner, dumps
+from .exchange import STATUS, Dialect, Events, Exchange, Send, Spawner, dumps
 from .ollama_meta import NDJSON, OllamaMeta, control, error_response, rfc3339
 
 
@@ -115,12 +115,6 @@ class _Answer(Exchange):
         self.stream = stream
         self.legacy = legacy  # /api/embeddings: one vector, no statistics
 
-    async def respond(self, events: Events, send: Send) -> None:
-        if self.stream:
-            await self._stream(events, send)
-        else:
-            await self._collect(events, send)
-
     def _embeddings(self, event: Embeddings, outcome: Outcome | None) -> dict[str, Any]:
         if self.legacy:
             return {"embedding": list(event.vectors[0])}
@@ -129,7 +123,7 @@ class _Answer(Exchange):
                 **{k: stats[k] for k in ("total_duration", "load_duration",
                                          "prompt_eval_count") if k in stats}}
 
-    async def _collect(self, events: Events, send: Send) -> None:
+    async def collect(self, events: Events, send: Send) -> None:
         text: list[str] = []
         thought: list[str] = []
         calls: ToolCalls | None = None
@@ -153,7 +147,7 @@ class _Answer(Exchange):
             await self.send_json(send, 200, dumps(answer))
             return
 
-    async def _stream(self, events: Events, send: Send) -> None:
+    async def answer_stream(self, events: Events, send: Send) -> None:
         started = False
         async for event, outcome in events:
             if isinstance(event, Error) and not started:
@@ -182,12 +176,11 @@ class _Answer(Exchange):
         await self.write(send, dumps(obj) + b"\n")
 
 
-class Ollama:
+class Ollama(Dialect):
     """The Ollama routes over ``api`` (where requests run) and ``reader``."""
 
     def __init__(self, api: Spawner, reader: Reader) -> None:
-        self.api = api
-        self.reader = reader
+        super().__init__(api, reader)
         self.meta = OllamaMeta(api, reader)
 
     def routes(self) -> list[BaseRoute]:

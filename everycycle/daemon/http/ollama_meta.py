@@ -44,7 +44,7 @@ from ...protocol import Done, Error, Load, Unload
 from ..keys import Principal, load_or_create_token
 from . import ollama_request as parse
 from .common import HttpError, Reader, presented_key, request_id
-from .exchange import STATUS, HttpPeer, Spawner, dumps
+from .exchange import STATUS, Dialect, HttpPeer, Spawner, dumps
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +113,11 @@ def _file(spec: ModelSpec) -> Path | None:
     return None
 
 
-class OllamaMeta:
+class OllamaMeta(Dialect):
     """The model routes over ``api`` (the supervisor and its task group) and ``reader``."""
 
     def __init__(self, api: Spawner, reader: Reader) -> None:
-        self.api = api
-        self.reader = reader
+        super().__init__(api, reader)
         self._facts: dict[tuple[str, int, int], _Facts] = {}
 
     def routes(self) -> list[BaseRoute]:

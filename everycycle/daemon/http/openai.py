@@ -41,8 +41,8 @@ from ...protocol import (
 )
 from ..outcome import Outcome
 from . import openai_request as parse
-from .common import HttpError, Reader, deadline, protocol_errors, request_id, stream_flag
-from .exchange import STATUS, Events, Exchange, Send, Spawner, dumps
+from .common import HttpError, deadline, protocol_errors, request_id, stream_flag
+from .exchange import STATUS, Dialect, Events, Exchange, Send, Spawner, dumps
 
 _TYPE = {
     400: "invalid_request_error",
@@ -227,13 +227,7 @@ class _Generation(Exchange):
     def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
         return error_answer(event)
 
-    async def respond(self, events: Events, send: Send) -> None:
-        if self.stream:
-            await self._stream(events, send)
-        else:
-            await self._collect(events, send)
-
-    async def _collect(self, events: Events, send: Send) -> None:
+    async def collect(self, events: Events, send: Send) -> None:
         async for event, outcome in events:
             if isinstance(event, Error):
                 await self.fail(send, event, outcome)
@@ -254,7 +248,7 @@ class _Generation(Exchange):
                         await self.send_json(send, 200, dumps(self.shape.whole(self.answers)))
                         return
 
-    async def _stream(self, events: Events, send: Send) -> None:
+    async def answer_stream(self, events: Events, send: Send) -> None:
         role_sent: set[int] = set()
         usage: dict[str, Any] | None | bool = None if self.include_usage else False
         async for event, outcome in self.streamed(events, send):
@@ -299,12 +293,8 @@ class _Generation(Exchange):
             await self.end_stream(send)
 
 
-class OpenAI:
+class OpenAI(Dialect):
     """The OpenAI routes over ``api`` (where requests run) and ``reader``."""
-
-    def __init__(self, api: Spawner, reader: Reader) -> None:
-        self.api = api
-        self.reader = reader
 
     def routes(self) -> list[BaseRoute]:
         return [

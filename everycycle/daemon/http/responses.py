@@ -27,8 +27,8 @@ from ...protocol import Accepted, Error, Generate, ServerEvent, Tokens, ToolCall
 from ..keys import Principal
 from ..outcome import Outcome
 from . import responses_request as parse
-from .common import Reader, protocol_errors, request_id, stream_flag
-from .exchange import Events, Exchange, Send, Spawner, dumps, sse_event
+from .common import protocol_errors, request_id, stream_flag
+from .exchange import Dialect, Events, Exchange, Send, Spawner, Whole, dumps, sse_event
 from .openai import error_answer
 
 _PART = {"message": "output_text", "reasoning": "reasoning_text"}
@@ -95,19 +95,11 @@ class _Response(Exchange):
                 "model": self.model, "output": list(self.items), **self.echo,
                 "usage": None if outcome is None else _usage(outcome)}
 
-    async def respond(self, events: Events, send: Send) -> None:
-        if self.stream:
-            await self._stream(events, send)
-            return
-        whole = await self.whole(events, send)
-        if whole is None:
-            return
-        if whole.reasoning:
-            self.items.append(_item("reasoning", self._id("rs"), whole.reasoning))
-        if whole.text or not whole.calls:
-            self.items.append(_item("message", self._id("msg"), whole.text))
-        for call in whole.calls.calls if whole.calls else ():
-            self.items.append(_call_item(call, self._id("fc")))
+    async def answer(self, send: Send, whole: Whole) -> None:
+        self.items.extend(whole.parts(
+            lambda thought: _item("reasoning", self._id("rs"), thought),
+            lambda text: _item("message", self._id("msg"), text),
+            lambda call: _call_item(call, self._id("fc"))))
         await self.send_json(send, 200, dumps(self._object("completed", whole.outcome)))
 
     # ------------------------------------------------------------------ streaming
@@ -178,7 +170,7 @@ class _Response(Exchange):
         await self._emit(send, "response.created",
                          response=self._object("queued" if queued else "in_progress"))
 
-    async def _stream(self, events: Events, send: Send) -> None:
+    async def answer_stream(self, events: Events, send: Send) -> None:
         async for event, outcome in self.streamed(events, send):
             if isinstance(event, Accepted):
                 if event.queue_position:
@@ -207,12 +199,8 @@ class _Response(Exchange):
             await self.end_stream(send)
 
 
-class Responses:
+class Responses(Dialect):
     """The Responses route over ``api`` (where requests run) and ``reader``."""
-
-    def __init__(self, api: Spawner, reader: Reader) -> None:
-        self.api = api
-        self.reader = reader
 
     def routes(self) -> list[BaseRoute]:
         return [Route("/v1/responses", self.create, methods=["POST"])]

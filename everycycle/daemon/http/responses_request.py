@@ -16,7 +16,7 @@ from starlette.requests import Request as HttpRequest
 from ...errors import ProtocolError
 from ...protocol import Message, Role, ToolCall
 from . import openai_request
-from .common import HttpError
+from .common import HttpError, joined_text
 
 _ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER,
           "assistant": Role.ASSISTANT}
@@ -29,18 +29,8 @@ def _bad(where: str, what: str) -> HttpError:
 
 def _content(where: str, content: object) -> str:
     """A message's content: a string, or text parts joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, "must be a string or a list of input_text parts")
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        text = part.get("text", part.get("refusal")) if isinstance(part, dict) else None
-        if kind not in _PARTS or not isinstance(text, str):
-            raise _bad(f"{where}[{j}]", "only input_text and output_text parts are supported")
-        parts.append(text)
-    return "".join(parts)
+    return joined_text(where, content, _PARTS, "input_text and output_text parts",
+                       "invalid_input")
 
 
 def _append(out: list[Message], where: str, role: Role, content: str,
