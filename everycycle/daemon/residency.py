@@ -157,6 +157,8 @@ class Residency:
         self._turns: dict[str, anyio.Lock] = {}
         """One lock for this machine's loads (key ""), one per RPC host."""
         self.tg: anyio.abc.TaskGroup | None = None
+        self._reckon: anyio.Event | None = None
+        """Set when a model's idle clock changes: the reaper reckons again."""
         self.closing = False
 
     def host_in_use(self, endpoint: str) -> Resident | None:
@@ -379,6 +381,13 @@ class Residency:
 
     # ------------------------------------------------------------------ idle
 
+    def touch(self, model: Resident, keep_alive_ms: int | None = None) -> None:
+        """A request of ``model`` begins or ends now (its keep_alive, if given, holds
+        from now on): its idle clock starts again, and the reaper reckons with it."""
+        model.touch(keep_alive_ms)
+        if self._reckon is not None:
+            self._reckon.set()
+
     def idle_left(self, model: Resident, now: float) -> float | None:
         """Seconds until ``model`` is unloaded for being idle; None: busy, or never."""
         if self.requests.busy(model.name) or model.keep_alive < 0 or not model.serving:
@@ -386,9 +395,11 @@ class Residency:
         return model.last_used + model.keep_alive - now
 
     async def reap_idle(self) -> None:
-        """Unload each model idle for its keep_alive (never one with requests)."""
+        """Unload each model idle for its keep_alive (never one with requests), when it
+        is due: the reaper sleeps until the next model is, or until one is touched."""
         while True:
-            delay = 1.0
+            self._reckon = anyio.Event()
+            delay = 1.0  # a restart or a failure ends a model's busy state untouched
             for name, model in list(self.models.items()):
                 left = self.idle_left(model, time.monotonic())
                 if left is None:
@@ -398,7 +409,8 @@ class Residency:
                     await self.unload(name, f"model '{name}' unloaded: idle")
                 else:
                     delay = min(delay, left)
-            await anyio.sleep(max(0.02, delay))
+            with anyio.move_on_after(max(0.02, delay)):
+                await self._reckon.wait()
 
     # ------------------------------------------------------------------ deaths
 

@@ -201,7 +201,7 @@ class Supervisor:
                 spec = self.residency.spec_for(request.model, allow_paths=peer.allow_paths)
                 model = await self.residency.ensure_loaded(spec, request.executor,
                                                            retry_failed=True)
-                model.touch(request.keep_alive_ms)
+                self.residency.touch(model, request.keep_alive_ms)
                 peer.emit(Done(rid))
             elif isinstance(request, Unload):
                 if request.model not in self.residency.models:
@@ -313,7 +313,7 @@ class Supervisor:
 
     async def _admit(self, model: Resident, active: Active) -> None:
         req = active.req
-        model.touch(req.keep_alive_ms)
+        self.residency.touch(model, req.keep_alive_ms)
         job, active.output = await self._job_on(model, active)
         if active.cancel_reason is None and self.residency.models.get(model.name) is not model:
             active.cancel_reason = f"model '{model.name}' unloaded"
@@ -348,7 +348,7 @@ class Supervisor:
         if outcome.executor is not None:
             resident = self.residency.models.get(outcome.model)
             if resident is not None:
-                resident.touch()
+                self.residency.touch(resident)
         for observe in self.observers:
             try:
                 observe(outcome)
