@@ -240,6 +240,30 @@ def test_error_messages_match_the_seed_wording() -> None:
         p.Generate("a", "m", "", max_tokens=0)
 
 
+SAID = (p.Message(p.Role.USER, "hi"),)
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda: p.ToolCall("c", "f", "{"), "tool call arguments are not JSON: "),
+        (lambda: p.ToolCall("c", "f", "[1]"), "tool call arguments must be a JSON object"),
+        (lambda: p.Generate("a", "m", "", json_schema="[]"),
+         "`json_schema` must be a JSON object"),
+        (lambda: p.Generate("a", "m", "", json_schema="{x"), "`json_schema` is not JSON: "),
+        (lambda: p.Generate("a", "m", messages=SAID, tools="[]"),
+         "`tools` must be a non-empty JSON array"),
+        (lambda: p.Generate("a", "m", messages=SAID, tools="{}"),
+         "`tools` must be a non-empty JSON array"),
+        (lambda: p.Generate("a", "m", messages=SAID, tools="nope"), "`tools` is not JSON: "),
+    ],
+)
+def test_json_text_fields_say_what_is_wrong(make: object, says: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        make()  # type: ignore[operator]
+    assert info.value.message.startswith(says), info.value.message
+
+
 @given(st.binary(max_size=300))
 def test_arbitrary_bytes_only_ever_raise_protocol_error(data: bytes) -> None:
     try:

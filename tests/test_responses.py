@@ -83,6 +83,19 @@ def test_instructions_and_what_is_not_stored(client: openai.OpenAI) -> None:
         client.responses.create(model="nope", input="x")
 
 
+def test_content_parts_join_and_others_are_refused(client: openai.OpenAI) -> None:
+    whole = client.responses.create(model="tiny", input="hello there", max_output_tokens=1)
+    parts = client.responses.create(model="tiny", max_output_tokens=1, input=[
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "hello "},
+                                     {"type": "input_text", "text": "there"}]}])
+    assert parts.usage is not None and whole.usage is not None
+    assert parts.usage.input_tokens > whole.usage.input_tokens  # the assistant turn too
+    for bad in ({"type": "input_text", "refusal": "no"}, {"type": "input_file", "text": "x"}):
+        with pytest.raises(openai.BadRequestError, match=r"input\[0\]\.content\[0\]: only "):
+            client.responses.create(model="tiny", input=[{"role": "user", "content": [bad]}])
+
+
 def test_a_queued_stream_says_its_position(url: str, models_file: Path) -> None:
     proc: subprocess.Popen[bytes] = blocker(models_file)
     try:

@@ -67,7 +67,7 @@ class ToolCall:
 
     def _validate(self) -> None:
         check_name("tool call id", self.id)
-        parse_json("tool call arguments", self.arguments, dict, "a JSON object")
+        parse_json("tool call arguments", self.arguments, dict, "a JSON object", are=True)
 
 
 class PartType(enum.Enum):
@@ -245,7 +245,8 @@ class Generate:
             raise ProtocolError("give `tools` or a `json_schema`/`grammar`, not both")
         if not 1 <= len(self.tools) <= MAX_GRAMMAR_CHARS:
             raise ProtocolError(f"`tools` must be 1-{MAX_GRAMMAR_CHARS} characters")
-        parse_json("`tools`", self.tools, list, "a non-empty JSON array")
+        if not parse_json("`tools`", self.tools, list, "a non-empty JSON array"):
+            raise ProtocolError("`tools` must be a non-empty JSON array")
         if self.tool_name is not None:
             check_name("tool_name", self.tool_name)
             if self.tool_choice is ToolChoice.NONE:

@@ -80,14 +80,14 @@ def check_model_name(name: str) -> str:
     return check_name("model", name)
 
 
-def parse_json(what: str, text: str, kind: type, shape: str) -> Any:
+def parse_json(what: str, text: str, kind: type, shape: str, *, are: bool = False) -> Any:
     """``text`` parsed as JSON, which must be a ``kind`` (``shape`` names it in the
-    error, e.g. "a JSON object"). Raises ProtocolError."""
+    error, e.g. "a JSON object"; ``are``: ``what`` is plural). Raises ProtocolError."""
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise ProtocolError(f"{what} is not JSON: {exc}") from None
-    if not isinstance(value, kind) or (kind is list and not value):
+        raise ProtocolError(f"{what} {'are' if are else 'is'} not JSON: {exc}") from None
+    if not isinstance(value, kind):
         raise ProtocolError(f"{what} must be {shape}")
     return value
 

@@ -44,7 +44,8 @@ def image_part(where: str, data: object, mime: object = None) -> ContentPart:
 
 def joined_text(where: str, content: object, kinds: tuple[str, ...], names: str,
                 code: str) -> str:
-    """A string, or a list of text blocks (each ``{type: one of kinds, text}``) joined.
+    """A string, or a list of text blocks (each ``{type: one of kinds, text}``; a
+    ``refusal`` block's text is its ``refusal``) joined.
     ``names`` names those blocks in the HttpError (400, ``code``) for anything else."""
     if isinstance(content, str):
         return content
@@ -52,9 +53,10 @@ def joined_text(where: str, content: object, kinds: tuple[str, ...], names: str,
         raise HttpError(400, f"{where}: must be a string or a list of {names}", code)
     parts = []
     for j, block in enumerate(content):
-        text = block.get("text", block.get("refusal")) if isinstance(block, dict) else None
-        if not isinstance(block, dict) or block.get("type") not in kinds or \
-                not isinstance(text, str):
+        kind = block.get("type") if isinstance(block, dict) else None
+        text = block.get("refusal" if kind == "refusal" else "text") \
+            if isinstance(block, dict) else None
+        if kind not in kinds or not isinstance(text, str):
             raise HttpError(400, f"{where}[{j}]: only {names} are supported here", code)
         parts.append(text)
     return "".join(parts)
