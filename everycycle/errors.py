@@ -11,6 +11,7 @@
     │   └── AlreadyRunningError        another daemon serves this socket; .pid (Invalid)
     ├── ModelNotLoadedError            known model, not resident, auto-load off (ModelNotLoaded)
     ├── RejectedError                  queue full, over a quota (Rejected)
+    ├── FileBusyError                  another process holds a state file's lock (Rejected)
     ├── RequestCancelledError          cancelled: client, deadline, disconnect, shutdown (Cancelled)
     ├── InternalError                  we failed: llama.cpp, I/O (Internal)
     ├── RequestFailedError             client side: the daemon answered Error{kind} (that kind)
@@ -109,6 +110,13 @@ class RejectedError(EverycycleError):
         super().__init__(message)
         self.limit = limit
         self.retry_after = retry_after
+
+
+class FileBusyError(EverycycleError):
+    """Another process held a config or state file's lock for too long; nothing was
+    changed (the message names the file and the holder). Retrying later may succeed."""
+
+    kind = ErrorKind.REJECTED
 
 
 class RequestCancelledError(EverycycleError):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from daemonhelp import daemon_process
 from httphelp import blocker, fleet_http
+from nativeguard import DeathWatch, obey_the_verdict, watching
 from tinymodel import write_tiny_gguf
 
 from everycycle import paths
@@ -121,6 +122,13 @@ def busy(models_file: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # llama.cpp loads in this process take the CPU-kernel verdict, as engines do; a
+    # test that kills the process anyway is named last (nativeguard.py).
+    obey_the_verdict()
+    if watching():
+        watch = DeathWatch()
+        config.pluginmanager.register(watch, "everycycle-deathwatch")
+        config.add_cleanup(watch.close)
     # Tests press Ctrl-C (SIGINT) on the CLI as a terminal would. A shell that started
     # the suite in the background (`cmd &`) left SIGINT ignored, and children inherit
     # that: give them the terminal's default instead.

@@ -12,7 +12,7 @@ import pytest
 import everycycle
 
 ROOT = Path(everycycle.__file__).parent
-GROUND = {"protocol", "errors", "paths", "sockets", "mailbox"}
+GROUND = {"protocol", "errors", "paths", "sockets", "mailbox", "statefile"}
 # Which layers each layer may import (the ground is open to all of them).
 ALLOWED = {
     "cli": {"client", "daemon", "engine", "models"},

@@ -13,6 +13,7 @@ what was shown of it; Ctrl-C on an empty prompt, Ctrl-D and ``/bye`` leave.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,8 +23,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 import anyio.to_thread
 
-from .. import paths
-from ..errors import DaemonUnavailableError, ErrorKind, EverycycleError, unwrap_groups
+from .. import paths, statefile
+from ..errors import (
+    DaemonUnavailableError,
+    ErrorKind,
+    EverycycleError,
+    FileBusyError,
+    unwrap_groups,
+)
 from ..protocol import Accepted, Error, Generate, Message, Role, Tokens, Usage
 from .common import EXIT_CODES, image_part, with_images
 from .interrupt import Interrupt
@@ -106,9 +113,22 @@ class TerminalReader:
             else:
                 event.app.exit(exception=KeyboardInterrupt)
 
+        class LockedHistory(FileHistory):
+            """prompt_toolkit's history file, each entry appended whole under the file's
+            lock (two chats at once never interleave their lines)."""
+
+            def store_string(self, string: str) -> None:
+                entry = f"\n# {datetime.datetime.now()}\n" + "".join(
+                    f"+{line}\n" for line in string.split("\n"))
+                try:
+                    statefile.append(history, entry[:-1])
+                except (OSError, FileBusyError) as exc:  # the chat goes on without it
+                    sys.stderr.write(f"everycycle: chat history not kept in {history}: "
+                                     f"{exc}\n")
+
         history.parent.mkdir(parents=True, exist_ok=True)
         self._session: Any = PromptSession(
-            history=FileHistory(str(history)), key_bindings=bindings, multiline=True,
+            history=LockedHistory(str(history)), key_bindings=bindings, multiline=True,
             prompt_continuation=lambda width, line, soft: CONTINUATION,
         )
 

@@ -55,6 +55,10 @@ def daemon(
         "--max-loaded-models", min=1, help="At most this many models loaded at once; the "
         "least recently used idle one makes room (default: as many as memory holds).")]
     = None,
+    hang_timeout: Annotated[float, typer.Option(
+        "--hang-timeout", min=0.5, help="Seconds a model's engine may make no progress "
+        "with work in hand before it is taken for hung: killed and restarted, its "
+        "requests told why.")] = 60.0,
     show_token: Annotated[bool, typer.Option("--show-token", help="Print the TCP token.")]
     = False,
 ) -> None:
@@ -104,7 +108,8 @@ def daemon(
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = DaemonConfig(socket=sock, models_file=models,
-                          limits=Limits(max_queue=max_queue, max_inflight=max_inflight),
+                          limits=Limits(max_queue=max_queue, max_inflight=max_inflight,
+                                        hang_timeout=hang_timeout),
                           auto_load=auto_load, audit_prompts=audit_prompts, tcp=tcp_addr,
                           allow_remote=allow_remote, http=http_addr, http_auth=http_auth,
                           keep_alive=keep_seconds, rpc=rpc_hosts,

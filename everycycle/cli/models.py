@@ -185,15 +185,16 @@ def pull(
 
 def _needs(spec: Any) -> dict[str, int | str | None]:
     """What ``spec`` will need in memory (weights, KV cache), and how its chats are
-    rendered (``jinja``, ``llama.cpp``, ``chatml``; ``none`` for a completion model),
-    if its file is here."""
+    rendered (``jinja``, ``llama.cpp``, ``chatml``; ``none`` for a completion model)
+    and why not by its own template where that is so, if its file is here."""
     from ..engine.chat import renderer_of
     from ..engine.gguf import read_metadata
     from ..engine.memory import plan
     from ..models.registry import local_file
 
     unknown: dict[str, int | str | None] = {"weights_bytes": None, "kv_bytes": None,
-                                            "chat_template": None}
+                                            "chat_template": None,
+                                            "chat_template_note": None}
     try:
         if spec.package is not None and spec.package_file is None:
             # Finding it would import the weights package: only a file verified before.
@@ -209,9 +210,10 @@ def _needs(spec: Any) -> dict[str, int | str | None]:
         source = read_metadata(found).get("tokenizer.chat_template")
     except EverycycleError:
         return unknown
-    renderer = ("none" if spec.format is Format.RAW
-                else renderer_of(source if isinstance(source, str) else None))
-    return {"weights_bytes": needs.weights, "kv_bytes": needs.kv, "chat_template": renderer}
+    renderer, note = (("none", None) if spec.format is Format.RAW
+                      else renderer_of(source if isinstance(source, str) else None))
+    return {"weights_bytes": needs.weights, "kv_bytes": needs.kv, "chat_template": renderer,
+            "chat_template_note": note}
 
 
 def _available(spec: Any) -> bool:
@@ -248,6 +250,7 @@ def show(
     Example:
       everycycle show smollm2-135m
     """
+    from ..engine.chat import renderer_of
     from ..engine.gguf import read_metadata
     from ..models.registry import load_registry, local_file
 
@@ -258,6 +261,9 @@ def show(
     except EverycycleError as exc:
         exit_for(exc)
     arch = str(meta.get("general.architecture", "?"))
+    source = meta.get("tokenizer.chat_template")
+    renderer, note = (("none", None) if spec.format is Format.RAW
+                      else renderer_of(source if isinstance(source, str) else None))
     info: dict[str, Any] = {
         "name": spec.name, "source": spec.source, "revision": spec.revision,
         "file": str(path), "kind": "completion" if spec.format is Format.RAW else "chat",
@@ -265,7 +271,8 @@ def show(
         "context_trained": meta.get(f"{arch}.context_length"),
         "context": spec.context, "parallel": spec.parallel, "executor": spec.executor,
         "parameters": dict(spec.sampling) or None,
-        "chat_template": meta.get("tokenizer.chat_template"),
+        "chat_renderer": f"{renderer} ({note})" if note else renderer,
+        "chat_template": source,
     }
     if as_json:
         sys.stdout.write(json.dumps(info) + "\n")

@@ -1,4 +1,5 @@
-"""The append-only JSONL audit log: one line per finished request, rotated by size.
+"""The append-only JSONL audit log: one line per finished request, rotated by size;
+whole lines only, under the file's lock (statefile.append).
 
 No prompt text unless asked for. A failing log (disk full, unwritable) never stops
 requests from being served; the failure is reported once.
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from .. import statefile
+from ..errors import FileBusyError
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +32,9 @@ class AuditLog:
         """Append one record (a ``time`` field is added). Never raises."""
         line = json.dumps({"time": round(time.time(), 3), **record}, ensure_ascii=False)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if self.path.exists() and self.path.stat().st_size >= self.max_bytes:
-                os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                os.write(fd, line.encode("utf-8") + b"\n")
-            finally:
-                os.close(fd)
+            statefile.append(self.path, line, max_bytes=self.max_bytes)
             self._failed = False
-        except OSError as exc:
+        except (OSError, FileBusyError) as exc:
             if not self._failed:
                 log.error("audit log %s is not writable (%s); requests are still served",
                           self.path, exc)

@@ -22,11 +22,12 @@ import re
 import secrets
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import paths
+from .. import paths, statefile
 from ..errors import ConfigError, InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -88,13 +89,13 @@ def load_or_create_token() -> str:
     """The daemon's first key, "default" (TCP and HTTP), created (0600) on first use."""
     path = paths.token_file()
     paths.ensure_private_dir(path.parent)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         return path.read_text().strip()
-    except FileNotFoundError:
+    with statefile.locked(path):  # two first uses at once agree on one token
+        with contextlib.suppress(FileNotFoundError):
+            return path.read_text().strip()
         token = secrets.token_urlsafe(32)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
+        statefile.replace(path, token + "\n")
         return token
 
 
@@ -181,7 +182,7 @@ class KeyStore:
     def __init__(self, path: Path | None = None, *, default_token: str | None = None) -> None:
         self.path = path or keys_file()
         self.default_token = default_token
-        self._seen: tuple[int, int] | None = None
+        self._seen: tuple[int, int, int] | None = None
         self._keys: dict[str, Key] = {}
         """The last keys read without a fault."""
         self._broken: tuple[int, int] | None = None
@@ -206,7 +207,7 @@ class KeyStore:
         except OSError as exc:
             raise ConfigError(f"cannot read key file {self.path}: {exc.strerror}") from None
         self._check_mode(st)
-        seen = (st.st_mtime_ns, st.st_size)
+        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
         if seen == self._seen:
             return self._keys
         try:
@@ -264,56 +265,56 @@ class KeyStore:
 
     # ------------------------------------------------------------------ writing
 
-    def _write(self, keys: dict[str, Key]) -> None:
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[dict[str, Key]]:
+        """The keys as on file now, read under the file's lock, for the caller to change
+        in place; written back (atomically, durably) when the block ends without an
+        error. Raises FileBusyError or ConfigError; nothing is changed then."""
         paths.ensure_private_dir(self.path.parent)
+        try:
+            with statefile.locked(self.path):
+                self._seen = None  # another process may have written since: read afresh
+                keys = dict(self.keys())
+                yield keys
+                self._write(keys)
+        except OSError as exc:  # a full disk, a read-only config dir: nothing changed
+            raise ConfigError(f"cannot write key file {self.path}: "
+                              f"{exc.strerror or exc}; nothing was changed") from None
+
+    def _write(self, keys: dict[str, Key]) -> None:
         body = {"keys": {k.name: {**({"sha256": k.sha256} if k.sha256 else {}),
                                   "created": k.created,
                                   "limits": {n: v for n, v in asdict(k.limits).items()
                                              if v is not None}}
                          for k in keys.values()}}
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump(body, f, indent=2)
-                    f.write("\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    tmp.unlink()
-        except OSError as exc:  # a full disk, a read-only config dir: nothing changed
-            raise ConfigError(f"cannot write key file {self.path}: "
-                              f"{exc.strerror or exc}; nothing was changed") from None
+        statefile.replace(self.path, json.dumps(body, indent=2) + "\n")
 
     def add(self, name: str, limits: KeyLimits) -> str:
         """Make key ``name``; returns its secret (shown once, never stored)."""
-        keys = dict(self.keys())
         check_name(name)
-        if name in keys:
-            raise InvalidRequestError(f"key '{name}' exists; remove it first (keys rm {name})")
-        secret = SECRET_PREFIX + secrets.token_urlsafe(32)
-        keys[name] = Key(name, hash_secret(secret), round(time.time(), 3), limits)
-        self._write(keys)
+        with self._changing() as keys:
+            if name in keys:
+                raise InvalidRequestError(f"key '{name}' exists; remove it first "
+                                          f"(keys rm {name})")
+            secret = SECRET_PREFIX + secrets.token_urlsafe(32)
+            keys[name] = Key(name, hash_secret(secret), round(time.time(), 3), limits)
         return secret
 
     def set_limits(self, name: str, limits: KeyLimits) -> None:
         """Replace the limits of key ``name``, or of "local" or "default"."""
-        keys = dict(self.keys())
-        old = keys.get(name)
-        if old is None and name not in RESERVED:
-            raise InvalidRequestError(f"no key named '{name}' (keys add {name} makes one)")
-        keys[name] = Key(name, old.sha256 if old else None,
-                         old.created if old else round(time.time(), 3), limits)
-        self._write(keys)
+        with self._changing() as keys:
+            old = keys.get(name)
+            if old is None and name not in RESERVED:
+                raise InvalidRequestError(f"no key named '{name}' (keys add {name} makes "
+                                          "one)")
+            keys[name] = Key(name, old.sha256 if old else None,
+                             old.created if old else round(time.time(), 3), limits)
 
     def remove(self, name: str) -> None:
-        keys = dict(self.keys())
-        if name not in keys or name in RESERVED:
-            raise InvalidRequestError(f"no key named '{name}'" if name not in RESERVED else
-                                      f"'{name}' cannot be removed; `keys limit {name}` "
-                                      "with no limits lifts them")
-        del keys[name]
-        self._write(keys)
+        with self._changing() as keys:
+            if name not in keys or name in RESERVED:
+                raise InvalidRequestError(
+                    f"no key named '{name}'" if name not in RESERVED else
+                    f"'{name}' cannot be removed; `keys limit {name}` with no limits "
+                    "lifts them")
+            del keys[name]

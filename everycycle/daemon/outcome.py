@@ -21,6 +21,9 @@ class Limits:
     """Active requests per connection."""
     max_prompt_bytes: int = 512 * 1024
     max_tokens: int = MAX_TOKENS_LIMIT
+    hang_timeout: float = 60.0
+    """Seconds an engine with work in hand may make no progress before it is taken for
+    hung: killed and restarted, its requests told why."""
 
 
 @dataclass(frozen=True, slots=True)

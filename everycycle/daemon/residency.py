@@ -127,7 +127,8 @@ class Residency:
                  notify: Notify, on_death: Callable[[Engine], None], isolate: bool,
                  engine_factory: EngineFactory | None, keep_alive: float,
                  max_loaded_models: int | None = None,
-                 audit: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 audit: Callable[[dict[str, Any]], None] | None = None,
+                 hang_after: float = 60.0) -> None:
         self.registry = registry
         self.requests = requests
         self.remote = remote
@@ -139,6 +140,8 @@ class Residency:
         self.engine_factory = engine_factory
         """Makes every engine when set (tests: a fake engine, a real class)."""
         self.keep_alive = keep_alive
+        self.hang_after = hang_after
+        """An engine process with work in hand and no progress this long is hung."""
         self.models: dict[str, Resident] = {}
         self.local: list[ex.Executor] = []
         """This machine's executors, as last discovered."""
@@ -310,7 +313,7 @@ class Residency:
         kernels = cpukernels.decide(paths.state_dir())
         common = LoadOptions(context=spec.context, parallel=spec.parallel,
                              n_threads=spec.threads, kv_cache_type=spec.kv_cache_type,
-                             extra_bufts=kernels.extra,
+                             extra_bufts=kernels.extra, name=spec.name,
                              mmproj=str(projector) if projector is not None else None)
         if remote is not None:
             holder = self.host_in_use(remote)
@@ -340,7 +343,7 @@ class Residency:
                 from ..engine.process import EngineProcess
 
                 return EngineProcess(path, options, notify=self._notify, label=spec.name,
-                                     on_death=self._on_death)
+                                     on_death=self._on_death, hang_after=self.hang_after)
             from ..engine.runner import Runner
 
             return Runner.load(path, options, self._notify)
@@ -436,6 +439,8 @@ class Residency:
         model.last_exit = cause
         message = engine.dead or f"engine for {name} died: {cause}"
         log.error("%s", message)
+        self._audit({"event": "engine_death", "model": name, "cause": cause,
+                     "message": message})
         # (Their errors normally came first.)
         self.requests.end_running(name, ErrorKind.INTERNAL, message, engine)
         if model.remote:

@@ -100,7 +100,8 @@ class Supervisor:
             on_death=self._outputs.put, isolate=isolate, engine_factory=engine_factory,
             keep_alive=keep_alive,
             max_loaded_models=max_loaded_models or registry.max_loaded_models,
-            audit=audit.write if audit is not None else None)
+            audit=audit.write if audit is not None else None,
+            hang_after=self.limits.hang_timeout)
         self.fleet = FleetView(self.residency, self.requests)
         self._admission: dict[str, anyio.Lock] = {}
         self._deaths: deque[Engine] = deque()

@@ -20,6 +20,7 @@ from ..errors import InvalidRequestError
 from ..protocol import Message, Role
 from . import reasoning
 from .template import CHATML, ChatTemplate
+from .templatebudget import RenderBudgetError
 from .tools import ToolFormat, add_system_prompt, detect_format, generic_system_prompt
 
 log = logging.getLogger(__name__)
@@ -80,43 +81,80 @@ def _polyfill(m: Message) -> dict[str, Any]:
     return {"role": m.role.value, "content": flat(m)}
 
 
-def renderer_of(source: str | None) -> str:
-    """How a model with chat template ``source`` has its chats rendered: ``jinja``,
-    ``llama.cpp`` (Jinja cannot compile it) or ``chatml`` (it has none)."""
-    if source is None:
-        return "chatml"
+PROBE = ({"role": "user", "content": "Hello"},)
+"""The conversation a template is tried on once, before its first use."""
+
+
+def probe(template: ChatTemplate) -> str | None:
+    """Why ``template`` is unusable: it went over its render budget on a one-line
+    conversation (a loop bomb, a huge string, ...); None when it rendered, or refused
+    that conversation in its own words (which it may do)."""
     try:
-        ChatTemplate.compile(source, bos_token="", eos_token="")
+        template.render(PROBE)
+    except RenderBudgetError as exc:
+        return f"the chat template exceeded its render budget ({exc})"
     except InvalidRequestError:
-        return "llama.cpp"
-    return "jinja"
+        return None
+    return None
+
+
+def renderer_of(source: str | None) -> tuple[str, str | None]:
+    """How a model with chat template ``source`` has its chats rendered, and why not by
+    its template when that is so: ``jinja``, ``llama.cpp`` (Jinja cannot compile it, or
+    it exceeded its render budget) or ``chatml`` (it has none)."""
+    if source is None:
+        return "chatml", None
+    try:
+        template = ChatTemplate.compile(source, bos_token="", eos_token="")
+    except InvalidRequestError as exc:
+        return "llama.cpp", exc.message
+    problem = probe(template)
+    return ("llama.cpp", problem) if problem else ("jinja", None)
 
 
 class ChatFormat:
     """One model's chat template and formats; ``render`` is safe from any thread."""
 
     def __init__(self, source: str | None, *, bos: str, eos: str, strip_bos: bool,
-                 llama_render: LlamaRender | None = None) -> None:
+                 llama_render: LlamaRender | None = None, n_ctx: int = 0,
+                 label: str = "this model") -> None:
         """``source``: the GGUF's template (None: none); ``strip_bos``: the tokenizer adds
         BOS itself, so a rendered leading BOS text is dropped; ``llama_render``: llama.cpp's
-        renderer for this template, when it has one."""
+        renderer for this template, when it has one; ``n_ctx``: a slot's tokens (the
+        render budget's bytes follow); ``label``: the model, in errors.
+
+        Raises InvalidRequestError when the template does not compile and llama.cpp has
+        no renderer for it."""
         self.source = source
+        self.label = label
         self._bos = bos
         self._strip_bos = strip_bos
         self._llama = llama_render
         self._template: ChatTemplate | None = None
         self.renderer = "chatml"
+        self.unusable: str | None = None
+        """Why the model's own template is not used (it went over its render budget
+        when tried), if so."""
         if source is not None:
             try:
-                self._template = ChatTemplate.compile(source, bos_token=bos, eos_token=eos)
+                self._template = ChatTemplate.compile(source, bos_token=bos, eos_token=eos,
+                                                      n_ctx=n_ctx)
                 self.renderer = "jinja"
             except InvalidRequestError as exc:
                 if llama_render is None:
                     raise
                 log.info("%s; llama.cpp's renderer is used", exc.message)
                 self.renderer = "llama.cpp"
+            if self._template is not None and (problem := probe(self._template)):
+                # As a template that does not compile: llama.cpp's renderer, if it has one.
+                self._template, self.unusable = None, f"model '{label}': {problem}"
+                self.renderer = "llama.cpp" if llama_render is not None else "none"
+                log.warning("%s; %s", self.unusable,
+                            "llama.cpp's renderer is used" if llama_render is not None
+                            else "chats are refused")
         else:
-            self._template = ChatTemplate.compile(CHATML, bos_token=bos, eos_token=eos)
+            self._template = ChatTemplate.compile(CHATML, bos_token=bos, eos_token=eos,
+                                                  n_ctx=n_ctx)
         text = source or ""
         self.tool_format = detect_format(text if self.renderer == "jinja" else None)
         self._thinks = reasoning.detect(text)
@@ -130,6 +168,8 @@ class ChatFormat:
         in the model's own tool format. Raises InvalidRequestError with the template's
         own message when it refuses the conversation."""
         tool_format = self.tool_format if tools else None
+        if self._template is None and self._llama is None:
+            raise InvalidRequestError(f"{self.unusable}: this model has no chat")
         if self._template is None:  # llama.cpp's renderer: no tools, no flags
             assert self._llama is not None
             dicts = [_polyfill(m) for m in messages]
@@ -147,7 +187,11 @@ class ChatFormat:
             dicts = [_polyfill(m) if polyfill else _dict(m) for m in messages]
             if tools and not native:
                 dicts = add_system_prompt(dicts, generic_system_prompt(tools))
-            text = self._template.render(dicts, tools=tools if native else None, **flags)
+            try:
+                text = self._template.render(dicts, tools=tools if native else None, **flags)
+            except RenderBudgetError as exc:
+                raise InvalidRequestError(f"the chat template of model '{self.label}' "
+                                          f"exceeded its render budget: {exc}") from None
         if self._strip_bos and self._bos and text.startswith(self._bos):
             text = text[len(self._bos):]  # the tokenizer adds it
         inside = self._thinks is not None and reasoning.starts_inside(text, self._thinks)

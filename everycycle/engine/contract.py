@@ -97,6 +97,8 @@ class LoadOptions:
     the first."""
     mmproj: str | None = None
     """A vision projector GGUF to load beside the model (libmtmd): images in."""
+    name: str = ""
+    """The model's registry name, for messages (empty: the file's name)."""
 
 
 # ---------------------------------------------------------------------- the pipe
@@ -198,6 +200,16 @@ class Returned(NamedTuple):
     cid: int
     value: Any
     error: WireError | None
+
+
+class Heartbeat(NamedTuple):
+    """Sent every ``HEARTBEAT_S``: the decode loop's step count (a SIGSTOPped or wedged
+    engine sends none, or the same count while it has work)."""
+
+    steps: int
+
+
+HEARTBEAT_S = 1.0
 
 
 class Closed(NamedTuple):

@@ -32,12 +32,21 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import statefile
+from ..errors import FileBusyError
+
 log = logging.getLogger(__name__)
 
 ENV = "EVERYCYCLE_CPU_EXTRA"
 FAULT_ENV = "EVERYCYCLE_CPU_PROBE_FAULT"
 """For tests: ``sigill`` makes the probe's child execute an illegal instruction (ud2)
-where it would decode, as a CPU that cannot run its kernels does."""
+before it loads anything, as a CPU that cannot run its kernels does (before the load,
+so that the fault named is this one whatever the host's own kernels do)."""
+CRASH_ENV = "EVERYCYCLE_TEST_EXTRA_BUFTS_CRASH"
+"""For tests, on any CPU: ``1`` makes every llama.cpp load with extra buffer types on
+die of SIGSEGV, as on an Intel CPU whose AMX kernels fault: the probe's child, an
+engine told to use them, and (through the tests' conftest) any load a test makes in
+its own process."""
 CACHE_NAME = "cpu-kernels.json"
 _OFF = "CPU extra buffer types (AMX, repacked weights) off"
 PROBE_TIMEOUT = 120.0
@@ -63,6 +72,13 @@ def signal_cause(code: int) -> str:
         words = (signal.strsignal(sig) or sig.name).lower()
         return f"{sig.name} ({words})"
     return f"exit code {code}"
+
+
+def crash_if_simulated(extra_bufts: bool) -> None:
+    """Die of SIGSEGV here when ``CRASH_ENV`` is set and a load would use extra buffer
+    types (a test-only stand-in for a CPU whose AMX kernels fault)."""
+    if extra_bufts and os.environ.get(CRASH_ENV) == "1":
+        os.kill(os.getpid(), signal.SIGSEGV)
 
 
 def _cpu_identity() -> list[str]:
@@ -118,13 +134,10 @@ def _read_cache(path: Path, key: str) -> Verdict | None:
 
 def _write_cache(path: Path, key: str, verdict: Verdict) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "extra": verdict.extra, "note": verdict.note}),
-                       encoding="utf-8")
-        tmp.replace(path)
-    except OSError as exc:
-        log.warning("cannot keep the CPU kernel verdict in %s: %s", path, exc.strerror)
+        statefile.write(path, json.dumps({"key": key, "extra": verdict.extra,
+                                          "note": verdict.note}))
+    except (OSError, FileBusyError) as exc:
+        log.warning("cannot keep the CPU kernel verdict in %s: %s", path, exc)
 
 
 def run_probe() -> Verdict:
@@ -221,11 +234,11 @@ def _child() -> int:
                 if o.finished:
                     done.set()
 
+        if os.environ.get(FAULT_ENV) == "sigill":
+            _illegal_instruction()
         runner = Runner(path, context=256, parallel=1, notify=notify, n_threads=2,
                         extra_bufts=True, n_batch=64)
         try:
-            if os.environ.get(FAULT_ENV) == "sigill":
-                _illegal_instruction()
             # The load-time probe already decoded 1-, 2-, 4- and 8-row batches; decode a
             # prompt and a few tokens more, through the slot path.
             runner.submit(Job(tokens=list(range(3, 40)), max_tokens=4,

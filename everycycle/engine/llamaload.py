@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import AllocationError, InternalError, InvalidRequestError
 from .contract import LoadOptions
+from .cpukernels import crash_if_simulated
 from .llamalog import backend_init, log_capture
 from .memory import kv_type_id
 
@@ -69,6 +70,7 @@ def load_model(L: Any, path: Path, *, gpu_devices: list[int], n_gpu_layers: int 
     # The CPU's extra buffer types (AMX, repacked weights): only where a child process
     # showed they run on this CPU (cpukernels.py).
     mparams.use_extra_bufts = extra_bufts
+    crash_if_simulated(extra_bufts)
     split: Any = None
     if tensor_split and len(gpu_devices) > 1:
         size = max(len(tensor_split), int(L.llama_max_devices()))

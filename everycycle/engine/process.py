@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
@@ -31,11 +34,13 @@ from ..errors import InternalError
 from .chat import ChatPrompt
 from .contract import (
     CALLS,
+    HEARTBEAT_S,
     Call,
     CancelJob,
     Closed,
     CloseEngine,
     EngineInfo,
+    Heartbeat,
     JobOutput,
     LoadFailed,
     LoadOptions,
@@ -51,6 +56,12 @@ from .jobs import Job, Output
 
 LOAD_TIMEOUT = 300.0
 CLOSE_TIMEOUT = 30.0
+HANG_AFTER = 60.0
+"""The default: an engine with work in hand and no progress for this long is hung (a
+step of a large model on a slow device stays well under it; a long prefill is many
+steps)."""
+
+log = logging.getLogger(__name__)
 
 
 def _isolate() -> None:
@@ -58,8 +69,6 @@ def _isolate() -> None:
     for the daemon's own (nothing of ours goes there). The child ends with the daemon:
     when the daemon's end of the pipe closes, however it died. (Not PR_SET_PDEATHSIG:
     that fires when the *thread* that started the child ends, a worker thread here.)"""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # a fault's gdb dump helps nobody here
     with contextlib.suppress(OSError):
@@ -112,6 +121,15 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
     send(Ready(EngineInfo(os.getpid(), runner.parallel, runner.n_ctx_slot,
                           runner.weights_bytes, runner.kv_bytes, runner.offloaded,
                           runner.lookup_exact)))
+    stop = threading.Event()
+
+    def beat() -> None:
+        assert runner is not None
+        while not stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(OSError, ValueError):
+                send(Heartbeat(runner.steps))
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
     while True:
         try:
             message = conn.recv()
@@ -147,6 +165,7 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
                 send(Returned(message.cid, None, WireError.of(exc)))
         elif isinstance(message, CloseEngine):
             break
+    stop.set()
     runner.close()
     with contextlib.suppress(OSError, ValueError):
         send(Closed())
@@ -161,8 +180,12 @@ class EngineProcess:
     """
 
     def __init__(self, path: Path, options: LoadOptions, *, notify: Notify, label: str,
-                 on_death: Callable[[EngineProcess], None] | None = None) -> None:
+                 on_death: Callable[[EngineProcess], None] | None = None,
+                 hang_after: float = HANG_AFTER) -> None:
         self.label = label
+        self.hang_after = hang_after
+        """Seconds an engine with work in hand may go without progress (a step, a call
+        answered) before it is taken for hung: killed, and its requests told so."""
         self.options = options
         self.endpoint = options.rpc_endpoints[0] if options.rpc_endpoints else None
         self._notify = notify
@@ -187,6 +210,11 @@ class EngineProcess:
         self._calls: dict[int, Future[Any]] = {}
         self._ids = itertools.count(1)
         self._closing = False
+        self._progress = time.monotonic()
+        """When the engine last moved: a step, an output, a call answered."""
+        self._steps = -1
+        self._hung: str | None = None
+        """What it was doing when it was taken for hung (a step, a render)."""
         self.dead: str | None = None
         """Why the child is gone; None while it serves."""
         self.exit_cause: str | None = None
@@ -259,9 +287,19 @@ class EngineProcess:
     def _read(self) -> None:
         while True:
             try:
+                if not self._conn.poll(HEARTBEAT_S):
+                    self._watch()
+                    continue
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
+            if isinstance(message, Heartbeat):
+                if message.steps != self._steps:
+                    self._steps, self._progress = message.steps, time.monotonic()
+                else:
+                    self._watch()
+                continue
+            self._progress = time.monotonic()
             if isinstance(message, Outputs):
                 self._deliver(message)
             elif isinstance(message, Returned):
@@ -296,6 +334,27 @@ class EngineProcess:
         if batch:
             self._notify(batch)
 
+    def _watch(self) -> None:
+        """Kill the child if it has had work in hand and no progress for ``hang_after``
+        seconds (the pipe then closes, and ``_ended`` tells its requests)."""
+        with self._lock:
+            if self._closing or self._hung is not None or not (self._jobs or self._calls):
+                return
+            if time.monotonic() - self._progress < self.hang_after:
+                return
+            self._hung = "a render or call" if self._calls else "a step"
+        log.error("engine for %s made no progress in %s for %g s: killing it", self.label,
+                  self._hung, self.hang_after)
+        with contextlib.suppress(OSError):
+            self._proc.kill()
+            # A stopped process dies of SIGKILL too; SIGCONT lets it go at once.
+            self._proc.send_signal(signal.SIGCONT)
+
+    def _work_arrives(self) -> None:
+        """(Under the lock.) Work handed to an engine with none: its clock starts now."""
+        if not (self._jobs or self._calls):
+            self._progress = time.monotonic()
+
     def _ended(self) -> None:
         """The pipe closed: the child ended, asked or not. Fail what it still had."""
         code = self._wait()
@@ -304,6 +363,11 @@ class EngineProcess:
             if self.dead is None:
                 if not died:
                     self.dead = "unloaded"
+                elif self._hung is not None:
+                    self.exit_cause = "hung"
+                    self.dead = (f"engine for {self.label} hung: no progress in "
+                                 f"{self._hung} for {self.hang_after:g} s; it was killed "
+                                 "and is restarted")
                 else:
                     self.exit_cause = signal_cause(code)
                     if code == -9:
@@ -330,6 +394,7 @@ class EngineProcess:
         future: Future[Any] = Future()
         cid = next(self._ids)
         with self._lock:
+            self._work_arrives()
             self._calls[cid] = future
         try:
             self._send(Call(cid, method, args))
@@ -344,6 +409,7 @@ class EngineProcess:
     def submit(self, job: Job) -> None:
         jid = next(self._ids)
         with self._lock:
+            self._work_arrives()
             self._jobs[jid] = job
             self._jids[id(job)] = jid
         try:

@@ -26,8 +26,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import paths
 from ..errors import InternalError
 from ..protocol import Format, Message, Role
+from . import cpukernels
 from .chat import ChatFormat, ChatPrompt, flat
 from .contract import LoadOptions, Notify
 from .jobs import EMBED_MAX_TOKENS, Job, Output
@@ -65,7 +67,8 @@ class Runner(EngineThread):
                    gpu_devices=devices_for(options), n_gpu_layers=options.n_gpu_layers,
                    tensor_split=options.tensor_split, n_threads=options.n_threads,
                    kv_cache_type=options.kv_cache_type, extra_bufts=options.extra_bufts,
-                   mmproj=Path(options.mmproj) if options.mmproj else None)
+                   mmproj=Path(options.mmproj) if options.mmproj else None,
+                   label=options.name or None)
 
     def __init__(
         self,
@@ -80,10 +83,17 @@ class Runner(EngineThread):
         n_threads: int | None = None,
         n_batch: int = 512,
         kv_cache_type: str = "f16",
-        extra_bufts: bool = True,
+        extra_bufts: bool | None = None,
         mmproj: Path | None = None,
+        label: str | None = None,
     ) -> None:
         import llama_cpp as L
+
+        self.label = label or path.name
+        """The model in messages: its registry name, else its file's."""
+
+        if extra_bufts is None:  # as the engine loads: where the probe showed they run
+            extra_bufts = cpukernels.decide(paths.state_dir()).extra
 
         self._L = L
         self.path = path
@@ -203,7 +213,8 @@ class Runner(EngineThread):
                 self._chat_format = ChatFormat(
                     vocab.template_source, bos=vocab.special_text("bos"),
                     eos=vocab.special_text("eos"), strip_bos=vocab.add_bos,
-                    llama_render=vocab.render_chat if vocab.template is not None else None)
+                    llama_render=vocab.render_chat if vocab.template is not None else None,
+                    n_ctx=self.n_ctx_slot, label=self.label)
                 if vocab.template_source is None:
                     log.info("%s has no chat template: chats are rendered as ChatML",
                              self.path.name)

@@ -44,6 +44,8 @@ class EngineThread:
     lookup_exact: bool
     lookup_drafted: int
     lookup_accepted: int
+    steps: int = 0
+    """Loop iterations with work done: a step that moves is progress."""
     _notify: Notify
     _ctx: Any
     _mem: Any
@@ -111,6 +113,7 @@ class EngineThread:
             if embeds is None:  # closing
                 self._safe_notify(out)
                 return
+            self.steps += 1  # (progress, for the daemon's hung-engine watch)
             if embeds:
                 self._embed(embeds, out)
             for s in self._slots:

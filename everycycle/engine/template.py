@@ -5,6 +5,7 @@ The environment is transformers' own: an immutable sandbox with ``trim_blocks`` 
 ``lstrip_blocks``, the loop-controls extension, a ``tojson`` filter that keeps non-ASCII
 text and takes ``indent``, and the globals ``raise_exception`` and ``strftime_now``; the
 ``{% generation %}`` block (assistant masks in training) renders its body unchanged.
+Every render runs under a budget of time, operations and bytes (templatebudget.py).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import InvalidRequestError
+from .templatebudget import BudgetedEnvironment, bounded, output_cap, str_join
 
 CHATML = (
     "{%- for message in messages -%}\n"
@@ -65,8 +66,8 @@ class _GenerationBlock(jinja2.ext.Extension):
 
 
 @functools.cache
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+def _environment() -> BudgetedEnvironment:
+    env = BudgetedEnvironment(
         trim_blocks=True, lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
     env.filters["tojson"] = _tojson
@@ -129,20 +130,27 @@ class ChatTemplate:
     """One compiled chat template and the BOS/EOS texts it is rendered with."""
 
     def __init__(self, source: str, template: jinja2.Template, *, bos_token: str,
-                 eos_token: str) -> None:
+                 eos_token: str, max_bytes: int) -> None:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.max_bytes = max_bytes
+        """The largest prompt (and value inside the render) it may build."""
         self._template = template
 
     @classmethod
-    def compile(cls, source: str, *, bos_token: str, eos_token: str) -> ChatTemplate:
-        """Compile ``source``; raises InvalidRequestError naming a syntax error."""
+    def compile(cls, source: str, *, bos_token: str, eos_token: str,
+                n_ctx: int = 0) -> ChatTemplate:
+        """Compile ``source`` for a model of ``n_ctx`` tokens a slot (its render budget
+        follows); raises InvalidRequestError naming a syntax error."""
         try:
             template = _environment().from_string(source)
         except jinja2.TemplateError as exc:
             raise _syntax_error(exc) from None
-        return cls(source, template, bos_token=bos_token, eos_token=eos_token)
+        # Jinja's ``~`` calls the compiled module's str_join: the budgeted one.
+        template.root_render_func.__globals__["str_join"] = str_join
+        return cls(source, template, bos_token=bos_token, eos_token=eos_token,
+                   max_bytes=output_cap(n_ctx))
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
                tools: Sequence[Mapping[str, Any]] | None = None,
@@ -153,7 +161,8 @@ class ChatTemplate:
         A null ``content`` is passed as None (as transformers does); only when that
         fails to render is it retried as "" (as llama.cpp does). Raises
         InvalidRequestError with the template's own message when it calls
-        ``raise_exception``, or saying what failed when rendering fails otherwise.
+        ``raise_exception``, or saying what failed when rendering fails otherwise;
+        RenderBudgetError when it runs out of time, operations or bytes.
         """
         prepared = [_message(m) for m in messages]
         try:
@@ -180,7 +189,7 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            return self._template.render(context)
+            return bounded(lambda: self._template.generate(context), self.max_bytes)
         except TemplateRaisedError as exc:
             message = exc.message or "the chat template refused the request"
             raise InvalidRequestError(message) from None

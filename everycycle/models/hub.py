@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, cast
 
-from .. import paths
+from .. import paths, statefile
 from ..errors import (
     ChecksumMismatchError,
+    FileBusyError,
     HubUnreachableError,
     InternalError,
     InvalidRequestError,
@@ -240,11 +241,7 @@ def verify(path: Path, expected: str) -> None:
     key = str(real)
     stamp = [st.st_size, st.st_mtime_ns, expected]
     memo_path = paths.state_dir() / "verified.json"
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    if memo.get(key) == stamp:
+    if _read_memo(memo_path).get(key) == stamp:
         return
     actual = sha256_of(real)
     if actual != expected:
@@ -252,22 +249,25 @@ def verify(path: Path, expected: str) -> None:
             f"{path}: sha256 is {actual}, but the registry pins {expected}; "
             "the file was not used (nothing was deleted)"
         )
-    memo[key] = stamp
-    with contextlib.suppress(OSError):
-        memo_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, memo_path)
+    # (a memo that cannot be kept costs a re-hash next time, nothing more)
+    with contextlib.suppress(OSError, FileBusyError), statefile.locked(memo_path):
+        memo = _read_memo(memo_path)  # afresh, under the lock: others' entries kept
+        memo[key] = stamp
+        statefile.replace(memo_path, json.dumps(memo))
+
+
+def _read_memo(memo_path: Path) -> dict[str, Any]:
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return memo if isinstance(memo, dict) else {}
 
 
 def verified_path(expected: str) -> Path | None:
     """A file verified before to have sha256 ``expected`` and unchanged since (by size
     and mtime), without reading it; None when there is none."""
-    try:
-        memo = json.loads((paths.state_dir() / "verified.json").read_text())
-    except (OSError, ValueError):
-        return None
-    for key, stamp in memo.items() if isinstance(memo, dict) else ():
+    for key, stamp in _read_memo(paths.state_dir() / "verified.json").items():
         if isinstance(stamp, list) and len(stamp) == 3 and stamp[2] == expected:
             with contextlib.suppress(OSError):
                 st = Path(key).stat()

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import statefile
 from ..errors import HubUnreachableError, InternalError, InvalidRequestError
 from . import hub
 
@@ -172,8 +173,7 @@ def _remember(ref: RepoRef, commit: str) -> None:
     library does for a branch or tag, so that an offline pull finds the same files."""
     refs = _repo_cache(ref) / "refs" / (ref.revision or "main")
     try:
-        refs.parent.mkdir(parents=True, exist_ok=True)
-        refs.write_text(commit)
+        statefile.replace(refs, commit, mode=0o644)  # (whole: another pull may read it)
     except OSError:  # (only offline pulls by quantization miss it)
         pass
 

@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import tomllib
 from pathlib import Path
 
-from .. import paths
+from .. import paths, statefile
 from ..errors import ConfigError
 from .registry import SHIPPED_MODELS, _parse, _parse_entry, parse_file
 
@@ -28,6 +27,12 @@ def add_user_entry(name: str, fields: dict[str, object]) -> Path:
     Raises ConfigError if the name is already there or the result would not parse.
     """
     target = paths.user_models_file()
+    with statefile.locked(target):
+        _add(target, name, fields)
+    return target
+
+
+def _add(target: Path, name: str, fields: dict[str, object]) -> None:
     existing = target.read_text(encoding="utf-8") if target.exists() else ""
     if existing:
         entries, _ = parse_file(target)
@@ -38,17 +43,27 @@ def add_user_entry(name: str, fields: dict[str, object]) -> Path:
     )
     text = existing + block
     _parse_entry(name, tomllib.loads(text)["models"][name], target)  # validate before writing
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, target)
-    return target
+    _replace(target, text)
+
+
+def _replace(target: Path, text: str) -> None:
+    try:
+        statefile.replace(target, text)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {target}: {exc.strerror or exc}; nothing was "
+                          "changed") from None
 
 
 def remove_user_entry(name: str) -> Path:
     """Remove ``[models.name]`` from the user's models.toml; returns that file. Raises
     ConfigError when the user's file does not define it (a shipped entry, or none)."""
     target = paths.user_models_file()
+    with statefile.locked(target):
+        _remove(target, name)
+    return target
+
+
+def _remove(target: Path, name: str) -> None:
     text = target.read_text(encoding="utf-8") if target.exists() else ""
     entries = parse_file(target)[0] if text else {}
     if name not in entries:
@@ -72,7 +87,4 @@ def remove_user_entry(name: str) -> Path:
     result = "".join(kept)
     if name in tomllib.loads(result).get("models", {}):  # (a form we did not recognise)
         raise ConfigError(f"{target}: could not remove model '{name}'; edit the file by hand")
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(result, encoding="utf-8")
-    os.replace(tmp, target)
-    return target
+    _replace(target, result)

@@ -1,0 +1,174 @@
+"""Nothing wedged: a chat template from a stranger runs under a render budget, and an
+engine that stops moving is killed and restarted (real daemon, real engine processes)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from daemonhelp import EC, daemon_process, wait_until
+from test_engine_process import engine_pid, generate, loaded, serving_again, streams
+from tinymodel import CHAT_TEMPLATE, write_tiny_gguf
+
+from everycycle import paths
+from everycycle.client import SyncClient
+from everycycle.engine.template import ChatTemplate
+from everycycle.engine.templatebudget import RenderBudgetError
+from everycycle.errors import ErrorKind
+from everycycle.protocol import Error, Format, Message, Role, Tokens
+
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+STRING = "{{ ('x' * 100000) * 5000 }}"
+BOMBS = {
+    "loops": LOOPS,
+    "string": STRING,
+    "macro": ("{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}"
+              "{% endmacro %}{{ f(40) }}"),
+    "join": "{{ range(100000) | join('x' * 100000) }}",
+    "tilde": ("{% set ns = namespace(s='0123456789') %}{% for i in range(60) %}"
+              "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOMBS))
+def test_each_bomb_ends_within_its_budget(name: str) -> None:
+    template = ChatTemplate.compile(BOMBS[name] + CHAT_TEMPLATE, bos_token="", eos_token="",
+                                    n_ctx=8192)
+    started = time.monotonic()
+    with pytest.raises(RenderBudgetError):
+        template.render([{"role": "user", "content": "hello"}])
+    assert time.monotonic() - started < 5
+    # and an ordinary render of the same environment is untouched by it
+    ok = ChatTemplate.compile(CHAT_TEMPLATE, bos_token="", eos_token="", n_ctx=8192)
+    assert ok.render([{"role": "user", "content": "hi"}]).endswith("<start_of_turn>model\n")
+
+
+def _when(word: str, bomb: str) -> str:
+    """A template that renders normally, but runs ``bomb`` for a message ``word``."""
+    return f"{{% if messages[-1]['content'] == '{word}' %}}{bomb}{{% endif %}}" + CHAT_TEMPLATE
+
+
+@pytest.fixture
+def bombs(tmp_path: Path) -> Path:
+    conditional = write_tiny_gguf(tmp_path / "conditional.gguf", chat_template=(
+        _when("loops", LOOPS).replace(CHAT_TEMPLATE, "") + _when("string", STRING)))
+    always = write_tiny_gguf(tmp_path / "always.gguf",
+                             chat_template=LOOPS + "<|im_start|>" + CHAT_TEMPLATE)
+    f = tmp_path / "bombs.toml"
+    f.write_text(f'[models.bomb]\npath = "{conditional}"\ncontext = 2048\nparallel = 2\n'
+                 f'[models.always]\npath = "{always}"\ncontext = 2048\nparallel = 1\n')
+    return f
+
+
+def _chat(c: SyncClient, model: str, text: str) -> list[object]:
+    return list(c.generate(model, messages=(Message(Role.USER, text),), max_tokens=4,
+                           temperature=0.0))
+
+
+def test_a_bomb_in_a_request_ends_invalid_and_the_model_serves_on(bombs: Path) -> None:
+    with daemon_process("--models", str(bombs)), SyncClient() as c:
+        assert isinstance(_chat(c, "bomb", "hello")[-1], Tokens)
+        before = loaded("bomb")
+        assert before is not None and before.engine_rss
+        for word in ("loops", "string"):
+            started = time.monotonic()
+            last = _chat(c, "bomb", word)[-1]
+            took = time.monotonic() - started
+            assert isinstance(last, Error) and last.kind is ErrorKind.INVALID, last
+            assert "chat template of model 'bomb' exceeded its render budget" in last.message
+            assert took < 10, took
+            # the same model answers next: a raw prompt, and a chat
+            raw = list(c.generate("bomb", "hello", format=Format.RAW, max_tokens=4,
+                                  temperature=0.0))
+            assert isinstance(raw[-1], Tokens) and raw[-1].finished
+            assert isinstance(_chat(c, "bomb", "hello")[-1], Tokens)
+        after = loaded("bomb")
+        assert after is not None and after.engine_pid == before.engine_pid  # not restarted
+        assert after.engine_rss is not None
+        assert after.engine_rss - before.engine_rss < 64 << 20
+
+
+def test_a_template_over_budget_when_tried_falls_back_and_says_why(bombs: Path) -> None:
+    listed = subprocess.run([*EC, "models", "--json", "--models", str(bombs)],
+                            capture_output=True, text=True, timeout=60, check=True)
+    row = next(r for r in json.loads(listed.stdout) if r["name"] == "always")
+    assert row["chat_template"] == "llama.cpp"
+    assert "exceeded its render budget (over 3 s)" in row["chat_template_note"]
+    shown = subprocess.run([*EC, "show", "always", "--models", str(bombs)],
+                           capture_output=True, text=True, timeout=60, check=True)
+    assert "chat renderer" in shown.stdout and "render budget" in shown.stdout
+    with daemon_process("--models", str(bombs)), SyncClient() as c:
+        started = time.monotonic()
+        events = _chat(c, "always", "hello")  # llama.cpp's renderer (ChatML) answers
+        assert isinstance(events[-1], Tokens) and events[-1].finished, events[-1]
+        assert time.monotonic() - started < 10
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, tiny_gguf: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    f = tmp_path / "two.toml"
+    f.write_text(
+        'default = "a"\n'
+        f'[models.a]\npath = "{tiny_gguf}"\ncontext = 4096\nparallel = 4\n'
+        f'[models.b]\npath = "{tiny_gguf}"\ncontext = 4096\nparallel = 4\n'
+    )
+    log = tmp_path / "daemon.stderr"
+    with daemon_process("--models", str(f), "--http", "127.0.0.1:0", "--hang-timeout", "2",
+                        stderr=log) as proc:
+        yield proc, log
+
+
+def test_an_engine_that_stops_moving_is_replaced(
+        daemon: tuple[subprocess.Popen[bytes], Path]) -> None:
+    proc, log = daemon
+    with SyncClient() as c:
+        c.load("a")
+    pid = engine_pid("a")
+    victims = [generate("a", f"a{i}", 4000) for i in range(4)]
+    others = [generate("b", f"b{i}", 200) for i in range(2)]
+    started = time.monotonic()
+    events = anyio.run(streams, victims + others, (pid, signal.SIGSTOP))
+    took = time.monotonic() - started
+    for r in victims:
+        evs = events[r.request_id]
+        last = evs[-1]
+        assert isinstance(last, Error) and last.kind is ErrorKind.INTERNAL, last
+        assert last.message.startswith("engine for a hung: no progress in a step for 2 s")
+    for r in others:
+        assert isinstance(events[r.request_id][-1], Tokens)
+    assert took < 2 + 10, took
+    wait_until(lambda: serving_again("a", pid), "model a's engine to restart")
+    again = anyio.run(streams, [generate("a", "after", 20)])["after"]
+    assert isinstance(again[-1], Tokens) and again[-1].finished
+    m = loaded("a")
+    assert m is not None and m.engine_restarts == 1 and m.engine_exit == "hung"
+    with SyncClient() as c:
+        http = c.describe_fleet().http
+    assert http is not None
+    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert 'everycycle_engine_deaths_total{cause="hung",model="a"} 1.0' in metrics
+    records = map(json.loads, paths.audit_file().read_text().splitlines())
+    deaths = [r for r in records if r.get("event") == "engine_death"]
+    assert [(d["model"], d["cause"]) for d in deaths] == [("a", "hung")]
+    assert proc.poll() is None and "Traceback" not in log.read_text()
+
+
+def test_a_long_busy_engine_is_not_taken_for_hung(
+        daemon: tuple[subprocess.Popen[bytes], Path]) -> None:
+    # Four streams of 1,200 tokens keep the engine busy for longer than the 2 s timeout:
+    # every step is progress.
+    started = time.monotonic()
+    events = anyio.run(streams, [generate("a", f"l{i}", 1200) for i in range(4)])
+    assert time.monotonic() - started > 2
+    for evs in events.values():
+        assert isinstance(evs[-1], Tokens) and evs[-1].finished
+    m = loaded("a")
+    assert m is not None and not m.engine_restarts and m.engine_exit is None
