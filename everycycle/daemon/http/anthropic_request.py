@@ -5,13 +5,21 @@ of a protocol Generate. Every mistake is an HttpError (400) naming the field.
 Content blocks: ``text``; ``tool_use`` (assistant) becomes a tool call; ``tool_result``
 (user) becomes a ``tool`` message answering its ``tool_use_id`` (``is_error`` prefixes
 its content with ``Error:``); ``thinking``/``redacted_thinking`` in an assistant's history
-are dropped, as the models' templates drop earlier thoughts. Other blocks (images,
-documents, server tools) are refused.
+are dropped, as the models' templates drop earlier thoughts; ``image`` blocks are
+taken. Other blocks (documents, server tool results) are refused.
+
+A ``system``-role message inside ``messages`` (Claude Code sends them) joins the system
+prompt, which leads the conversation as every template wants it. ``cache_control`` on
+any block, tool flags (``defer_loading``, ``cache_control``, ``strict``), server tools
+(``web_search_*``, ``bash_*``, ...: we run none; they are left out of the prompt, with a
+debug line) and ``metadata``/``context_management``/``output_config``/``service_tier``
+are accepted; ``output_config.effort`` asks a thinking model to think.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
@@ -20,6 +28,8 @@ from ...errors import ProtocolError
 from ...protocol import ContentPart, Message, PartType, Role, ToolCall, ToolChoice
 from .common import HttpError, deadline, image_part, joined_text
 from .openai_request import check_types
+
+log = logging.getLogger(__name__)
 
 _CHOICES = {"auto": ToolChoice.AUTO, "any": ToolChoice.REQUIRED, "none": ToolChoice.NONE}
 
@@ -111,27 +121,42 @@ def messages(data: dict[str, Any]) -> tuple[Message, ...]:
     if not isinstance(raw, list) or not raw:
         raise _bad("messages", "must be a non-empty list")
     out: list[Message] = []
+    systems: list[str] = []
     system = data.get("system")
     if system is not None and (text := text_of("system", system)):
-        out.append(_message("system", Role.SYSTEM, text))
+        systems.append(text)
     for i, item in enumerate(raw):
         where = f"messages[{i}]"
         role = item.get("role") if isinstance(item, dict) else None
+        if role == "system":  # (Claude Code's): into the one system prompt, in order
+            if text := text_of(f"{where}.content", item.get("content")):
+                systems.append(text)
+            continue
         if role not in ("user", "assistant"):
-            raise _bad(f"{where}.role", "must be user or assistant")
+            raise _bad(f"{where}.role", "must be user, assistant or system")
         content = item.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise _bad(f"{where}.content", "must be a string or a list of content blocks")
         out.extend(_turn(where, role, blocks))
+    if systems:
+        out.insert(0, _message("system", Role.SYSTEM, "\n\n".join(systems)))
+    if not any(m.role is not Role.SYSTEM for m in out):
+        raise _bad("messages", "needs a user or assistant message")
     return tuple(out)
 
 
-def _tool(i: int, tool: object) -> dict[str, Any]:
-    """An Anthropic tool {name, description, input_schema} as an OpenAI function tool."""
+def _tool(i: int, tool: object) -> dict[str, Any] | None:
+    """An Anthropic tool {name, description, input_schema} as an OpenAI function tool;
+    None for a server tool (``web_search_20250305``, ...), which we do not run."""
     where = f"tools[{i}]"
-    if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
-        raise _bad(where, "only custom tools {name, description, input_schema} are supported")
+    if not isinstance(tool, dict):
+        raise _bad(where, "a tool is {name, description?, input_schema: {...}}")
+    kind = tool.get("type", "custom")
+    if kind != "custom" and tool.get("input_schema") is None:
+        log.debug("%s: a %r server tool is not run here; left out of the prompt", where,
+                  kind)
+        return None
     name, schema = tool.get("name"), tool.get("input_schema")
     description = tool.get("description", "")
     if not (isinstance(name, str) and isinstance(schema, dict)
@@ -154,8 +179,10 @@ def tools(data: dict[str, Any]) -> dict[str, Any]:
         return {}
     if not isinstance(raw, list):
         raise _bad("tools", "must be a list of tools")
-    fields: dict[str, Any] = {
-        "tools": json.dumps([_tool(i, t) for i, t in enumerate(raw)], ensure_ascii=False)}
+    offered = [tool for i, t in enumerate(raw) if (tool := _tool(i, t)) is not None]
+    if not offered:
+        return {}
+    fields: dict[str, Any] = {"tools": json.dumps(offered, ensure_ascii=False)}
     if isinstance(choice, dict):
         if kind == "tool":
             if not isinstance(choice.get("name"), str):
@@ -172,13 +199,20 @@ def tools(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def thinking(data: dict[str, Any]) -> dict[str, Any]:
-    """``thinking`` {type: enabled | adaptive | disabled} as Generate's ``think``."""
+    """``thinking`` {type: enabled | adaptive | disabled} as Generate's ``think``
+    (``adaptive``: as the model does by default, unless ``output_config.effort`` asks)."""
     raw = data.get("thinking")
+    config = data.get("output_config")
+    effort = config.get("effort") if isinstance(config, dict) else None
+    if effort is not None and not isinstance(effort, str):
+        raise _bad("output_config.effort", "must be a string (low, medium, high)")
     if raw is None:
-        return {}
+        return {"think": True} if effort else {}
     kind = raw.get("type") if isinstance(raw, dict) else None
     if kind not in ("enabled", "adaptive", "disabled"):
         raise _bad("thinking", 'must be {"type": "enabled" | "adaptive" | "disabled"}')
+    if kind == "adaptive":
+        return {"think": True} if effort else {}
     return {"think": kind != "disabled"}
 
 
