@@ -6,7 +6,8 @@
     ├── ProtocolError                  the peer sent a line we cannot accept (Invalid)
     │   └── LineTooLongError           a line over the framing limit (Invalid, closes)
     ├── InvalidRequestError            well-formed but unacceptable: range, unknown model (Invalid)
-    │   └── ChecksumMismatchError      a model file differs from its sha256 pin (Invalid)
+    │   ├── ChecksumMismatchError      a model file differs from its sha256 pin (Invalid)
+    │   └── ContextOverflowError       a prompt longer than the context; its numbers (Invalid)
     ├── ConfigError                    a models.toml or option problem (Invalid)
     │   └── AlreadyRunningError        another daemon serves this socket; .pid (Invalid)
     ├── ModelNotLoadedError            known model, not resident, auto-load off (ModelNotLoaded)
@@ -76,6 +77,15 @@ class InvalidRequestError(EverycycleError):
 
 class ChecksumMismatchError(InvalidRequestError):
     """A model file's sha256 differs from the pinned one."""
+
+
+class ContextOverflowError(InvalidRequestError):
+    """A prompt of ``prompt_tokens`` tokens does not fit a context of ``context``."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, context: int) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.context = context
 
 
 class ConfigError(EverycycleError):

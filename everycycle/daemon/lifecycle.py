@@ -73,6 +73,8 @@ class Active:
     n_out: int = 0
     output: ChatOutput | None = None
     """What splits its output into answer, thinking and tool calls (None: all answer)."""
+    context_limit: int | None = None
+    """The context its prompt did not fit, when it ended so."""
 
 
 @dataclass(eq=False)
@@ -243,6 +245,7 @@ class Requests:
             principal=active.peer.principal.name,
             tool_calls=len(active.output.calls) if active.output else 0,
             malformed_calls=active.output.malformed if active.output else 0,
+            context_limit=active.context_limit,
         )
         active.peer.emit(event, outcome)
         self._report(outcome, active.req)

@@ -27,6 +27,7 @@ from ..engine.chatoutput import ChatOutput
 from ..engine.contract import Engine
 from ..engine.jobs import Job, Output
 from ..errors import (
+    ContextOverflowError,
     ErrorKind,
     EverycycleError,
     InternalError,
@@ -230,6 +231,8 @@ class Supervisor:
         if isinstance(request, Generate | Embed) and active is not None and active.peer is peer:
             if active.cancel_reason is not None:  # cancelled while admitting
                 exc = RequestCancelledError(active.cancel_reason)
+            elif isinstance(exc, ContextOverflowError):
+                active.n_prompt, active.context_limit = exc.prompt_tokens, exc.context
             self.requests.finish(active, Error(rid, exc.kind, exc.message))
             return
         if not isinstance(request, Generate | Embed):

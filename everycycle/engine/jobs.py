@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import EverycycleError, InvalidRequestError
+from ..errors import ContextOverflowError, EverycycleError, InvalidRequestError
 
 EMBED_MAX_TOKENS = 2048
 """The longest input an embedding request may hold, in tokens."""
@@ -92,8 +92,9 @@ class Job:
         elif not self.tokens:
             raise InvalidRequestError("the prompt is empty after tokenization")
         elif len(self.tokens) >= n_ctx_slot:
-            raise InvalidRequestError(
-                f"prompt is {len(self.tokens)} tokens; the context holds {n_ctx_slot}")
+            raise ContextOverflowError(
+                f"prompt is {len(self.tokens)} tokens; the context holds {n_ctx_slot}",
+                prompt_tokens=len(self.tokens), context=n_ctx_slot)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -55,6 +55,15 @@ _STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_token
                 "context": "max_tokens", "tool_calls": "tool_use"}
 
 
+def _too_long(outcome: Outcome | None) -> str | None:
+    """Anthropic's words for a prompt longer than the context (Claude Code compacts the
+    conversation when it reads them)."""
+    if outcome is None or outcome.context_limit is None:
+        return None
+    return (f"prompt is too long: {outcome.prompt_tokens} tokens > "
+            f"{outcome.context_limit} maximum")
+
+
 def error_body(status: int, message: str) -> dict[str, Any]:
     """Anthropic's error object (``api_error`` for what Anthropic has no type for)."""
     return {"type": "error", "error": {"type": _TYPE.get(status, "api_error"),
@@ -86,7 +95,7 @@ class _Exchange(Exchange):
 
     def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
         status = status_of(event, outcome)
-        return status, dumps(error_body(status, event.message))
+        return status, dumps(error_body(status, _too_long(outcome) or event.message))
 
 
 class _Message(_Exchange):
@@ -176,7 +185,8 @@ class _Message(_Exchange):
                     await self.write(send, sse_event("message_stop", {}))
                     break
             elif isinstance(event, Error):
-                body = error_body(status_of(event, outcome), event.message)
+                body = error_body(status_of(event, outcome),
+                                  _too_long(outcome) or event.message)
                 await self.write(send, sse_event("error", {"error": body["error"]}))
                 break
         if self.started:

@@ -70,9 +70,15 @@ def error_response(status: int, message: str, code: str | None = None,
     return JSONResponse(error_body(status, message, code), status_code=status, headers=headers)
 
 
-def error_answer(event: Error) -> tuple[int, bytes]:
-    """A terminal Error's status and OpenAI error object."""
+def error_answer(event: Error, outcome: Outcome | None = None) -> tuple[int, bytes]:
+    """A terminal Error's status and OpenAI error object (``context_length_exceeded``,
+    in OpenAI's words, for a prompt longer than the context)."""
     status = STATUS[event.kind]
+    if outcome is not None and outcome.context_limit is not None:
+        return status, dumps(error_body(status, (
+            f"This model's maximum context length is {outcome.context_limit} tokens. "
+            f"However, your messages resulted in {outcome.prompt_tokens} tokens."),
+            "context_length_exceeded"))
     return status, dumps(error_body(status, event.message, event.kind.value))
 
 
@@ -225,7 +231,7 @@ class _Generation(Exchange):
         self.answers = [_Answer(a) for a in asked]
 
     def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
-        return error_answer(event)
+        return error_answer(event, outcome)
 
     async def collect(self, events: Events, send: Send) -> None:
         async for event, outcome in events:
@@ -287,7 +293,7 @@ class _Generation(Exchange):
                         await self.write(send, _sse("[DONE]"))
                         break
             elif isinstance(event, Error):
-                await self.write(send, b"data: " + error_answer(event)[1] + b"\n\n")
+                await self.write(send, b"data: " + error_answer(event, outcome)[1] + b"\n\n")
                 break
         if self.started:
             await self.end_stream(send)
@@ -391,13 +397,25 @@ class OpenAI(Dialect):
             out.append({"id": name, "object": "model", "created": 0, "owned_by": "everycycle",
                         "revision": spec.revision, "loaded": here is not None,
                         "executor": here.assigned_executor if here else None,
-                        "default": name == sup.registry.default})
+                        "default": name == sup.registry.default,
+                        # a slot's context, under the names clients read it by
+                        "context_length": spec.context, "max_model_len": spec.context,
+                        "max_context_length": spec.context})
         return out
 
     async def list_models(self, request: HttpRequest) -> Response:
+        """The registry; in Anthropic's shape when asked with ``anthropic-version``."""
         principal = self.reader.auth(request)
-        return JSONResponse({"object": "list",
-                             "data": self._model_objects(self.reader.visible(principal))})
+        models = self._model_objects(self.reader.visible(principal))
+        if "anthropic-version" in request.headers:
+            data = [{"type": "model", "id": m["id"], "display_name": m["id"],
+                     "created_at": "1970-01-01T00:00:00Z",
+                     "max_input_tokens": m["context_length"],
+                     "max_tokens": m["context_length"]} for m in models]
+            return JSONResponse({"data": data, "has_more": False,
+                                 "first_id": data[0]["id"] if data else None,
+                                 "last_id": data[-1]["id"] if data else None})
+        return JSONResponse({"object": "list", "data": models})
 
     async def get_model(self, request: HttpRequest) -> Response:
         principal = self.reader.auth(request)

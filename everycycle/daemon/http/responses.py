@@ -17,6 +17,7 @@ began is ``response.failed``. The request id is the response's ``id`` and comes 
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -30,6 +31,7 @@ from . import responses_request as parse
 from .common import protocol_errors, request_id, stream_flag
 from .exchange import Dialect, Events, Exchange, Send, Spawner, Whole, dumps, sse_event
 from .openai import error_answer
+from .responses_request import CUSTOM_INPUT
 
 _PART = {"message": "output_text", "reasoning": "reasoning_text"}
 """Each streamed item kind's one content part."""
@@ -60,19 +62,37 @@ def _item(kind: str, item_id: str, text: str | None, status: str = "completed"
             "content": content}
 
 
-def _call_item(call: ToolCall, item_id: str, arguments: str | None = None,
-               status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+def _call_item(call: ToolCall, item_id: str, custom: frozenset[str],
+               arguments: str | None = None, status: str = "completed") -> dict[str, Any]:
+    """A ``function_call`` item (``{namespace, name}`` for a namespace's function), or a
+    ``custom_tool_call`` for a custom tool (its one string argument as ``input``)."""
+    namespace, dot, name = call.name.rpartition(".")
+    names: dict[str, Any] = {"namespace": namespace, "name": name} if dot else {
+        "name": call.name}
+    if call.name in custom:
+        text = "" if arguments == "" else _custom_input(call.arguments)
+        return {"type": "custom_tool_call", "id": item_id, "call_id": call.id, **names,
+                "input": text, "status": status}
+    return {"type": "function_call", "id": item_id, "call_id": call.id, **names,
             "arguments": call.arguments if arguments is None else arguments,
             "status": status}
+
+
+def _custom_input(arguments: str) -> str:
+    try:
+        value = json.loads(arguments).get(CUSTOM_INPUT, "")
+    except (ValueError, AttributeError):
+        return arguments
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 class _Response(Exchange):
     """A response: named SSE events when streaming, else one response object."""
 
     def __init__(self, api: Spawner, req: Generate, principal: Principal, *, stream: bool,
-                 echo: dict[str, Any]) -> None:
+                 echo: dict[str, Any], custom: frozenset[str] = frozenset()) -> None:
         super().__init__(api, req, principal)
+        self.custom = custom
         self.model = req.model
         self.stream = stream
         self.echo = echo
@@ -99,7 +119,7 @@ class _Response(Exchange):
         self.items.extend(whole.parts(
             lambda thought: _item("reasoning", self._id("rs"), thought),
             lambda text: _item("message", self._id("msg"), text),
-            lambda call: _call_item(call, self._id("fc"))))
+            lambda call: _call_item(call, self._id("fc"), self.custom)))
         await self.send_json(send, 200, dumps(self._object("completed", whole.outcome)))
 
     # ------------------------------------------------------------------ streaming
@@ -154,16 +174,23 @@ class _Response(Exchange):
         await self._close(send)
         for call in calls.calls:
             item_id = self._id("fc")
-            await self._added(send, _call_item(call, item_id, "", "in_progress"))
+            await self._added(send, _call_item(call, item_id, self.custom, "", "in_progress"))
             where = {"item_id": item_id, "output_index": len(self.items) - 1}
-            await self._emit(send, "response.function_call_arguments.delta", **where,
-                             delta=call.arguments)
-            await self._emit(send, "response.function_call_arguments.done", **where,
-                             name=call.name, arguments=call.arguments)
-            await self._done(send, _call_item(call, item_id))
+            whole = _call_item(call, item_id, self.custom)
+            if whole["type"] == "custom_tool_call":
+                await self._emit(send, "response.custom_tool_call_input.delta", **where,
+                                 delta=whole["input"])
+                await self._emit(send, "response.custom_tool_call_input.done", **where,
+                                 input=whole["input"])
+            else:
+                await self._emit(send, "response.function_call_arguments.delta", **where,
+                                 delta=call.arguments)
+                await self._emit(send, "response.function_call_arguments.done", **where,
+                                 name=whole["name"], arguments=call.arguments)
+            await self._done(send, whole)
 
     def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
-        return error_answer(event)
+        return error_answer(event, outcome)
 
     async def begin(self, send: Send, event: ServerEvent) -> None:
         queued = isinstance(event, Accepted) and event.queue_position > 0
@@ -192,8 +219,9 @@ class _Response(Exchange):
                     await self._emit(send, f"response.{final['status']}", response=final)
                     break
             elif isinstance(event, Error):
+                error = json.loads(error_answer(event, outcome)[1])["error"]
                 await self._emit(send, "response.failed", response=self._object(
-                    "failed", error={"code": event.kind.value, "message": event.message}))
+                    "failed", error={"code": error["code"], "message": error["message"]}))
                 break
         if self.started:
             await self.end_stream(send)
@@ -212,4 +240,4 @@ class Responses(Dialect):
         req = protocol_errors(Generate, request_id(request, "resp"), model, messages=messages,
                               **parse.tools(data), **parse.options(request, data))
         return _Response(self.api, req, request.state.principal, stream=stream_flag(data),
-                         echo=parse.summary(data))
+                         echo=parse.summary(data), custom=parse.custom_tools(data))
