@@ -77,7 +77,7 @@ def _sse(body: bytes) -> list[tuple[str, dict[str, Any]]]:
 
 
 def test_claude_codes_request_is_answered(url: str) -> None:
-    status, headers, body = raw(url, "POST", "/v1/messages?beta=true",
+    status, _, body = raw(url, "POST", "/v1/messages?beta=true",
                                 json.dumps(CLAUDE_CODE).encode(), {
                                     "content-type": "application/json",
                                     "anthropic-version": "2023-06-01",
