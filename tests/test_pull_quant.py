@@ -5,10 +5,12 @@ client against the local fake hub."""
 from __future__ import annotations
 
 import os
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from daemonhelp import daemon_process
 from fakehub import FakeHub
 from test_hub import COMMIT, ec, sha
 from tinymodel import write_tiny_gguf
@@ -149,3 +151,21 @@ def test_rm_purge_refuses_a_local_file_and_keeps_the_entry(tiny_gguf: Path) -> N
     out = ec("rm", "mine", "--purge")
     assert out.returncode == 2 and "deletes only files from the hub cache" in out.stderr
     assert "mine" in paths.user_models_file().read_text() and tiny_gguf.exists()
+
+
+def test_run_with_a_hub_url_pulls_once_and_answers(quants: FakeHub, tiny_gguf: Path) -> None:
+    first = ec("run", "-m", "hf://acme/quants:Q8_0", "--no-daemon", "-n", "6",
+               "--temperature", "0", "hello")
+    assert first.returncode == 0, first.stderr
+    assert "as 'quants:q8_0'" in first.stderr and first.stdout
+    entry = tomllib.loads(paths.user_models_file().read_text())["models"]["quants:q8_0"]
+    assert entry["hf_file"] == "tiny-Q8_0.gguf" and entry["revision"] == COMMIT
+    assert entry["sha256"] == sha(tiny_gguf)
+    gets = sum(1 for method, _, _ in quants.requests if method == "GET")
+    # The second time, through a daemon started before the entry existed: no pull.
+    with daemon_process():
+        again = ec("run", "-m", "hf://acme/quants:Q8_0", "-n", "6", "--temperature", "0",
+                   "hello")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == first.stdout and again.stderr == ""
+    assert sum(1 for method, _, _ in quants.requests if method == "GET") == gets

@@ -53,6 +53,7 @@ from .common import (
     app,
     exit_for,
     fail,
+    hub_model,
     prepull,
     report,
     with_images,
@@ -163,7 +164,7 @@ def run(
         fail("usage: the prompt is empty: give a PROMPT or pipe text on stdin", 2)
     status = Status(verbose)
     try:
-        name = model or _registry_default(models)
+        name = hub_model(model or _registry_default(models), models, offline)
         if image and raw:
             fail("usage: --image needs the chat template (not --raw)", 2)
         turn = _tool_fields(tools, tool_choice, with_images(text, image))
@@ -322,7 +323,7 @@ def embed(
         fail("usage: give TEXT… or pipe lines on stdin", 2)
     status = Status(verbose)
     try:
-        name = model or _registry_default(models)
+        name = hub_model(model or _registry_default(models), models, offline)
         _refuse_completion_model(name, models)
         prepull(name, models, offline)
         from ..protocol import Embed
@@ -377,7 +378,7 @@ def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
           models: Path | None, socket: Path | None, verbose: bool) -> None:
     status = Status(verbose)
     try:
-        name = model or _registry_default(models)
+        name = hub_model(model or _registry_default(models), models, offline)
         _refuse_completion_model(name, models)
         prepull(name, models, offline)
         options: dict[str, Any] = {

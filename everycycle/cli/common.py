@@ -126,6 +126,19 @@ def call(socket: Path | None, fn: Any, *, unavailable_raises: bool = False) -> A
         exit_for(exc)
 
 
+def hub_model(name: str, models: Path | None, offline: bool) -> str:
+    """``name``, or for a hub URL (``hf://owner/repo[:QUANT]``) the registry entry
+    recorded for it, pulled and recorded the first time (progress on stderr), as
+    ``ollama run hf.co/…`` does. Raises EverycycleError subclasses."""
+    from ..models import manage
+
+    if not manage.is_hub_url(name):
+        return name
+    if offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    return manage.resolve(name, models, progress=sys.stderr.isatty())
+
+
 def prepull(name: str, models: Path | None, offline: bool) -> None:
     """Download a hub model the registry names before asking for it (progress on stderr).
 

@@ -23,6 +23,7 @@ from .common import (
     call,
     exit_for,
     fail,
+    hub_model,
     prepull,
 )
 
@@ -156,6 +157,7 @@ def load(
             fail(f"--{exc}", 2)
         keep_ms = -1 if seconds < 0 else int(seconds * 1000)
     try:
+        model = hub_model(model, models, offline)
         prepull(model, models, offline)
     except EverycycleError as exc:
         exit_for(exc)

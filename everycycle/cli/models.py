@@ -102,49 +102,15 @@ def models_add(
     Example:
       everycycle models add qwen hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M
     """
-    from ..models import hub
-    from ..models.userfile import add_user_entry
-    from ..protocol import check_model_name
+    from ..models import manage
 
     try:
-        check_model_name(name)  # before a download, not after it
-        repo, path, commit, projector = _fetch(url, progress=sys.stderr.isatty())
-        digest = hub.sha256_of(path)
-        where = add_user_entry(name, {
-            "hf_repo": repo, "hf_file": _repo_path(path, commit), "revision": commit,
-            "sha256": digest, "context": context, "parallel": parallel,
-            **({"mmproj": f"hf://{repo}/{_repo_path(projector, commit)}@{commit}",
-                "mmproj_sha256": hub.sha256_of(projector)} if projector else {}),
-        })
+        where, got, digest = manage.add(name, url, context=context, parallel=parallel,
+                                        progress=sys.stderr.isatty())
     except EverycycleError as exc:
         exit_for(exc)
-    sys.stderr.write(f"everycycle: added '{name}' ({_repo_path(path, commit)}, revision "
-                     f"{commit}, sha256 {digest}) to {where}\n")
-
-
-def _fetch(url: str, *, progress: bool) -> tuple[str, Path, str, Path | None]:
-    """Download ``url`` (a repo by quantization, or one file): (repo, the file llama.cpp
-    loads, the commit, the repo's vision projector if any). Raises the hub's errors."""
-    from ..models import hub, hubrepo
-
-    by_quant = hubrepo.parse_repo_url(url)
-    if by_quant is not None:
-        pulled = hubrepo.pull(by_quant, progress=progress)
-        if len(pulled.paths) > 1:
-            sys.stderr.write(f"everycycle: {pulled.choice.first} and its "
-                             f"{len(pulled.paths) - 1} other parts\n")
-        if pulled.projector is not None:
-            sys.stderr.write(f"everycycle: its vision projector {pulled.projector.name}\n")
-        return by_quant.repo, pulled.path, pulled.commit, pulled.projector
-    ref = hub.parse_hf_url(url)
-    path = hub.download(ref, progress=progress)
-    return ref.repo, path, hub.commit_of(path) or ref.revision or "", None
-
-
-def _repo_path(path: Path, commit: str) -> str:
-    """A cached snapshot file's path inside its repo."""
-    parts = path.parts
-    return "/".join(parts[parts.index(commit) + 1:]) if commit in parts else path.name
+    sys.stderr.write(f"everycycle: added '{name}' ({manage.repo_path(got.path, got.commit)}, "
+                     f"revision {got.commit}, sha256 {digest}) to {where}\n")
 
 
 @app.command()
@@ -161,7 +127,7 @@ def pull(
     Example:
       everycycle pull hf://ggml-org/gemma-3-270m-it-GGUF:Q8_0
     """
-    from ..models import hub
+    from ..models import hub, manage
     from ..models.registry import load_registry, local_file
 
     progress = sys.stderr.isatty()
@@ -171,7 +137,7 @@ def pull(
         fail(f"{model!r} is a web address; pull it as hf://{web[1]}/{web[3]}@{web[2]}", 2)
     try:
         if model.startswith("hf:"):
-            path = _fetch(model, progress=progress)[1]
+            path = manage.fetch(model, progress=progress).path
         else:
             spec = load_registry(models).get(model)
             if spec.hf_repo is not None:

@@ -215,6 +215,7 @@ class Daemon:
             registry, limits=config.limits, auto_load=config.auto_load, audit=audit,
             on_shutdown=self.stop, keep_alive=config.keep_alive, rpc=config.rpc,
             max_loaded_models=config.max_loaded_models,
+            reload=lambda: load_registry(config.models_file),
         )
         self._stop = anyio.Event()
         self._connections: set[_Connection] = set()

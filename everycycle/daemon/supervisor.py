@@ -84,8 +84,12 @@ class Supervisor:
         rpc: Sequence[str] = (),
         isolate: bool = True,
         engine_factory: EngineFactory | None = None,
+        reload: Callable[[], Registry] | None = None,
     ) -> None:
         self.registry = registry
+        self._reload = reload
+        """Reads the registry files again: a name the registry does not know may have
+        been added since (``models add``, ``run -m hf://…``)."""
         self.limits = limits or Limits()
         self.auto_load = auto_load
         self.audit = audit
@@ -130,6 +134,18 @@ class Supervisor:
             reg, models={k: v for k, v in reg.models.items() if k != name},
             default=None if reg.default == name else reg.default)
         self.residency.registry = self.registry
+
+    def _know(self, name: str) -> None:
+        """Read the registry files again if they may name ``name`` now (a broken file
+        keeps the registry in use, and says why once)."""
+        if name in self.registry.models or self._reload is None:
+            return
+        try:
+            registry = self._reload()
+        except EverycycleError as exc:
+            log.warning("the registry was not read again: %s", exc.message)
+            return
+        self.registry = self.residency.registry = registry
 
     def snapshot(self) -> FleetSnapshot:
         """The live fleet, with the executors as last queried."""
@@ -200,6 +216,7 @@ class Supervisor:
                 self.requests.cancel(target, f"cancelled by request {request.request_id}")
                 peer.emit(Done(rid))
             elif isinstance(request, Load):
+                self._know(request.model)
                 spec = self.residency.spec_for(request.model, allow_paths=peer.allow_paths)
                 model = await self.residency.ensure_loaded(spec, request.executor,
                                                            retry_failed=True)
@@ -279,6 +296,7 @@ class Supervisor:
         active = Active(req=req, peer=peer, admitted=time.monotonic())
         self.requests.track(active)
         allow_load = self.auto_load and req.auto_load is not False
+        self._know(req.model)
         spec = self.residency.spec_for(req.model, allow_paths=peer.allow_paths)
         active.model = spec.name
         lane = self.requests.lane(spec.name)
