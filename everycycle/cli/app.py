@@ -488,5 +488,6 @@ def main() -> None:
 from . import daemon as _daemon_commands  # noqa: F401
 from . import fleet as _fleet_commands  # noqa: F401
 from . import keys as _keys_commands  # noqa: F401
+from . import launch as _launch_commands  # noqa: F401
 from . import models as _models_commands  # noqa: F401
 from . import rpc as _rpc_commands  # noqa: F401

@@ -80,6 +80,16 @@ def _images(spec: ModelSpec, req: Generate) -> tuple[bytes, ...]:
         raise InvalidRequestError(exc.message) from None
 
 
+def _model_grammar(spec: ModelSpec, req: Generate) -> str | None:
+    """The model's own grammar for this turn (models.toml ``grammar``, or
+    ``grammar_after_tools`` when the conversation ends with tool results); None where
+    the request forces a tool of its own."""
+    if req.tool_name is not None or req.tool_choice is ToolChoice.REQUIRED:
+        return None
+    last = req.messages[-1].role if req.messages else Role.USER
+    return spec.grammar_after_tools if last is Role.TOOL else spec.grammar
+
+
 def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: object
               ) -> tuple[Job, ChatOutput | None]:
     """The engine Job for ``req`` on ``engine``, routed by ``tag``, and what splits its
@@ -112,6 +122,8 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
     if req.json_schema is not None:
         grammar = schema_to_gbnf(req.json_schema)  # (its size checked)
     elif grammar is not None:
+        check_grammar_size(grammar)
+    elif (grammar := _model_grammar(spec, req)) is not None:
         check_grammar_size(grammar)
     elif tools is not None and prompt is not None:
         grammar, triggers = _tool_grammar(req, prompt, tools)

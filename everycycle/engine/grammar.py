@@ -52,14 +52,14 @@ MAX_EXPANDED = 100_000
 """How many elements a grammar may hold once llama.cpp has expanded its repetitions
 (``x{m,n}`` becomes up to n copies of x, nested counts multiply): a 100-byte schema with
 ``"minItems": 10000000`` would take over a gigabyte."""
-_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties",
+COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties",
            "maxProperties", "minContains", "maxContains")
 
 
 def _refuse_huge_counts(schema: object, where: str) -> None:
     """Refuse item and length counts past what a grammar can expand to, naming them."""
     for node, at in _walk(schema, where):
-        for key in _COUNTS:
+        for key in COUNTS:
             value = node.get(key)
             if isinstance(value, int | float) and value > MAX_EXPANDED:
                 raise InvalidRequestError(

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidRequestError
-from .grammar import check_size, schema_to_gbnf
+from .grammar import COUNTS, MAX_EXPANDED, check_size, schema_to_gbnf
 
 
 class ToolFormat(enum.Enum):
@@ -183,8 +183,9 @@ _SCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "if", "then",
 
 
 def _strip_bounds(schema: object) -> object:
-    """``schema`` without numeric bounds, which a grammar cannot hold a model to (the
-    client still validates the arguments); only schema keywords are touched."""
+    """``schema`` without numeric bounds, which a grammar cannot hold a model to, nor
+    counts past what a grammar can expand (Claude Code's ``maxLength: 524288``); the
+    client still validates the arguments. Only schema keywords are touched."""
     if isinstance(schema, list):
         return [_strip_bounds(s) for s in schema]
     if not isinstance(schema, dict):
@@ -192,6 +193,8 @@ def _strip_bounds(schema: object) -> object:
     out: dict[str, object] = {}
     for key, value in schema.items():
         if key in _UNENFORCED:
+            continue
+        if key in COUNTS and isinstance(value, int | float) and value > MAX_EXPANDED:
             continue
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {k: _strip_bounds(v) for k, v in value.items()}

@@ -51,6 +51,8 @@ _KEYS = {
     "pin": bool,
     "mmproj": str,
     "mmproj_sha256": str,
+    "grammar": str,
+    "grammar_after_tools": str,
 }
 _SAMPLING_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0),
@@ -133,6 +135,11 @@ class ModelSpec:
     """Its vision projector: a GGUF path (relative to models.toml) or an
     ``hf://owner/repo/file.gguf@commit`` URL; the model then reads images."""
     mmproj_sha256: str | None = None
+    grammar: str | None = None
+    """GBNF that holds the model's replies to a user's turn (a request's own grammar,
+    schema or forced tool choice comes first)."""
+    grammar_after_tools: str | None = None
+    """GBNF that holds its replies to tool results."""
 
     @property
     def hub_ref(self) -> hub.HubRef:
@@ -279,6 +286,8 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         pin=raw.get("pin", False),
         mmproj=mmproj,
         mmproj_sha256=raw.get("mmproj_sha256"),
+        grammar=raw.get("grammar"),
+        grammar_after_tools=raw.get("grammar_after_tools"),
     )
 
 

@@ -1,0 +1,176 @@
+"""``everycycle launch AGENT``: a coding agent pointed at this daemon, as ``ollama launch``.
+
+Each agent is one row of ``AGENTS``: its command, its npm package (named when it is not
+installed), and how it is told where to go — environment variables and command-line
+overrides only, or a config file under our own state dir. Nothing is written into the
+user's own agent configuration. The daemon is started (detached, HTTP on loopback) when
+none runs; the agent gets the daemon's token as its key, and then replaces this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import paths, statefile
+from ..errors import EverycycleError
+from .common import app, exit_for, fail, hub_model
+
+PROVIDER = "everycycle"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where the agent goes: the daemon's HTTP base (no trailing /v1), a key, a model."""
+
+    base: str
+    key: str
+    model: str
+    context: int
+    """The model's context, in tokens a slot."""
+
+
+@dataclass(frozen=True, slots=True)
+class Agent:
+    """One launchable agent (a row of the table)."""
+
+    name: str
+    command: str
+    package: str
+    wire: str
+    """The API it speaks to us: Anthropic Messages, OpenAI Responses, chat completions."""
+    env: Callable[[Endpoint], dict[str, str | None]]
+    """Its environment's changes (None: unset)."""
+    args: Callable[[Endpoint], list[str]]
+    """Arguments before the user's own."""
+
+
+def _claude_env(e: Endpoint) -> dict[str, str | None]:
+    # Every tier Claude Code picks a model for (the main loop, background work,
+    # subagents) maps to the one model; no traffic to Anthropic's own services.
+    return {"ANTHROPIC_BASE_URL": e.base, "ANTHROPIC_AUTH_TOKEN": e.key,
+            "ANTHROPIC_API_KEY": None, "ANTHROPIC_MODEL": e.model,
+            "ANTHROPIC_DEFAULT_OPUS_MODEL": e.model, "ANTHROPIC_DEFAULT_SONNET_MODEL": e.model,
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL": e.model, "ANTHROPIC_SMALL_FAST_MODEL": e.model,
+            "CLAUDE_CODE_SUBAGENT_MODEL": e.model, "DISABLE_TELEMETRY": "1",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+
+
+def _codex_args(e: Endpoint) -> list[str]:
+    provider = f"model_providers.{PROVIDER}"
+    return ["-c", f"model_provider={PROVIDER}", "-c", f"{provider}.name={PROVIDER}",
+            "-c", f"{provider}.base_url={e.base}/v1", "-c", f"{provider}.wire_api=responses",
+            "-c", f"{provider}.env_key=EVERYCYCLE_API_KEY", "-m", e.model,
+            "-c", f"model_context_window={e.context}",
+            # no calls to OpenAI's analytics or GitHub's plugin index
+            "-c", "analytics.enabled=false", "--disable", "plugins"]
+
+
+def opencode_config(e: Endpoint) -> Path:
+    """opencode's config for this endpoint, in our state dir (OPENCODE_CONFIG names it)."""
+    path = paths.state_dir() / "launch" / "opencode.json"
+    config = {"$schema": "https://opencode.ai/config.json", "model": f"{PROVIDER}/{e.model}",
+              "provider": {PROVIDER: {"npm": "@ai-sdk/openai-compatible", "name": PROVIDER,
+                                      "options": {"baseURL": f"{e.base}/v1", "apiKey": e.key},
+                                      "models": {e.model: {"name": e.model,
+                                                   "limit": {"context": e.context,
+                                                             "output": e.context // 4}}}}},
+              "autoupdate": False, "share": "disabled"}
+    statefile.write(path, json.dumps(config, indent=2) + "\n")
+    return path
+
+
+AGENTS: dict[str, Agent] = {a.name: a for a in (
+    Agent("claude", "claude", "@anthropic-ai/claude-code", "Anthropic Messages",
+          _claude_env, lambda e: ["--model", e.model]),
+    Agent("codex", "codex", "@openai/codex", "OpenAI Responses",
+          lambda e: {"EVERYCYCLE_API_KEY": e.key}, _codex_args),
+    Agent("opencode", "opencode", "opencode-ai", "OpenAI chat completions",
+          lambda e: {"OPENCODE_CONFIG": str(opencode_config(e)),
+                     "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1"},
+          lambda e: []),
+)}
+
+
+def _help() -> str:
+    rows = "\n".join(f"  {a.name:<9} {a.wire:<24} npm install -g {a.package}"
+                     for a in AGENTS.values())
+    return ("Start a coding agent against this daemon (starting the daemon, with HTTP on "
+            "loopback, if none runs). Nothing of the agent's own configuration is "
+            "changed.\n\n\b\nAgents:\n" + rows + "\n\n\b\nExample:\n"
+            "  everycycle launch claude -m qwen -- -p 'Fix the failing test'")
+
+
+def endpoint(model: str | None, models: Path | None, socket: Path | None,
+             http: str | None = None) -> Endpoint:
+    """The running daemon's HTTP address (starting one if none runs), its token and the
+    model. Raises EverycycleError subclasses."""
+    from ..client import SyncClient
+    from ..daemon.keys import load_or_create_token
+    from ..errors import DaemonUnavailableError
+    from ..models.registry import load_registry
+    from .daemon import DEFAULT_HTTP_PORT, _detach
+
+    sock = socket or paths.socket_path()
+    name = hub_model(model, models, False) if model else load_registry(models).default_name()
+    context = load_registry(models).get(name).context  # (read again: a pull may add it)
+    try:
+        with SyncClient(sock) as c:
+            http = c.describe_fleet().http
+    except DaemonUnavailableError:
+        _detach(sock, ["daemon", "--http", http or f"127.0.0.1:{DEFAULT_HTTP_PORT}",
+                       *(["--models", str(models)] if models else [])])
+        with SyncClient(sock) as c:
+            http = c.describe_fleet().http
+    if http is None:
+        fail("the daemon runs without HTTP, which agents need: stop it (everycycle stop) "
+             "and start it with `everycycle daemon --detach --http 127.0.0.1:"
+             f"{DEFAULT_HTTP_PORT}`, or let `launch` start it", 69)
+    return Endpoint(http.rstrip("/"), load_or_create_token(), name, context)
+
+
+@app.command(help=_help(), context_settings={"allow_extra_args": True,
+                                             "ignore_unknown_options": True})
+def launch(
+    ctx: typer.Context,
+    agent: Annotated[str, typer.Argument(metavar="AGENT", help="claude, codex or opencode.")],
+    model: Annotated[str | None, typer.Option(
+        "-m", "--model", help="A registry name or hf://owner/repo[:QUANT] (pulled once); "
+        "default: the registry's default.")] = None,
+    models: Annotated[Path | None, typer.Option(
+        "--models", help="Use this models.toml instead of the registry.")] = None,
+    socket: Annotated[Path | None, typer.Option("--socket", help="The daemon's socket.")]
+    = None,
+    http: Annotated[str | None, typer.Option(
+        "--http", metavar="ADDR", help="Where a daemon that launch starts listens "
+        "(default 127.0.0.1:11777).")] = None,
+) -> None:
+    row = AGENTS.get(agent)
+    if row is None:
+        fail(f"usage: no agent {agent!r}; launch one of {', '.join(AGENTS)}", 2)
+    binary = shutil.which(row.command)
+    if binary is None:
+        fail(f"{row.command} is not installed: npm install -g {row.package}", 69)
+    try:
+        where = endpoint(model, models, socket, http)
+    except EverycycleError as exc:
+        exit_for(exc)
+    env = dict(os.environ)
+    for key, value in row.env(where).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    argv = [binary, *row.args(where), *ctx.args]
+    sys.stderr.write(f"everycycle: {row.command} on {where.base} ({row.wire}), model "
+                     f"'{where.model}'\n")
+    sys.stderr.flush()
+    os.execve(binary, argv, env)

@@ -1,0 +1,135 @@
+"""The coding agents, for real: Claude Code, Codex and opencode, each started with
+``everycycle launch`` on a pseudo-terminal with no daemon running, answer a prompt and
+carry out one tool call end to end (the model calls the agent's shell tool, the agent
+runs it and sends the result back, the model answers). Their recorded requests (in
+tests/data/agents) are replayed through our dialects.
+
+The calls are made honestly deterministic: the models.toml entry's ``grammar`` holds
+the model (random weights, SmolLM2's tokenizer) to one call of the agent's shell tool on
+the user's turn, and ``grammar_after_tools`` to the answer ``done`` after the result;
+the real sampler generates both, and the real parser reads the call.
+
+The agents come from npm at the versions .ci/run pins (``EVERYCYCLE_AGENTS``: the
+folder whose ``node_modules/.bin`` holds them). Where they are not installed these
+tests skip, saying so, unless ``EVERYCYCLE_REQUIRE_AGENTS=1`` (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pexpect
+import pytest
+from daemonhelp import EC, daemon_process
+from httphelp import fleet_http, raw
+from tinyagent import write_tiny_bpe_gguf
+
+from everycycle import paths
+from everycycle.models.registry import load_registry, local_file
+
+pytestmark = pytest.mark.agents
+DATA = Path(__file__).parent / "data" / "agents"
+OK = "everycycle-tool-ok"
+
+
+def _bin() -> Path | None:
+    where = os.environ.get("EVERYCYCLE_AGENTS")
+    if where:
+        return Path(where) / "node_modules" / ".bin"
+    found = shutil.which("claude")
+    return Path(found).parent if found else None
+
+
+def _need(command: str) -> Path:
+    folder = _bin()
+    path = folder / command if folder else None
+    if path is None or not path.exists():
+        why = (f"{command} is not installed (.ci/run installs the agents from npm; "
+               "EVERYCYCLE_AGENTS names their folder)")
+        if os.environ.get("EVERYCYCLE_REQUIRE_AGENTS") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return path
+
+
+def _call(name: str, arguments: dict[str, str]) -> str:
+    call = json.dumps({"tool_calls": [{"name": name, "arguments": arguments}]})
+    return "root ::= " + json.dumps(call)
+
+
+AGENTS = {
+    "claude": (_call("Bash", {"command": f"echo {OK}", "description": "Print a word"}),
+               ["-p", "Run the command.", "--output-format", "stream-json", "--verbose"]),
+    "codex": (_call("exec_command", {"cmd": f"echo {OK}"}),
+              ["exec", "--skip-git-repo-check", "Run the command."]),
+    "opencode": (_call("bash", {"command": f"echo {OK}", "description": "Print a word"}),
+                 ["run", "Run", "the", "command"]),
+}
+
+
+@pytest.fixture(scope="module")
+def bpe_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    source = local_file(load_registry().get("smollm2-135m"))
+    return write_tiny_bpe_gguf(tmp_path_factory.mktemp("agents") / "tiny-bpe.gguf", source)
+
+
+@pytest.fixture
+def agent_models(tmp_path: Path, bpe_gguf: Path) -> Path:
+    f = tmp_path / "agents.toml"
+    f.write_text("".join(
+        f'[models.agent-{name}]\npath = "{bpe_gguf}"\ncontext = 32768\nparallel = 1\n'
+        f"grammar = {json.dumps(grammar)}\n"
+        'grammar_after_tools = \'root ::= "{\\"response\\": \\"done\\"}"\'\n'
+        for name, (grammar, _) in AGENTS.items()))
+    return f
+
+
+@pytest.mark.parametrize("agent", sorted(AGENTS))
+def test_launch_runs_the_agent_and_one_tool_call(agent: str, agent_models: Path,
+                                                 tmp_path: Path) -> None:
+    folder = _need(agent).parent
+    home = tmp_path / "home"
+    work = tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    env = {**os.environ, "HOME": str(home), "PATH": f"{folder}:{os.environ['PATH']}",
+           "NO_COLOR": "1"}
+    _, args = AGENTS[agent]
+    child = pexpect.spawn(EC[0], [*EC[1:], "launch", agent, "-m", f"agent-{agent}",
+                                  "--models", str(agent_models), "--http", "127.0.0.1:0",
+                                  "--", *args],
+                          cwd=str(work), env=env, timeout=240, encoding="utf-8",
+                          codec_errors="replace", dimensions=(50, 200))
+    try:
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+        subprocess.run([*EC, "stop"], capture_output=True, timeout=60, check=False)
+    out = child.before or ""
+    assert child.exitstatus == 0, out[-3000:]
+    assert "daemon pid" in out and f"{agent} on http://127.0.0.1:" in out  # (it started one)
+    assert OK in out, out[-3000:]  # the agent ran the model's call
+    assert "done" in out, out[-3000:]  # and the model answered after the result
+    records = [json.loads(line) for line in paths.audit_file().read_text().splitlines()]
+    turns = [r for r in records if r.get("model") == f"agent-{agent}" and "request_id" in r]
+    assert len(turns) >= 2 and all(r["outcome"] == "Finished" for r in turns), turns
+    assert turns[-1]["cached_tokens"] > 0  # the follow-up extends the first turn's prompt
+
+
+@pytest.mark.parametrize("agent", sorted(AGENTS))
+def test_recorded_requests_are_answered(agent: str, agent_models: Path) -> None:
+    with daemon_process("--models", str(agent_models), "--http", "127.0.0.1:0"):
+        url = fleet_http()
+        for line in (DATA / f"{agent}.jsonl").read_text().splitlines():
+            recorded = json.loads(line)
+            body = {**recorded["body"], "model": f"agent-{agent}"}
+            status, _, answer = raw(url, "POST", recorded["path"], json.dumps(body).encode(),
+                                    {**recorded["headers"], "authorization": "",
+                                     "x-api-key": ""})
+            assert status == 200, (recorded["path"], answer[:500])
+            assert answer.rstrip().endswith((b"message_stop\ndata: {}", b"[DONE]",
+                                             b"}")), answer[-300:]
