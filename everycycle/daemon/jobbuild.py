@@ -121,9 +121,7 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
     triggers: tuple[str, ...] = ()
     if req.json_schema is not None:
         grammar = schema_to_gbnf(req.json_schema)  # (its size checked)
-    elif grammar is not None:
-        check_grammar_size(grammar)
-    elif (grammar := _model_grammar(spec, req)) is not None:
+    elif grammar is not None or (grammar := _model_grammar(spec, req)) is not None:
         check_grammar_size(grammar)
     elif tools is not None and prompt is not None:
         grammar, triggers = _tool_grammar(req, prompt, tools)
