@@ -89,7 +89,8 @@ class FleetView:
             executors=residency.remote.summaries(residency.local, dead),
             loaded_models=(*(self._loaded(m) for m in residency.models.values()),
                            *(LoadedModel(name, load.spec.revision, load.spec.executor,
-                                         queued=load.waiters, state="loading")
+                                         queued=load.waiters,
+                                         state=residency.room_waits.why(name) or "loading")
                              for name, load in residency.loading.items()
                              if name not in residency.models)),
             active_requests=len(self.requests.active),

@@ -75,6 +75,10 @@ class Active:
     """What splits its output into answer, thinking and tool calls (None: all answer)."""
     context_limit: int | None = None
     """The context its prompt did not fit, when it ended so."""
+    position: int | None = None
+    """The queue position it was last told (None: none yet)."""
+    waiting: anyio.CancelScope | None = None
+    """While it waits for its model (a load, or room for it): cancelling ends the wait."""
 
 
 @dataclass(eq=False)
@@ -148,9 +152,17 @@ class Requests:
                 raise RejectedError(f"queue full ({len(lane.queue)} waiting)")
             lane.queue.append(active)
             active.state = "queued"
-            active.peer.emit(Accepted(active.req.request_id, len(lane.queue)))
+            self.tell_position(active, len(lane.queue))
         else:
             self._start(active, engine)
+
+    @staticmethod
+    def tell_position(active: Active, position: int) -> None:
+        """Send ``active`` an Accepted with ``position`` unless that is what it was told
+        last: the first from admission on (also while its model loads), then each move."""
+        if active.position != position:
+            active.position = position
+            active.peer.emit(Accepted(active.req.request_id, position))
 
     def _start(self, active: Active, engine: Engine) -> None:
         assert active.job is not None
@@ -158,7 +170,7 @@ class Requests:
         active.started = time.monotonic()
         active.engine = engine
         self.lane(active.model).running.add(active)
-        active.peer.emit(Accepted(active.req.request_id, 0))
+        self.tell_position(active, 0)
         try:
             engine.submit(active.job)
         except EverycycleError as exc:  # e.g. the engine thread died: this request ends here
@@ -178,7 +190,7 @@ class Requests:
     def _announce(lane: Lane) -> None:
         """Tell every queued request its position (after the queue moved)."""
         for i, waiting in enumerate(lane.queue):
-            waiting.peer.emit(Accepted(waiting.req.request_id, i + 1))
+            Requests.tell_position(waiting, i + 1)
 
     # ------------------------------------------------------------------ endings
 
@@ -196,6 +208,8 @@ class Requests:
             lane.queue.remove(active)
             self.finish(active, Error(rid, ErrorKind.CANCELLED, reason))
             self._announce(lane)
+        elif active.waiting is not None:
+            active.waiting.cancel()
 
     def cancel_model(self, model: str, reason: str) -> None:
         lane = self.lane(model)

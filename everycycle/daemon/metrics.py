@@ -85,7 +85,17 @@ class _Fleet(Collector):
             "max_loaded_models).", labels=["reason"])
         for reason in ("memory", "max_loaded_models"):
             evictions.add_metric([reason], self._supervisor.residency.evictions.get(reason, 0))
-        yield from (queued, busy, slots, loaded, active, drafted, accepted, deaths, evictions)
+        residency = self._supervisor.residency
+        loads = CounterMetricFamily("everycycle_model_loads",
+                                    "Model loads attempted.", value=residency.loads)
+        waited = CounterMetricFamily(
+            "everycycle_model_room_wait_seconds",
+            "Seconds loads waited for memory that busy models held, by model.",
+            labels=["model"])
+        for model, seconds in sorted(residency.room_waits.total.items()):
+            waited.add_metric([model], seconds)
+        yield from (queued, busy, slots, loaded, active, drafted, accepted, deaths, evictions,
+                    loads, waited)
 
 
 class Metrics:

@@ -91,6 +91,7 @@ class Resident:
     """Set while its engine restarts: waiters wait for it."""
     need: MemoryPlan | None = None
     """What it was placed by (what it is counted as holding)."""
+    loaded: float = field(default_factory=time.monotonic)
 
     @property
     def name(self) -> str:
@@ -151,9 +152,10 @@ class Residency:
         """Loads under way, by model name: whoever asks for one of these waits for it."""
         self.loads = 0
         """Loads attempted (each model's load runs once, however many ask)."""
+        self.room_waits = room.RoomWaits()
         self.max_loaded_models = max_loaded_models
         """At most this many resident; None: as many as memory holds."""
-        self._audit = audit or (lambda record: None)
+        self._audit = self.audit = audit or (lambda record: None)
         self.evictions: dict[str, int] = {}
         """Models unloaded to make room for another, by reason (memory, max_loaded_models)."""
         self.last_eviction: room.Eviction | None = None

@@ -2,6 +2,13 @@
 them may go (idle, least recently used first), and what to say when none may; and
 starting it, again on fewer GPU layers when llama.cpp cannot allocate what the fit chose.
 
+A load that needs memory held by busy models waits (``RoomWaits``) instead of being
+refused: it is refused only when nothing could ever make room (the holders are pinned,
+or it does not fit at all) or when nobody waits for it any more. So that it gets its
+turn, a model it has waited on for ``SWAP_AFTER_S`` (resident for at least
+``MIN_RESIDENCY_S``) takes no new requests until the load is done: it finishes those it
+has, goes idle and makes room; its newcomers then wait for it to load again.
+
 The residency measures, unloads and loads; this decides.
 """
 
@@ -11,7 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,7 +27,7 @@ import anyio.to_thread
 from ..engine import executors as ex
 from ..engine.contract import Engine, LoadOptions
 from ..engine.memory import MemoryPlan
-from ..errors import AllocationError, RejectedError
+from ..errors import AllocationError, RejectedError, RequestCancelledError
 from ..models.registry import ModelSpec
 from .remote import in_order
 
@@ -28,6 +35,34 @@ if TYPE_CHECKING:
     from .residency import Residency, Resident
 
 log = logging.getLogger("everycycle.daemon.residency")
+
+SWAP_AFTER_S = 2.0
+"""How long a load waits for busy models before they stop taking new requests."""
+MIN_RESIDENCY_S = 2.0
+"""How long a model stays resident, taking requests, before it gives way to a load."""
+POLL_S = 0.05
+"""How often a waiting load looks again (a request ending frees no event of its own)."""
+
+
+@dataclass
+class RoomWaits:
+    """The loads waiting for memory that busy models hold, since when, and why."""
+
+    waiting: dict[str, tuple[float, str]] = field(default_factory=dict)
+    total: dict[str, float] = field(default_factory=dict)
+    """Seconds each model's loads have waited, in all (``/metrics``)."""
+
+    def why(self, name: str) -> str | None:
+        """``waiting for memory: held by 'b' (300 MiB, busy)``, while ``name`` waits."""
+        found = self.waiting.get(name)
+        return found[1] if found else None
+
+    def yields(self, model: Resident, now: float) -> bool:
+        """Whether ``model`` gives way: a load has waited on it long enough, and it has
+        been resident long enough not to thrash."""
+        return now - model.loaded >= MIN_RESIDENCY_S and any(
+            name != model.name and now - since >= SWAP_AFTER_S
+            for name, (since, _) in self.waiting.items())
 
 
 def held(model: Resident) -> dict[str, int]:
@@ -86,6 +121,14 @@ def holders(models: Iterable[Resident], busy: Callable[[str], bool]) -> str:
     return ", ".join(parts) or "nothing of ours"
 
 
+def _transient(models: Iterable[Resident], busy: Callable[[str], bool], on: str | None
+               ) -> bool:
+    """Whether some of ``models`` (holding memory on ``on``) stay only for now: busy or
+    restarting, not pinned nor on an RPC host."""
+    return any(why_kept(m, busy) in ("busy", "restarting") and (on is None or held(m).get(on))
+               for m in models)
+
+
 def _short(placement: ex.Placement, spec: ModelSpec) -> bool:
     """Whether ``placement`` puts fewer of the model's layers on its GPU than it could
     (than all of them, or models.toml's ``gpu_layers``)."""
@@ -100,8 +143,27 @@ async def make_room(res: Residency, spec: ModelSpec, need: MemoryPlan, wanted: s
                     ) -> ex.Placement:
     """Where ``spec`` goes, after unloading idle models (least recently used first)
     while it does not fit, or gets fewer GPU layers than it could, or the daemon
-    holds ``max_loaded_models``. Raises RejectedError naming what holds the memory
-    when nothing more may go."""
+    holds ``max_loaded_models``; waiting while only busy models could make room.
+    Raises RejectedError naming what holds the memory when nothing ever could, and
+    RequestCancelledError when nobody waits for the load any more."""
+    outcome = "gave up"
+    try:
+        placement = await _make_room(res, spec, need, wanted)
+        outcome = "placed"
+        return placement
+    finally:
+        waited = res.room_waits.waiting.pop(spec.name, None)
+        if waited is not None:  # the policy's decision, for the audit and /metrics
+            seconds = time.monotonic() - waited[0]
+            waits = res.room_waits.total
+            waits[spec.name] = waits.get(spec.name, 0.0) + seconds
+            res.audit({"event": "room_wait", "model": spec.name, "waited_s": round(seconds, 3),
+                       "outcome": outcome, "held_by": waited[1].removeprefix(
+                           "waiting for memory: held by ")})
+
+
+async def _make_room(res: Residency, spec: ModelSpec, need: MemoryPlan, wanted: str
+                     ) -> ex.Placement:
     busy = res.requests.busy
     while True:
         local = await res.measure()
@@ -129,6 +191,15 @@ async def make_room(res: Residency, spec: ModelSpec, need: MemoryPlan, wanted: s
             assert placement is not None
             return placement
         going = victim(residents, busy, on)
+        if going is None and (full or refusal is not None) and _transient(residents, busy, on):
+            since = res.room_waits.waiting.get(spec.name, (time.monotonic(), ""))[0]
+            res.room_waits.waiting[spec.name] = (
+                since, f"waiting for memory: held by {holders(residents, busy)}")
+            load = res.loading.get(spec.name)
+            if load is not None and load.waiters == 0:
+                raise RequestCancelledError(f"nobody waits for model '{spec.name}' any more")
+            await anyio.sleep(POLL_S)
+            continue
         if going is None:
             if full:
                 raise RejectedError(

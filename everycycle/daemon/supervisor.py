@@ -50,6 +50,7 @@ from ..protocol import (
     Shutdown,
     Unload,
 )
+from . import room
 from .audit import AuditLog
 from .fleet import FleetView
 from .handoff import Handoff
@@ -300,11 +301,27 @@ class Supervisor:
         spec = self.residency.spec_for(req.model, allow_paths=peer.allow_paths)
         active.model = spec.name
         lane = self.requests.lane(spec.name)
+        active.waiting = anyio.CancelScope()  # a Cancel or deadline ends these waits
+        with active.waiting:
+            await self._give_way(spec.name, active)
+        if active.cancel_reason is not None:
+            raise RequestCancelledError(active.cancel_reason)
         lane.admitting += 1  # (never unloaded under it, from here to a slot or the queue)
         try:
             if spec.name not in self.residency.models:
+                if lane.admitting > self.limits.max_queue:
+                    raise RejectedError(f"queue full ({lane.admitting - 1} waiting for "
+                                        f"model '{spec.name}' to load)")
                 active.state = "loading"  # with every other request waiting for this load
-            model = await self.residency.ensure_loaded(spec, None, allow_load=allow_load)
+                # Admitted: its place among those waiting for the load, from now on.
+                self.requests.tell_position(active, lane.admitting - 1 + len(lane.queue))
+            model = None
+            active.waiting = anyio.CancelScope()
+            with active.waiting:
+                model = await self.residency.ensure_loaded(spec, None, allow_load=allow_load)
+            active.waiting = None
+            if model is None:  # cancelled while it waited: the load goes on for others
+                raise RequestCancelledError(active.cancel_reason or "cancelled")
             active.state = "admitting"
             # Admission is FIFO per model (anyio locks are fair, and a load's waiters wake
             # in order): requests queue in arrival order though tokenizing yields.
@@ -312,6 +329,18 @@ class Supervisor:
                 await self._admit(model, active)
         finally:
             lane.admitting -= 1
+
+    async def _give_way(self, name: str, active: Active) -> None:
+        """Hold a new request of ``name`` while its model gives way to a load that has
+        waited for the memory it holds (room.RoomWaits.yields): it runs once the model
+        is loaded again."""
+        waits = self.residency.room_waits
+        while (model := self.residency.models.get(name)) is not None and waits.yields(
+                model, time.monotonic()):
+            if active.position is None:
+                self.requests.tell_position(active, len(self.requests.lane(name).queue) + 1)
+            active.state = "waiting"
+            await anyio.sleep(room.POLL_S)
 
     def _check_principal(self, peer: Peer, req: Generate | Embed) -> None:
         """The principal's own limits: which models, how many at once, how fast."""
