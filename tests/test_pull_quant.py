@@ -169,3 +169,22 @@ def test_run_with_a_hub_url_pulls_once_and_answers(quants: FakeHub, tiny_gguf: P
     assert again.returncode == 0, again.stderr
     assert again.stdout == first.stdout and again.stderr == ""
     assert sum(1 for method, _, _ in quants.requests if method == "GET") == gets
+
+
+def test_a_hub_url_as_an_http_model_id_is_pulled_by_the_daemon(quants: FakeHub) -> None:
+    import openai
+    from httphelp import fleet_http
+
+    with daemon_process("--http", "127.0.0.1:0"), openai.OpenAI(
+            base_url=f"{fleet_http()}/v1", api_key="unused", max_retries=0) as client:
+        for name in ("hf://acme/quants:Q8_0", "hf.co/acme/quants:Q8_0"):
+            r = client.completions.create(model=name, prompt="hello", max_tokens=4,
+                                          temperature=0)
+            assert r.choices[0].text
+        gets = sum(1 for method, _, _ in quants.requests if method == "GET")
+        again = client.completions.create(model="quants:q8_0", prompt="hello",
+                                          max_tokens=4, temperature=0)
+        assert again.choices[0].text == r.choices[0].text
+    entry = tomllib.loads(paths.user_models_file().read_text())["models"]["quants:q8_0"]
+    assert entry["hf_file"] == "tiny-Q8_0.gguf"
+    assert sum(1 for method, _, _ in quants.requests if method == "GET") == gets

@@ -27,6 +27,7 @@ import anyio.abc
 from .. import paths
 from ..errors import AlreadyRunningError, ConfigError, unwrap_groups
 from ..mailbox import Mailbox
+from ..models import manage
 from ..models.registry import DEFAULT_KEEP_ALIVE, load_registry
 from ..protocol import Error, ServerEvent
 from ..sockets import wake_reader
@@ -216,6 +217,7 @@ class Daemon:
             on_shutdown=self.stop, keep_alive=config.keep_alive, rpc=config.rpc,
             max_loaded_models=config.max_loaded_models,
             reload=lambda: load_registry(config.models_file),
+            resolve=lambda name: manage.resolve(name, config.models_file),
         )
         self._stop = anyio.Event()
         self._connections: set[_Connection] = set()

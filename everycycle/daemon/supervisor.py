@@ -35,6 +35,7 @@ from ..errors import (
     RejectedError,
     RequestCancelledError,
 )
+from ..models import manage
 from ..models.registry import DEFAULT_KEEP_ALIVE, Registry
 from ..protocol import (
     Cancel,
@@ -86,11 +87,15 @@ class Supervisor:
         isolate: bool = True,
         engine_factory: EngineFactory | None = None,
         reload: Callable[[], Registry] | None = None,
+        resolve: Callable[[str], str] | None = None,
     ) -> None:
         self.registry = registry
         self._reload = reload
         """Reads the registry files again: a name the registry does not know may have
         been added since (``models add``, ``run -m hf://…``)."""
+        self._resolve = resolve
+        """A hub URL as a model name to its registry entry, pulled the first time (the
+        daemon may pull: ``--models`` files are not written)."""
         self.limits = limits or Limits()
         self.auto_load = auto_load
         self.audit = audit
@@ -135,6 +140,13 @@ class Supervisor:
             reg, models={k: v for k, v in reg.models.items() if k != name},
             default=None if reg.default == name else reg.default)
         self.residency.registry = self.registry
+
+    def knows(self, name: str) -> bool:
+        """Whether a request may name ``name``: a registry entry (read again if need be),
+        or a hub URL the daemon pulls."""
+        self._know(name)
+        return name in self.registry.models or (
+            self._resolve is not None and manage.is_hub_url(name))
 
     def _know(self, name: str) -> None:
         """Read the registry files again if they may name ``name`` now (a broken file
@@ -297,8 +309,11 @@ class Supervisor:
         active = Active(req=req, peer=peer, admitted=time.monotonic())
         self.requests.track(active)
         allow_load = self.auto_load and req.auto_load is not False
-        self._know(req.model)
-        spec = self.residency.spec_for(req.model, allow_paths=peer.allow_paths)
+        name = req.model
+        if self._resolve is not None and manage.is_hub_url(name):
+            name = await anyio.to_thread.run_sync(self._resolve, name)  # (pulls once)
+        self._know(name)
+        spec = self.residency.spec_for(name, allow_paths=peer.allow_paths)
         active.model = spec.name
         lane = self.requests.lane(spec.name)
         active.waiting = anyio.CancelScope()  # a Cancel or deadline ends these waits

@@ -83,8 +83,19 @@ def short_name(url: str) -> str:
     return f"{base}:{quant.lower()}" if quant else base
 
 
+_HUB_HOSTS = ("hf.co/", "huggingface.co/")
+
+
 def is_hub_url(name: str) -> bool:
-    return name.startswith("hf://")
+    """``hf://owner/repo[:QUANT]``, or Ollama's ``hf.co/owner/repo[:QUANT]``."""
+    return name.startswith(("hf://", *_HUB_HOSTS))
+
+
+def _as_hf(name: str) -> str:
+    for host in _HUB_HOSTS:
+        if name.startswith(host):
+            return "hf://" + name.removeprefix(host)
+    return name
 
 
 def resolve(name: str, models: Path | None = None, *, progress: bool = False) -> str:
@@ -95,6 +106,7 @@ def resolve(name: str, models: Path | None = None, *, progress: bool = False) ->
         return name
     from .registry import load_registry
 
+    name = _as_hf(name)
     short = short_name(name)
     spec = load_registry(models).models.get(short)
     wanted = (hubrepo.parse_repo_url(name) or hub.parse_hf_url(name)).repo
