@@ -69,6 +69,14 @@ def log_dir() -> Path:
     return Path(platformdirs.user_log_dir(APP))
 
 
+def cache_dir() -> Path:
+    """What may be thrown away and made again: a model's cached prefixes."""
+    home = _home()
+    if home is not None:
+        return home / "cache"
+    return Path(platformdirs.user_cache_dir(APP))
+
+
 def user_models_file() -> Path:
     """The user's models.toml, which extends and overrides the shipped one."""
     return config_dir() / "models.toml"

@@ -316,6 +316,8 @@ class Residency:
         common = LoadOptions(context=spec.context, parallel=spec.parallel,
                              n_threads=spec.threads, kv_cache_type=spec.kv_cache_type,
                              extra_bufts=kernels.extra, name=spec.name,
+                             kv_cache_dir=str(paths.cache_dir()),
+                             kv_cache_disk=max(spec.kv_cache_disk, 0) << 20,
                              mmproj=str(projector) if projector is not None else None)
         if remote is not None:
             holder = self.host_in_use(remote)

@@ -99,6 +99,10 @@ class LoadOptions:
     """A vision projector GGUF to load beside the model (libmtmd): images in."""
     name: str = ""
     """The model's registry name, for messages (empty: the file's name)."""
+    kv_cache_dir: str | None = None
+    """Where its cached prefixes are saved at unload and restored from (kvdisk.py)."""
+    kv_cache_disk: int = 0
+    """The bytes they may take there, for all models (0: none are saved)."""
 
 
 # ---------------------------------------------------------------------- the pipe

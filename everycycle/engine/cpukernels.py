@@ -97,7 +97,7 @@ def _cpu_identity() -> list[str]:
     return [model or platform.processor() or platform.machine(), flags]
 
 
-def _build_identity() -> list[str]:
+def build_identity() -> list[str]:
     """The llama.cpp build: llama-cpp-python's version and its libraries' size and mtime
     (a rebuild with other CMAKE_ARGS keeps the version, not the files)."""
     out: list[str] = []
@@ -115,7 +115,7 @@ def _build_identity() -> list[str]:
 
 def cache_key() -> str:
     """What the verdict depends on: the CPU, the kernel, the llama.cpp build."""
-    parts = [*_cpu_identity(), platform.release(), *_build_identity()]
+    parts = [*_cpu_identity(), platform.release(), *build_identity()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 

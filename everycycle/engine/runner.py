@@ -29,7 +29,7 @@ from typing import Any
 from .. import paths
 from ..errors import InternalError
 from ..protocol import Format, Message, Role
-from . import cpukernels
+from . import cpukernels, kvdisk
 from .chat import ChatFormat, ChatPrompt, flat
 from .contract import LoadOptions, Notify
 from .jobs import EMBED_MAX_TOKENS, Job, Output
@@ -68,7 +68,9 @@ class Runner(EngineThread):
                    tensor_split=options.tensor_split, n_threads=options.n_threads,
                    kv_cache_type=options.kv_cache_type, extra_bufts=options.extra_bufts,
                    mmproj=Path(options.mmproj) if options.mmproj else None,
-                   label=options.name or None)
+                   label=options.name or None, kv_disk=(
+                       Path(options.kv_cache_dir) if options.kv_cache_dir else None,
+                       options.kv_cache_disk))
 
     def __init__(
         self,
@@ -86,6 +88,7 @@ class Runner(EngineThread):
         extra_bufts: bool | None = None,
         mmproj: Path | None = None,
         label: str | None = None,
+        kv_disk: tuple[Path | None, int] = (None, 0),
     ) -> None:
         import llama_cpp as L
 
@@ -138,6 +141,12 @@ class Runner(EngineThread):
         self._ctx = ctx
         self._mem = L.llama_get_memory(ctx)
         self.n_ctx_slot = L.llama_n_ctx(ctx) // parallel
+        cache_dir, limit = kv_disk
+        self._kvdisk = (kvdisk.KVDisk(cache_dir, kvdisk.store_key(
+            path, self.n_ctx_slot, kv_cache_type,
+            *cpukernels.build_identity()), limit)
+            if cache_dir is not None and limit > 0 and mmproj is None else None)
+        """Cached prefixes saved at close and restored by prompts that extend them."""
         self._batch = L.llama_batch_init(n_batch, 0, 1)
         self._slots = [Slot(seq=i) for i in range(parallel)]
         self._pending: deque[Job] = deque()
@@ -282,6 +291,11 @@ class Runner(EngineThread):
             if self._vision is not None:
                 self._vision.close()
             self._samplers.close()
+            if self._kvdisk is not None:  # (on the engine thread's behalf: it has ended)
+                for slot in self._slots:
+                    if len(slot.cached) >= kvdisk.MIN_TOKENS:
+                        kvdisk.save_sequence(L, self._ctx, slot.seq, slot.cached,
+                                             self._kvdisk)
             L.llama_batch_free(self._batch)
             L.llama_free(self._ctx)
             L.llama_model_free(self._model)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import EverycycleError, InternalError, InvalidRequestError
+from . import kvdisk
 from .contract import Notify
 from .jobs import EMBED_MAX_TOKENS, Job, Logprob, Output, common_prefix
 from .lookup import History, PromptLookup, StepCost, accepted_prefix, expected_accepted
@@ -65,6 +66,8 @@ class EngineThread:
     _embedder: Any
     _vision: Any
     """The model's Vision (images in), or None."""
+    _kvdisk: kvdisk.KVDisk | None
+    """Prefixes saved on disk (None: not kept)."""
 
     def _run(self, probed: threading.Event) -> None:
         # Every llama_decode of this context runs on this thread, the load-time probe
@@ -269,6 +272,8 @@ class EngineThread:
         """Put ``job`` in the free slot whose cached tokens share the longest prefix."""
         L = self._L
         slot, reuse = best_slot([s for s in self._slots if s.job is None], job.tokens)
+        if self._kvdisk is not None and not job.images:
+            reuse = self._restore(slot, job, reuse)
         if reuse > 0 and self._n_swa > 0:
             # A sliding-window layer has dropped the cells before its window: the
             # prefix can be reused only if the window before position `reuse` is all
@@ -297,6 +302,20 @@ class EngineThread:
         slot.n_past = reuse
         slot.reset_text()
         job.n_prompt, job.n_reused, job.n_generated = len(job.tokens), reuse, 0
+
+    def _restore(self, slot: Slot, job: Job, reuse: int) -> int:
+        """Restore a prefix saved on disk into ``slot`` when it is longer than what the
+        slot would reuse; the tokens it now reuses."""
+        assert self._kvdisk is not None
+        entry = self._kvdisk.best(job.tokens, reuse)
+        state = self._kvdisk.load(entry) if entry is not None else None
+        if entry is None or state is None:
+            return reuse
+        if not kvdisk.restore_sequence(self._L, self._ctx, self._mem, slot.seq, state):
+            slot.cached.clear()
+            return 0
+        slot.cached[:] = entry.tokens
+        return min(common_prefix(slot.cached, job.tokens), len(job.tokens) - 1)
 
     def _prepare_images(self, slot: Slot, out: list[tuple[Job, Output]]) -> None:
         """Read a job's images and prompt (libmtmd), keep the slot's cells that match

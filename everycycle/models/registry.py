@@ -53,6 +53,7 @@ _KEYS = {
     "mmproj_sha256": str,
     "grammar": str,
     "grammar_after_tools": str,
+    "kv_cache_disk": int,
 }
 _SAMPLING_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0),
@@ -140,6 +141,8 @@ class ModelSpec:
     schema or forced tool choice comes first)."""
     grammar_after_tools: str | None = None
     """GBNF that holds its replies to tool results."""
+    kv_cache_disk: int = 2048
+    """MiB of cached prefixes kept on disk when it is unloaded (0: none)."""
 
     @property
     def hub_ref(self) -> hub.HubRef:
@@ -288,6 +291,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         mmproj_sha256=raw.get("mmproj_sha256"),
         grammar=raw.get("grammar"),
         grammar_after_tools=raw.get("grammar_after_tools"),
+        kv_cache_disk=raw.get("kv_cache_disk", 2048),
     )
 
 

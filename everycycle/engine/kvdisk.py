@@ -1,0 +1,170 @@
+"""A model's cached prefixes on disk, across unloads and restarts.
+
+When a model is unloaded (evicted to make room, idle, ``unload``, ``stop``), each slot's
+KV cells — llama.cpp's per-sequence state — are saved with the tokens they hold; when a
+prompt later extends a saved prefix further than any slot's cache does, the state is
+restored into the slot instead of prefilled. A conversation swapped out does not pay
+its whole prefill again (llama-server loses it; hearth-llm exists to keep it).
+
+Entries live under ``<cache_dir>/kv/<key>/``, one file each (a header with the tokens,
+then the state). The key is the GGUF file's identity (real path, size, mtime, inode)
+and the context's settings (tokens a slot, KV type, the llama.cpp build): an entry of a
+file that changed is never used. A store holds at most ``limit`` bytes; the least
+recently used entries go first. Files are written whole (statefile.replace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import statefile
+from .jobs import common_prefix
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"everycycle-kv 1\n"
+MIN_TOKENS = 32
+"""Prefixes shorter than this are not worth a file (or a restore)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    path: Path
+    tokens: tuple[int, ...]
+
+
+def store_key(gguf: Path, *parts: object) -> str:
+    """The store of ``gguf`` (as it is now) for a context described by ``parts``."""
+    real = gguf.resolve()
+    st = real.stat()
+    ident = [str(real), st.st_size, st.st_mtime_ns, st.st_ino, *parts]
+    return hashlib.sha256(json.dumps(ident, default=str).encode()).hexdigest()[:32]
+
+
+class KVDisk:
+    """One model's saved prefixes (used on its engine thread only)."""
+
+    def __init__(self, root: Path, key: str, limit: int) -> None:
+        self.dir = root / "kv" / key
+        self.root = root / "kv"
+        self.limit = limit
+        self.entries: list[Entry] = []
+        with contextlib.suppress(OSError):
+            for f in sorted(self.dir.glob("*.kv")):
+                tokens = self._header(f)
+                if tokens is not None:
+                    self.entries.append(Entry(f, tokens))
+
+    @staticmethod
+    def _header(path: Path) -> tuple[int, ...] | None:
+        try:
+            with path.open("rb") as f:
+                if f.read(len(MAGIC)) != MAGIC:
+                    return None
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            return tuple(int(t) for t in header["tokens"])
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            return None
+
+    def best(self, tokens: Sequence[int], better_than: int) -> Entry | None:
+        """The entry sharing the longest prefix with ``tokens``, if it shares more than
+        ``better_than`` tokens (and at least MIN_TOKENS)."""
+        found = max(self.entries, key=lambda e: common_prefix(e.tokens, tokens), default=None)
+        if found is None:
+            return None
+        shared = common_prefix(found.tokens, tokens)
+        return found if shared >= MIN_TOKENS and shared > better_than else None
+
+    def load(self, entry: Entry) -> bytes | None:
+        """``entry``'s state (its file marked used now), or None when it is unreadable."""
+        try:
+            with entry.path.open("rb") as f:
+                f.seek(len(MAGIC))
+                (size,) = struct.unpack("<Q", f.read(8))
+                f.seek(size, os.SEEK_CUR)
+                data = f.read()
+            os.utime(entry.path)
+        except (OSError, struct.error):
+            self.entries.remove(entry)
+            return None
+        return data
+
+    def save(self, tokens: Sequence[int], state: bytes) -> None:
+        """Keep ``state`` (the KV cells of ``tokens``), replacing an entry it extends;
+        then trim the whole store to its limit. Never raises (a cache is optional)."""
+        if len(tokens) < MIN_TOKENS or not state:
+            return
+        header = json.dumps({"tokens": list(tokens)}).encode()
+        name = hashlib.sha256(header).hexdigest()[:24] + ".kv"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            statefile.replace(self.dir / name, MAGIC + struct.pack("<Q", len(header))
+                              + header + state)
+        except OSError as exc:
+            log.warning("cannot keep a cached prefix in %s: %s", self.dir, exc)
+            return
+        keep = tuple(tokens)
+        for old in list(self.entries):  # a shorter prefix of the same conversation
+            if old.tokens == keep[:len(old.tokens)] and old.path.name != name:
+                with contextlib.suppress(OSError):
+                    old.path.unlink()
+                self.entries.remove(old)
+        self.entries = [e for e in self.entries if e.path.name != name]
+        self.entries.append(Entry(self.dir / name, keep))
+        self._trim()
+
+    def _trim(self) -> None:
+        """Remove the least recently used files of every store until all fit the limit."""
+        files = []
+        with contextlib.suppress(OSError):
+            for f in self.root.glob("*/*.kv"):
+                with contextlib.suppress(OSError):
+                    st = f.stat()
+                    files.append((st.st_mtime_ns, st.st_size, f))
+        total = sum(size for _, size, _ in files)
+        for _, size, f in sorted(files):
+            if total <= self.limit:
+                break
+            with contextlib.suppress(OSError):
+                f.unlink()
+                total -= size
+                self.entries = [e for e in self.entries if e.path != f]
+
+
+def save_sequence(L: object, ctx: object, seq: int, tokens: Sequence[int],
+                  disk: KVDisk) -> None:
+    """Save sequence ``seq`` of ``ctx`` (holding ``tokens``) into ``disk``."""
+    import ctypes
+
+    lib: Any = L
+    size = int(lib.llama_state_seq_get_size(ctx, seq))
+    if size <= 0:
+        return
+    buf = (ctypes.c_uint8 * size)()
+    n = int(lib.llama_state_seq_get_data(ctx, buf, size, seq))
+    if n > 0:
+        disk.save(tokens, bytes(memoryview(buf)[:n]))
+
+
+def restore_sequence(L: object, ctx: object, mem: object, seq: int, state: bytes) -> bool:
+    """Put ``state`` into sequence ``seq`` of ``ctx`` (emptied first); False when
+    llama.cpp refuses it (then the sequence is empty)."""
+    import ctypes
+
+    lib: Any = L
+    lib.llama_memory_seq_rm(mem, seq, -1, -1)
+    buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+    if int(lib.llama_state_seq_set_data(ctx, buf, len(state), seq)) == 0:
+        lib.llama_memory_seq_rm(mem, seq, -1, -1)
+        return False
+    return True

@@ -1,0 +1,101 @@
+"""Cached prefixes survive unloads and restarts (engine/kvdisk.py): a conversation whose
+model was unloaded, or whose daemon was stopped, is restored instead of prefilled, gives
+the same greedy answer as a fresh prefill, and a changed GGUF never restores. Real
+daemon, real engine processes, real llama.cpp state files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from daemonhelp import running_daemon
+
+from everycycle import paths
+from everycycle.client import connect
+from everycycle.models.registry import load_registry, local_file
+from everycycle.protocol import Message, Role, Tokens, Usage
+
+pytestmark = pytest.mark.anyio
+
+
+async def turn(model: str, messages: tuple[Message, ...], n: int = 12
+               ) -> tuple[str, Usage, float]:
+    """(the greedy answer, its usage, seconds to its first token)."""
+    async with connect() as c:
+        started = time.monotonic()
+        first: float | None = None
+        text, usage = "", None
+        async for e in c.generate(model, messages=messages, max_tokens=n, temperature=0.0,
+                                  usage=True):
+            if isinstance(e, Tokens) and first is None and (e.chunk.ids or e.finished):
+                first = time.monotonic() - started
+            if isinstance(e, Tokens):
+                text += e.chunk.text
+            elif isinstance(e, Usage):
+                usage = e
+    assert usage is not None and first is not None
+    return text, usage, first
+
+
+def conversation(topic: str) -> tuple[Message, ...]:
+    long = " ".join(f"Fact {i} about {topic}: it is item number {i} in a long list of "
+                    "notes that the assistant must keep in mind." for i in range(90))
+    return (Message(Role.SYSTEM, "You are a careful assistant."),
+            Message(Role.USER, long + "\nSummarize the notes in one sentence."))
+
+
+def registry(tmp_path: Path, gguf: Path, context: int = 4096) -> Path:
+    f = tmp_path / "kv.toml"
+    f.write_text(f'[models.m]\npath = "{gguf}"\ncontext = {context}\nparallel = 2\n'
+                 f'[models.fresh]\npath = "{gguf}"\ncontext = {context}\nparallel = 2\n'
+                 "kv_cache_disk = 0\n")
+    return f
+
+
+@pytest.mark.shipped
+async def test_an_evicted_conversation_is_restored_not_prefilled(tmp_path: Path) -> None:
+    gguf = local_file(load_registry().get("smollm2-135m"))
+    first = conversation("rivers")
+    async with running_daemon(registry(tmp_path, gguf)) as d:
+        answer, usage, _ = await turn("m", first)
+        assert usage.prompt_tokens >= 1500, usage
+        follow = (*first, Message(Role.ASSISTANT, answer),
+                  Message(Role.USER, "And in one word?"))
+        async with connect() as c:
+            await c.unload("m")  # its slots' prefixes go to disk
+            await c.load("m")
+            await c.load("fresh")
+        restored = await turn("m", follow)
+        fresh = await turn("fresh", follow)  # the same weights, nothing saved: prefilled
+        assert restored[1].cached_tokens >= usage.prompt_tokens - 1
+        assert fresh[1].cached_tokens == 0
+        assert restored[0] == fresh[0]  # exact: the greedy answer of a fresh prefill
+        assert restored[2] <= 0.2 * fresh[2], (restored[2], fresh[2])
+        assert d.supervisor.residency.models["m"].engine.dead is None
+    # after `stop` and a new daemon: the same
+    again_follow = (*follow, Message(Role.ASSISTANT, restored[0]),
+                    Message(Role.USER, "Thanks."))
+    async with running_daemon(registry(tmp_path, gguf)):
+        text, again, _ = await turn("m", again_follow)
+        assert again.cached_tokens >= restored[1].prompt_tokens - 1, again
+    saved = list((paths.cache_dir() / "kv").glob("*/*.kv"))
+    assert saved and sum(f.stat().st_size for f in saved) <= 2048 << 20
+
+
+async def test_a_changed_gguf_never_restores(tmp_path: Path, tiny_gguf: Path) -> None:
+    gguf = tmp_path / "copy.gguf"
+    shutil.copy(tiny_gguf, gguf)
+    talk = (Message(Role.USER, "hello world " * 60),)
+    async with running_daemon(registry(tmp_path, gguf, context=1024)):
+        _, cold, _ = await turn("m", talk)
+    async with running_daemon(registry(tmp_path, gguf, context=1024)):
+        _, warm, _ = await turn("m", talk)
+        assert warm.cached_tokens == cold.prompt_tokens - 1  # restored from disk
+    st = gguf.stat()
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # "a new file"
+    async with running_daemon(registry(tmp_path, gguf, context=1024)):
+        _, changed, _ = await turn("m", talk)
+        assert changed.cached_tokens == 0
