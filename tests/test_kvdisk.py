@@ -79,7 +79,7 @@ async def test_an_evicted_conversation_is_restored_not_prefilled(tmp_path: Path)
     again_follow = (*follow, Message(Role.ASSISTANT, restored[0]),
                     Message(Role.USER, "Thanks."))
     async with running_daemon(registry(tmp_path, gguf)):
-        text, again, _ = await turn("m", again_follow)
+        _, again, _ = await turn("m", again_follow)
         assert again.cached_tokens >= restored[1].prompt_tokens - 1, again
     saved = list((paths.cache_dir() / "kv").glob("*/*.kv"))
     assert saved and sum(f.stat().st_size for f in saved) <= 2048 << 20
