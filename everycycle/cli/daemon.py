@@ -55,6 +55,12 @@ def daemon(
         "--max-loaded-models", min=1, help="At most this many models loaded at once; the "
         "least recently used idle one makes room (default: as many as memory holds).")]
     = None,
+    swap_after: Annotated[float, typer.Option(
+        "--swap-after", min=0, help="Seconds a model's load waits for memory that busy "
+        "models hold before they stop taking new requests and make room.")] = 2.0,
+    min_residency: Annotated[float, typer.Option(
+        "--min-residency", min=0, help="Seconds a loaded model keeps taking requests "
+        "before it gives way to another's load.")] = 2.0,
     hang_timeout: Annotated[float, typer.Option(
         "--hang-timeout", min=0.5, help="Seconds a model's engine may make no progress "
         "with work in hand before it is taken for hung: killed and restarted, its "
@@ -109,7 +115,8 @@ def daemon(
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = DaemonConfig(socket=sock, models_file=models,
                           limits=Limits(max_queue=max_queue, max_inflight=max_inflight,
-                                        hang_timeout=hang_timeout),
+                                        hang_timeout=hang_timeout, swap_after=swap_after,
+                                        min_residency=min_residency),
                           auto_load=auto_load, audit_prompts=audit_prompts, tcp=tcp_addr,
                           allow_remote=allow_remote, http=http_addr, http_auth=http_auth,
                           keep_alive=keep_seconds, rpc=rpc_hosts,

@@ -21,6 +21,10 @@ class Limits:
     """Active requests per connection."""
     max_prompt_bytes: int = 512 * 1024
     max_tokens: int = MAX_TOKENS_LIMIT
+    swap_after: float = 2.0
+    """Seconds a load waits for memory busy models hold before they give way to it."""
+    min_residency: float = 2.0
+    """Seconds a model stays, taking requests, before it gives way to a load."""
     hang_timeout: float = 60.0
     """Seconds an engine with work in hand may make no progress before it is taken for
     hung: killed and restarted, its requests told why."""

@@ -48,6 +48,8 @@ POLL_S = 0.05
 class RoomWaits:
     """The loads waiting for memory that busy models hold, since when, and why."""
 
+    swap_after: float = SWAP_AFTER_S
+    min_residency: float = MIN_RESIDENCY_S
     waiting: dict[str, tuple[float, str]] = field(default_factory=dict)
     total: dict[str, float] = field(default_factory=dict)
     """Seconds each model's loads have waited, in all (``/metrics``)."""
@@ -60,8 +62,8 @@ class RoomWaits:
     def yields(self, model: Resident, now: float) -> bool:
         """Whether ``model`` gives way: a load has waited on it long enough, and it has
         been resident long enough not to thrash."""
-        return now - model.loaded >= MIN_RESIDENCY_S and any(
-            name != model.name and now - since >= SWAP_AFTER_S
+        return now - model.loaded >= self.min_residency and any(
+            name != model.name and now - since >= self.swap_after
             for name, (since, _) in self.waiting.items())
 
 

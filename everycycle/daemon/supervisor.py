@@ -113,6 +113,8 @@ class Supervisor:
             max_loaded_models=max_loaded_models or registry.max_loaded_models,
             audit=audit.write if audit is not None else None,
             hang_after=self.limits.hang_timeout)
+        self.residency.room_waits = room.RoomWaits(self.limits.swap_after,
+                                                   self.limits.min_residency)
         self.fleet = FleetView(self.residency, self.requests)
         self._admission: dict[str, anyio.Lock] = {}
         self._deaths: deque[Engine] = deque()
