@@ -235,7 +235,8 @@ async def test_unload_cancels_active_requests(models_file: Path) -> None:
     async with running_daemon(models_file), Raw.open() as c:
         await c.send(long_gen("a"))
         await c.send(long_gen("b"))
-        assert await c.next() == Accepted("a", 0)
+        assert await c.next_for("a") == Accepted("a", 0)
+        assert isinstance(await c.next_for("a"), Tokens)  # running now: tiny is loaded
         await c.send(b'{"Unload":{"request_id":"u","model":"tiny"}}')
         ends = {rid: (await c.until_terminal(rid))[-1] for rid in ("a", "b")}
         assert all(isinstance(e, Error) and e.kind is ErrorKind.CANCELLED for e in ends.values())
@@ -364,9 +365,15 @@ async def test_prompt_and_max_tokens_bounds_are_invalid(models_file: Path) -> No
 async def test_prompt_longer_than_the_context_is_invalid(models_file: Path) -> None:
     async with running_daemon(models_file), Raw.open() as c:
         await c.send(gen("long", model="tiny4", prompt="hello " * 400))
-        ev = await c.next()
+        first, *rest = await c.until_terminal("long")
+        assert first == Accepted("long", 0)  # admitted while tiny4 loads
+        [ev] = rest
         assert isinstance(ev, Error) and ev.kind is ErrorKind.INVALID
         assert "context holds 512" in ev.message
+        # resident now: refused before anything is queued
+        await c.send(gen("long2", model="tiny4", prompt="hello " * 400))
+        [ev] = await c.until_terminal("long2")
+        assert isinstance(ev, Error) and "context holds 512" in ev.message
 
 
 async def test_sync_client_streams_and_reports_errors(models_file: Path) -> None:

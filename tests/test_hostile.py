@@ -208,7 +208,9 @@ def test_a_half_closed_client_gets_its_answers_then_eof(
         s.shutdown(socket.SHUT_WR)
         events = read_all(s)  # ends: the daemon closes once it has answered
     kinds = [next(iter(e)) for e in events]
-    assert kinds[0] == "FleetDescription" and kinds[1] == "Accepted", kinds
+    # (the two requests' events may interleave; each request's come in order)
+    assert kinds.count("FleetDescription") == 1, kinds
+    assert [k for k in kinds if k != "FleetDescription"][0] == "Accepted", kinds
     assert events[-1]["Tokens"]["finished"] is True  # type: ignore[index]
     daemon_alive(proc)
 

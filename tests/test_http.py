@@ -89,7 +89,8 @@ def test_models_list_and_retrieve(client: openai.OpenAI) -> None:
                                    max_tokens=1)
     model = client.models.retrieve("tiny4")
     assert model.id == "tiny4" and model.model_extra == {
-        "revision": None, "loaded": True, "executor": "cpu", "default": False}
+        "revision": None, "loaded": True, "executor": "cpu", "default": False,
+        "context_length": 512, "max_model_len": 512, "max_context_length": 512}
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
 

@@ -133,6 +133,9 @@ async def test_broken_schemas_and_grammars_are_invalid_before_queueing(
     models_file: Path, field: str, value: str, match: str
 ) -> None:
     async with running_daemon(models_file) as daemon, Raw.open() as c:
+        # (resident first: a request for a model still loading has its Accepted at once)
+        await c.send(encode(Generate("warm", "tiny", "x", max_tokens=1)))
+        await c.until_terminal("warm")
         await c.send(encode(Generate("b", "tiny", "x", **{field: value})))  # type: ignore[arg-type]
         events = await c.until_terminal("b")
         assert len(events) == 1  # no Accepted: refused before anything was queued

@@ -325,13 +325,14 @@ class Supervisor:
             raise RequestCancelledError(active.cancel_reason)
         lane.admitting += 1  # (never unloaded under it, from here to a slot or the queue)
         try:
-            if spec.name not in self.residency.models:
-                if lane.admitting > self.limits.max_queue:
-                    raise RejectedError(f"queue full ({lane.admitting - 1} waiting for "
-                                        f"model '{spec.name}' to load)")
+            if spec.name not in self.residency.models and allow_load:
+                ahead = lane.admitting - 1 + len(lane.queue)
+                if ahead > self.limits.max_queue:
+                    raise RejectedError(f"queue full ({ahead} waiting for model "
+                                        f"'{spec.name}' to load)")
                 active.state = "loading"  # with every other request waiting for this load
-                # Admitted: its place among those waiting for the load, from now on.
-                self.requests.tell_position(active, lane.admitting - 1 + len(lane.queue))
+                # Admitted: its place from now on (those ahead of it past the slots).
+                self.requests.tell_position(active, max(0, ahead - spec.parallel + 1))
             model = None
             active.waiting = anyio.CancelScope()
             with active.waiting:
