@@ -210,7 +210,7 @@ def test_a_half_closed_client_gets_its_answers_then_eof(
     kinds = [next(iter(e)) for e in events]
     # (the two requests' events may interleave; each request's come in order)
     assert kinds.count("FleetDescription") == 1, kinds
-    assert [k for k in kinds if k != "FleetDescription"][0] == "Accepted", kinds
+    assert next(k for k in kinds if k != "FleetDescription") == "Accepted", kinds
     assert events[-1]["Tokens"]["finished"] is True  # type: ignore[index]
     daemon_alive(proc)
 
