@@ -9,11 +9,14 @@ dropped connection would.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 
 @dataclass
@@ -117,3 +120,15 @@ class FakeHub:
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
+
+
+@contextlib.contextmanager
+def serving(server: FakeHub, monkeypatch: Any) -> Iterator[FakeHub]:
+    """``server`` started and named as this test's hub (HF_ENDPOINT, online)."""
+    server.start()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    try:
+        yield server
+    finally:
+        server.stop()

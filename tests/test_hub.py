@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fakehub import FakeHub
+from fakehub import FakeHub, serving
 
 from everycycle import paths
 from everycycle.errors import InvalidRequestError
@@ -25,11 +25,8 @@ EC = [sys.executable, "-m", "everycycle"]
 def fake(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
     server = FakeHub()
     server.add("acme/tiny", COMMIT, "tiny.gguf", tiny_gguf.read_bytes())
-    server.start()
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    yield server
-    server.stop()
+    with serving(server, monkeypatch):
+        yield server
 
 
 def ec(*args: str) -> subprocess.CompletedProcess[str]:

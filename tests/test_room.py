@@ -159,6 +159,15 @@ async def _greedy(model: str, i: int) -> str:
     return "".join(e.chunk.text for e in events if isinstance(e, Tokens))
 
 
+async def keep_busy(model: str, stop: anyio.Event) -> None:
+    """Requests for ``model`` one after another until ``stop``."""
+    async with connect() as c:
+        while not stop.is_set():
+            events = [e async for e in c.generate(model, "hello", max_tokens=200,
+                                                  temperature=1.0)]
+            assert answered(events), events[-1]
+
+
 async def test_sixteen_requests_for_two_models_with_room_for_one(
         tmp_path: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The issue's scenario: 16 requests at once, alternating a, b, a, b, with room for
@@ -190,18 +199,11 @@ async def test_a_stream_of_requests_for_one_model_does_not_starve_the_other(
     budget(tiny_gguf, 1.5, monkeypatch)
     stop = anyio.Event()
 
-    async def keep_a_busy() -> None:
-        async with connect() as c:  # one slot, three of these: a is never idle
-            while not stop.is_set():
-                events = [e async for e in c.generate("a", "hello", max_tokens=200,
-                                                      temperature=1.0)]
-                assert answered(events), events[-1]
-
     async with running_daemon(registry(tmp_path, tiny_gguf, "ab")) as d:
         assert answered(await ask("a"))
         async with anyio.create_task_group() as tg:
-            for _ in range(3):  # a is never idle while these run
-                tg.start_soon(keep_a_busy)
+            for _ in range(3):  # one slot, three of these: a is never idle
+                tg.start_soon(keep_busy, "a", stop)
             await anyio.sleep(0.5)
             started_at = anyio.current_time()
             with anyio.fail_after(30):
@@ -225,19 +227,12 @@ async def test_a_load_nobody_waits_for_is_given_up(
     budget(tiny_gguf, 1.5, monkeypatch)
     stop = anyio.Event()
 
-    async def keep_a_busy() -> None:
-        async with connect() as c:  # one slot, three of these: a is never idle
-            while not stop.is_set():
-                events = [e async for e in c.generate("a", "hello", max_tokens=200,
-                                                      temperature=1.0)]
-                assert answered(events), events[-1]
-
     async with running_daemon(registry(tmp_path, tiny_gguf, "ab")) as d:
         sup = d.supervisor
         assert answered(await ask("a"))
         async with anyio.create_task_group() as tg:
             for _ in range(3):
-                tg.start_soon(keep_a_busy)
+                tg.start_soon(keep_busy, "a", stop)
             await anyio.sleep(0.2)
             async with connect() as c2:
                 late = [e async for e in c2.generate("b", "hello", max_tokens=3,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fakehub import FakeHub
+from fakehub import FakeHub, serving
 
 from everycycle import paths, statefile
 from everycycle.daemon.keys import KeyLimits, KeyStore, keys_file
@@ -80,17 +80,7 @@ def test_eight_processes_changing_models_toml_lose_nothing(tiny_gguf: Path) -> N
 
 
 def test_eight_processes_changing_the_key_file_lose_nothing() -> None:
-    procs = _writers(8, 20)
-    expected: set[str] = set()
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
-        for line in out.splitlines():
-            verb, name = line.split()
-            if verb == "added":
-                expected.add(name)
-            else:
-                expected.discard(name)
+    expected = _acknowledged(_writers(8, 20))
     on_file = json.loads(keys_file().read_text())["keys"]
     assert set(on_file) == expected and len(expected) == 8 * 10
     assert not list(keys_file().parent.glob("*.tmp"))  # no temporary file left behind
@@ -165,11 +155,8 @@ def test_audit_lines_stay_whole_under_concurrent_appends(tmp_path: Path) -> None
 def hub(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
     server = FakeHub()
     server.add("o/r", COMMIT, "tiny.gguf", tiny_gguf.read_bytes())
-    server.start()
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    yield server
-    server.stop()
+    with serving(server, monkeypatch):
+        yield server
 
 
 def test_eight_models_add_at_once_keep_every_entry(hub: FakeHub) -> None:
