@@ -62,9 +62,9 @@ def daemon(
         "--min-residency", min=0, help="Seconds a loaded model keeps taking requests "
         "before it gives way to another's load.")] = 2.0,
     hang_timeout: Annotated[float, typer.Option(
-        "--hang-timeout", min=0.5, help="Seconds a model's engine may make no progress "
+        "--hang-timeout", min=0, help="Seconds a model's engine may make no progress "
         "with work in hand before it is taken for hung: killed and restarted, its "
-        "requests told why.")] = 60.0,
+        "requests told why (0: never).")] = 60.0,
     show_token: Annotated[bool, typer.Option("--show-token", help="Print the TCP token.")]
     = False,
 ) -> None:

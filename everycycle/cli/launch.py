@@ -159,12 +159,15 @@ def launch(
     binary = shutil.which(row.command)
     if binary is None:
         fail(f"{row.command} is not installed: npm install -g {row.package}", 69)
+    env = dict(os.environ)
     try:
         where = endpoint(model, models, socket, http)
+        changes = row.env(where)
     except EverycycleError as exc:
         exit_for(exc)
-    env = dict(os.environ)
-    for key, value in row.env(where).items():
+    except OSError as exc:  # (opencode's config file under our state dir)
+        fail(f"cannot write the agent's configuration: {exc}", 1)
+    for key, value in changes.items():
         if value is None:
             env.pop(key, None)
         else:

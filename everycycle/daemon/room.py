@@ -50,7 +50,8 @@ class RoomWaits:
 
     swap_after: float = SWAP_AFTER_S
     min_residency: float = MIN_RESIDENCY_S
-    waiting: dict[str, tuple[float, str]] = field(default_factory=dict)
+    waiting: dict[str, tuple[float, str, frozenset[str]]] = field(default_factory=dict)
+    """Each waiting load: since when, why, and the busy models it waits on."""
     total: dict[str, float] = field(default_factory=dict)
     """Seconds each model's loads have waited, in all (``/metrics``)."""
 
@@ -63,8 +64,8 @@ class RoomWaits:
         """Whether ``model`` gives way: a load has waited on it long enough, and it has
         been resident long enough not to thrash."""
         return now - model.loaded >= self.min_residency and any(
-            name != model.name and now - since >= self.swap_after
-            for name, (since, _) in self.waiting.items())
+            model.name in on and now - since >= self.swap_after
+            for since, _, on in self.waiting.values())
 
 
 def held(model: Resident) -> dict[str, int]:
@@ -124,11 +125,12 @@ def holders(models: Iterable[Resident], busy: Callable[[str], bool]) -> str:
 
 
 def _transient(models: Iterable[Resident], busy: Callable[[str], bool], on: str | None
-               ) -> bool:
-    """Whether some of ``models`` (holding memory on ``on``) stay only for now: busy or
-    restarting, not pinned nor on an RPC host."""
-    return any(why_kept(m, busy) in ("busy", "restarting") and (on is None or held(m).get(on))
-               for m in models)
+               ) -> frozenset[str]:
+    """Those of ``models`` (holding memory on ``on``) that stay only for now: busy or
+    restarting, neither pinned nor on an RPC host."""
+    return frozenset(m.name for m in models
+                     if why_kept(m, busy) in ("busy", "restarting") and not m.spec.pin
+                     and m.keep_alive >= 0 and (on is None or held(m).get(on)))
 
 
 def _short(placement: ex.Placement, spec: ModelSpec) -> bool:
@@ -193,10 +195,12 @@ async def _make_room(res: Residency, spec: ModelSpec, need: MemoryPlan, wanted: 
             assert placement is not None
             return placement
         going = victim(residents, busy, on)
-        if going is None and (full or refusal is not None) and _transient(residents, busy, on):
-            since = res.room_waits.waiting.get(spec.name, (time.monotonic(), ""))[0]
+        holding = _transient(residents, busy, on) if going is None and (
+            full or refusal is not None) else frozenset()
+        if holding:
+            since = res.room_waits.waiting.get(spec.name, (time.monotonic(), "", holding))[0]
             res.room_waits.waiting[spec.name] = (
-                since, f"waiting for memory: held by {holders(residents, busy)}")
+                since, f"waiting for memory: held by {holders(residents, busy)}", holding)
             load = res.loading.get(spec.name)
             if load is not None and load.waiters == 0:
                 raise RequestCancelledError(f"nobody waits for model '{spec.name}' any more")

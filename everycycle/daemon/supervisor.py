@@ -94,6 +94,7 @@ class Supervisor:
         """Reads the registry files again: a name the registry does not know may have
         been added since (``models add``, ``run -m hf://…``)."""
         self._resolve = resolve
+        self._pulls: dict[str, anyio.Lock] = {}
         """A hub URL as a model name to its registry entry, pulled the first time (the
         daemon may pull: ``--models`` files are not written)."""
         self.limits = limits or Limits()
@@ -312,8 +313,9 @@ class Supervisor:
         self.requests.track(active)
         allow_load = self.auto_load and req.auto_load is not False
         name = req.model
-        if self._resolve is not None and manage.is_hub_url(name):
-            name = await anyio.to_thread.run_sync(self._resolve, name)  # (pulls once)
+        if self._resolve is not None and allow_load and manage.is_hub_url(name):
+            async with self._pulls.setdefault(name, anyio.Lock()):  # one pull a URL
+                name = await anyio.to_thread.run_sync(self._resolve, name)  # (pulls once)
         self._know(name)
         spec = self.residency.spec_for(name, allow_paths=peer.allow_paths)
         active.model = spec.name

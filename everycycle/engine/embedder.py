@@ -61,12 +61,19 @@ class Embedder:
             raise InternalError("llama.cpp could not create an embeddings context")
         return ctx
 
-    def run(self, jobs: Sequence[Job], out: list[tuple[Job, Output]]) -> None:
+    def run(self, jobs: Sequence[Job], out: list[tuple[Job, Output]],
+            progress: Callable[[], None] = lambda: None) -> None:
         """Embed every input of ``jobs`` in shared batches; each job's Output (its
-        vectors, cancelled, or the error) goes on ``out``."""
+        vectors, cancelled, or the error) goes on ``out``; ``progress`` is called
+        between batches."""
+
+        def cancelled() -> bool:
+            progress()
+            return any(j._cancel_reason for j in jobs)
+
         try:
             inputs = [tokens for job in jobs for tokens in job.embed_inputs or ()]
-            vectors = self.embed(inputs, cancelled=lambda: any(j._cancel_reason for j in jobs))
+            vectors = self.embed(inputs, cancelled=cancelled)
         except EverycycleError as exc:
             out.extend((job, Output("", (), True, "error", exc)) for job in jobs)
             return

@@ -59,6 +59,8 @@ class KVDisk:
         self.limit = limit
         self.entries: list[Entry] = []
         with contextlib.suppress(OSError):
+            for tmp in self.dir.glob(".*.tmp"):  # a save cut short (its engine killed)
+                tmp.unlink()
             for f in sorted(self.dir.glob("*.kv")):
                 tokens = self._header(f)
                 if tokens is not None:
@@ -102,7 +104,7 @@ class KVDisk:
     def save(self, tokens: Sequence[int], state: bytes) -> None:
         """Keep ``state`` (the KV cells of ``tokens``), replacing an entry it extends;
         then trim the whole store to its limit. Never raises (a cache is optional)."""
-        if len(tokens) < MIN_TOKENS or not state:
+        if len(tokens) < MIN_TOKENS or not state or len(state) > self.limit:
             return
         header = json.dumps({"tokens": list(tokens)}).encode()
         name = hashlib.sha256(header).hexdigest()[:24] + ".kv"

@@ -338,7 +338,8 @@ class EngineProcess:
         """Kill the child if it has had work in hand and no progress for ``hang_after``
         seconds (the pipe then closes, and ``_ended`` tells its requests)."""
         with self._lock:
-            if self._closing or self._hung is not None or not (self._jobs or self._calls):
+            if (self._closing or self._hung is not None or self.hang_after <= 0
+                    or not (self._jobs or self._calls)):
                 return
             if time.monotonic() - self._progress < self.hang_after:
                 return

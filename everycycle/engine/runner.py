@@ -145,7 +145,8 @@ class Runner(EngineThread):
         self._kvdisk = (kvdisk.KVDisk(cache_dir, kvdisk.store_key(
             path, self.n_ctx_slot, kv_cache_type,
             *cpukernels.build_identity()), limit)
-            if cache_dir is not None and limit > 0 and mmproj is None else None)
+            if cache_dir is not None and limit > 0 and mmproj is None and self._n_swa == 0
+            else None)
         """Cached prefixes saved at close and restored by prompts that extend them."""
         self._batch = L.llama_batch_init(n_batch, 0, 1)
         self._slots = [Slot(seq=i) for i in range(parallel)]

@@ -312,6 +312,7 @@ class EngineThread:
         if entry is None or state is None:
             return reuse
         if not kvdisk.restore_sequence(self._L, self._ctx, self._mem, slot.seq, state):
+            self._kvdisk.entries.remove(entry)  # (never tried again)
             slot.cached.clear()
             return 0
         slot.cached[:] = entry.tokens
@@ -345,6 +346,7 @@ class EngineThread:
             slot.n_past = reuse
             last = len(prompt.starts) - 1
             for index in range(first, last):
+                self._progressed()
                 slot.n_past = vision.eval_chunk(self._ctx, prompt, index, slot.n_past,
                                                 slot.seq, self._n_batch)
                 end = prompt.starts[index + 1]
@@ -449,4 +451,9 @@ class EngineThread:
         except EverycycleError as exc:
             out.extend((job, Output("", (), True, "error", exc)) for job in jobs)
             return
-        self._embedder.run(jobs, out)
+        self._embedder.run(jobs, out, progress=self._progressed)
+
+    def _progressed(self) -> None:
+        """A step's worth of work done inside one loop pass (an embedding batch, an
+        image): progress, for the hung-engine watch."""
+        self.steps += 1

@@ -147,6 +147,9 @@ class ChatTemplate:
             template = _environment().from_string(source)
         except jinja2.TemplateError as exc:
             raise _syntax_error(exc) from None
+        except (RecursionError, MemoryError, ValueError) as exc:  # nested past the parser
+            raise InvalidRequestError(f"chat template does not compile: "
+                                      f"{type(exc).__name__}") from None
         # Jinja's ``~`` calls the compiled module's str_join: the budgeted one.
         template.root_render_func.__globals__["str_join"] = str_join
         return cls(source, template, bos_token=bos_token, eos_token=eos_token,

@@ -78,8 +78,8 @@ class Budget:
                                     f"{self.max_bytes:,})")
 
     def check(self, value: object, what: str) -> object:
-        if isinstance(value, str | list | tuple | bytes):
-            self.size(len(value), what)
+        if isinstance(value, str | list | tuple | dict | bytes):
+            self.size(weight(value, self.max_bytes), what)
         return value
 
     def output(self, pieces: Iterable[str]) -> Iterator[str]:
@@ -102,15 +102,33 @@ def current() -> Budget | None:
 
 
 def _length(value: object) -> int:
-    return len(value) if isinstance(value, str | list | tuple | bytes) else len(str(value))
+    return weight(value) if isinstance(value, str | list | tuple | dict | bytes) else len(
+        str(value))
 
 
-def _repeat(left: object, right: object) -> int | None:
-    """The length of ``left * right`` for a sequence and an int, else None."""
+def weight(value: object, cap: int = 1 << 62) -> int:
+    """About how many characters ``value`` renders to: a string its length, a list or
+    dict the sum of its items' (counting stops past ``cap``), anything else 1."""
+    if isinstance(value, str | bytes):
+        return len(value)
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, list | tuple):
+        total = len(value)
+        for item in value:
+            total += weight(item, cap - total)
+            if total > cap:
+                break
+        return total
+    return 1
+
+
+def _repeat(left: object, right: object, cap: int) -> int | None:
+    """The weight of ``left * right`` for a sequence and an int, else None."""
     for seq, n in ((left, right), (right, left)):
         if isinstance(seq, str | list | tuple) and isinstance(n, int) and not isinstance(
                 n, bool):
-            return len(seq) * max(n, 0)
+            return weight(seq, cap) * max(n, 0)
     return None
 
 
@@ -162,7 +180,11 @@ def _method_size(method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if name == "replace" and len(args) >= 2:
         return _replace_size(owner, *args[:3])
     if name in ("format", "format_map"):
-        return len(owner) + _format_width(owner)
+        values = [*args, *kwargs.values()]
+        if name == "format_map" and args and isinstance(args[0], dict):
+            values = list(args[0].values())
+        widest = max((weight(v) for v in values), default=0)
+        return len(owner) + _format_width(owner) + owner.count("{") * widest
     return None
 
 
@@ -174,12 +196,14 @@ class BudgetedEnvironment(ImmutableSandboxedEnvironment):
     checked against the render's ``Budget`` (none outside a budgeted render)."""
 
     intercepted_binops = frozenset({"*", "+", "%", "**"})
+    concat = staticmethod(lambda parts: budgeted_concat(parts))
+    """Block bodies (``{% set %}…{% endset %}``, filter blocks, macros) join through it."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.globals.pop("lipsum", None)  # (a Python loop of any length; no template uses it)
         for name in ("join", "replace", "center", "indent", "format", "wordwrap",
-                     "truncate", "tojson"):
+                     "truncate", "tojson", "string", "list", "pprint"):
             if name in self.filters:
                 self.filters[name] = _checked_filter(name, self.filters[name])
 
@@ -188,14 +212,16 @@ class BudgetedEnvironment(ImmutableSandboxedEnvironment):
         if budget is not None:
             budget.step()
             if operator == "*":
-                n = _repeat(left, right)
+                n = _repeat(left, right, budget.max_bytes)
                 if n is not None:
                     budget.size(n, "a repetition")
             elif operator == "+" and isinstance(left, str | list | tuple) and isinstance(
                     right, type(left)):
-                budget.size(len(left) + len(right), "a concatenation")
+                budget.size(weight(left, budget.max_bytes) + weight(right, budget.max_bytes),
+                            "a concatenation")
             elif operator == "%" and isinstance(left, str):
-                budget.size(len(left) + _printf_width(left), "a %-format")
+                budget.size(len(left) + _printf_width(left) + left.count("%")
+                            * weight(right, budget.max_bytes), "a %-format")
             elif operator == "**" and isinstance(left, int) and isinstance(right, int) and (
                     right > 4096 or left.bit_length() * max(right, 0) > 1 << 16):
                 raise RenderBudgetError(f"a power {left}**{right}")
@@ -269,13 +295,27 @@ def _precheck(name: str, budget: Budget, args: tuple[Any, ...], kwargs: dict[str
         budget.size(len(str(value)) + lines * (width if isinstance(width, int)
                                                  else len(str(width))), "an |indent result")
     elif name == "format" and isinstance(value, str):
-        budget.size(len(value) + _printf_width(value), "a |format result")
+        widest = max((weight(v) for v in (*rest, *kwargs.values())), default=0)
+        budget.size(len(value) + _printf_width(value) + value.count("%") * widest,
+                    "a |format result")
+    elif name in ("string", "tojson", "pprint"):
+        budget.size(weight(value, budget.max_bytes) * 2, f"a |{name} result")
     elif name == "tojson":
         indent = rest[2] if len(rest) > 2 else kwargs.get("indent")
         if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(
                 indent) > 64:
             raise RenderBudgetError(f"a |tojson indent of {indent!r}")
     return (*passed, value, *rest)
+
+
+def budgeted_concat(parts: Iterable[str]) -> str:
+    """Jinja's ``concat`` of a block's output, with its size checked first."""
+    pieces = list(parts)
+    budget = current()
+    if budget is not None:
+        budget.step()
+        budget.size(sum(len(p) for p in pieces), "a block's output")
+    return "".join(pieces)
 
 
 def str_join(seq: Iterable[Any]) -> str:
@@ -331,6 +371,12 @@ class _Watchdog:
             _async_raise(entry.thread, None)
         return fired
 
+    def release_if_held(self) -> None:
+        """Release the lock if this thread holds it: a RenderTimeout raised while
+        ``disarm`` entered it (after acquiring, before its block) left it held."""
+        while self._cond._is_owned():  # type: ignore[attr-defined]
+            self._cond.release()
+
     def _run(self) -> None:
         with self._cond:
             while True:
@@ -371,7 +417,10 @@ def bounded(render: Callable[[], Iterable[str]], max_bytes: int,
             fired = _watchdog.disarm(deadline)
     except RenderTimeout:  # (raised at most once a deadline, perhaps during disarm)
         fired = True
+        _watchdog.release_if_held()
         _watchdog.disarm(deadline)
+    except MemoryError:
+        raise RenderBudgetError("out of memory") from None
     finally:
         _local.budget = outer
     if fired:

@@ -27,8 +27,12 @@ def add_user_entry(name: str, fields: dict[str, object]) -> Path:
     Raises ConfigError if the name is already there or the result would not parse.
     """
     target = paths.user_models_file()
-    with statefile.locked(target):
-        _add(target, name, fields)
+    try:
+        with statefile.locked(target):
+            _add(target, name, fields)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {target}: {exc.strerror or exc}; nothing was "
+                          "changed") from None
     return target
 
 
@@ -58,8 +62,12 @@ def remove_user_entry(name: str) -> Path:
     """Remove ``[models.name]`` from the user's models.toml; returns that file. Raises
     ConfigError when the user's file does not define it (a shipped entry, or none)."""
     target = paths.user_models_file()
-    with statefile.locked(target):
-        _remove(target, name)
+    try:
+        with statefile.locked(target):
+            _remove(target, name)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {target}: {exc.strerror or exc}; nothing was "
+                          "changed") from None
     return target
 
 
