@@ -56,6 +56,7 @@ def registry(tmp_path: Path, gguf: Path, context: int = 4096) -> Path:
 
 
 @pytest.mark.shipped
+@pytest.mark.timeout(600)  # (three prefills of 1,700 tokens on SmolLM2, one of them cold)
 async def test_an_evicted_conversation_is_restored_not_prefilled(tmp_path: Path) -> None:
     gguf = local_file(load_registry().get("smollm2-135m"))
     first = conversation("rivers")

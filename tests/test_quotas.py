@@ -372,7 +372,9 @@ async def test_fleet_and_metrics_show_principals(served: Daemon) -> None:
         # "tiny": one slot of 8192 tokens, so "held" runs for seconds and "mine" waits
         # queued behind it (tiny4's 512-token slots can end before `fleet` has started).
         held = ck.generate("tiny", "x", max_tokens=8000, temperature=1.0, request_id="held")
-        await held.__anext__()
+        async for e in held:  # (its Accepted comes at once, while tiny loads)
+            if isinstance(e, Tokens):
+                break
         snap = await local.describe_fleet()
         assert snap.principals is None  # one principal: nothing to tell apart
         other = local.generate("tiny", "x", max_tokens=8000, temperature=1.0,
