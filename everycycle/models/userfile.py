@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 from .. import paths, statefile
@@ -27,13 +29,21 @@ def add_user_entry(name: str, fields: dict[str, object]) -> Path:
     Raises ConfigError if the name is already there or the result would not parse.
     """
     target = paths.user_models_file()
+    with _editing(target):
+        _add(target, name, fields)
+    return target
+
+
+@contextlib.contextmanager
+def _editing(target: Path) -> Iterator[None]:
+    """``target``'s lock held for a read-modify-write; a file-system error becomes a
+    ConfigError saying nothing was changed (the old file stays whole)."""
     try:
         with statefile.locked(target):
-            _add(target, name, fields)
+            yield
     except OSError as exc:
         raise ConfigError(f"cannot write {target}: {exc.strerror or exc}; nothing was "
                           "changed") from None
-    return target
 
 
 def _add(target: Path, name: str, fields: dict[str, object]) -> None:
@@ -47,27 +57,15 @@ def _add(target: Path, name: str, fields: dict[str, object]) -> None:
     )
     text = existing + block
     _parse_entry(name, tomllib.loads(text)["models"][name], target)  # validate before writing
-    _replace(target, text)
-
-
-def _replace(target: Path, text: str) -> None:
-    try:
-        statefile.replace(target, text)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {target}: {exc.strerror or exc}; nothing was "
-                          "changed") from None
+    statefile.replace(target, text)
 
 
 def remove_user_entry(name: str) -> Path:
     """Remove ``[models.name]`` from the user's models.toml; returns that file. Raises
     ConfigError when the user's file does not define it (a shipped entry, or none)."""
     target = paths.user_models_file()
-    try:
-        with statefile.locked(target):
-            _remove(target, name)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {target}: {exc.strerror or exc}; nothing was "
-                          "changed") from None
+    with _editing(target):
+        _remove(target, name)
     return target
 
 
@@ -95,4 +93,4 @@ def _remove(target: Path, name: str) -> None:
     result = "".join(kept)
     if name in tomllib.loads(result).get("models", {}):  # (a form we did not recognise)
         raise ConfigError(f"{target}: could not remove model '{name}'; edit the file by hand")
-    _replace(target, result)
+    statefile.replace(target, result)
