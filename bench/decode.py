@@ -88,7 +88,7 @@ def engine(path: Path, prompt: list[int], n: int, threads: int, lookup: bool) ->
 
     runner = Runner(path, context=4096, parallel=1, notify=notify, n_threads=threads,
                     extra_bufts=EXTRA)
-    job = Job(tokens=prompt, max_tokens=n + 1, sampling=Sampling(temperature=0.0),
+    job = Job(tokens=prompt, max_tokens=n + 1, sampling=Sampling.of(temperature=0.0),
               lookup=lookup)
     runner.submit(job)
     done.wait()

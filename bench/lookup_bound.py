@@ -45,7 +45,7 @@ def answer(runner: Runner, tokens: list[int], n: int) -> list[int]:
 
     runner._notify = notify
     runner.submit(Job(tokens=tokens, max_tokens=n, lookup=False,
-                      sampling=Sampling(temperature=0.0, repeat_penalty=1.0)))
+                      sampling=Sampling.of(temperature=0.0, repeat_penalty=1.0)))
     done.wait()
     return ids
 

@@ -4,7 +4,8 @@
 
     EverycycleError                    base; .kind is an ErrorKind
     ├── ProtocolError                  the peer sent a line we cannot accept (Invalid)
-    │   └── LineTooLongError           a line over the framing limit (Invalid, closes)
+    │   ├── LineTooLongError           a line over the framing limit (Invalid, closes)
+    │   └── TooLargeError              a value over its size limit: an image (Invalid; HTTP 413)
     ├── InvalidRequestError            well-formed but unacceptable: range, unknown model (Invalid)
     │   ├── ChecksumMismatchError      a model file differs from its sha256 pin (Invalid)
     │   └── ContextOverflowError       a prompt longer than the context; its numbers (Invalid)
@@ -67,6 +68,10 @@ class ProtocolError(EverycycleError):
 
 class LineTooLongError(ProtocolError):
     """A framed line exceeded the maximum length; the connection must close."""
+
+
+class TooLargeError(ProtocolError):
+    """A value over its size limit (an image's bytes): what HTTP answers with 413."""
 
 
 class InvalidRequestError(EverycycleError):

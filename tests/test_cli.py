@@ -42,6 +42,24 @@ def test_run_streams_only_generated_text_and_matches_embedded(
     assert via_daemon.stdout and via_daemon.stdout == embedded.stdout
 
 
+def test_o_sets_any_sampling_parameter_the_same_through_the_daemon_and_embedded(
+    daemon: subprocess.Popen[bytes], models_file: Path
+) -> None:
+    args = ["run", "--models", str(models_file), "-n", "16", "--temperature", "0", "--raw",
+            "hello"]
+    plain = ec(*args)
+    penalised = [*args, "-o", "frequency_penalty=2", "-o", "logit_bias={\"42\": 20}"]
+    via_daemon, embedded = ec(*penalised), ec(*penalised, "--no-daemon")
+    assert via_daemon.returncode == 0 and embedded.returncode == 0, via_daemon.stderr
+    assert via_daemon.stdout == embedded.stdout != plain.stdout
+    for bad, says in (("nope=1", "unknown sampling option 'nope'"),
+                      ("mirostat=3", "mirostat must be between 0 and 2"),
+                      ("top_k", "-o takes NAME=VALUE")):
+        out = ec(*args, "-o", bad)
+        assert out.returncode == 2 and out.stdout == ""
+        assert out.stderr.startswith("everycycle: usage: ") and says in out.stderr
+
+
 def test_piped_stdin_is_appended_to_the_prompt(daemon: subprocess.Popen[bytes],
                                                models_file: Path) -> None:
     base = ["run", "--models", str(models_file), "-n", "8", "--temperature", "0"]

@@ -15,7 +15,7 @@ from everycycle.engine.runner import Runner
 from everycycle.errors import InvalidRequestError
 from everycycle.protocol import Format
 
-GREEDY = Sampling(temperature=0.0)
+GREEDY = Sampling.of(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_greedy_is_deterministic(runner: Runner, collector: Collector) -> None:
 def test_seeded_sampling_is_deterministic(runner: Runner, collector: Collector) -> None:
     texts = [
         run(runner, collector, f"s{i}", "the", max_tokens=24,
-            sampling=Sampling(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=seed))
+            sampling=Sampling.of(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=seed))
         for i, seed in enumerate((7, 7, 8))
     ]
     assert texts[0] == texts[1]
@@ -59,7 +59,7 @@ def test_chunks_are_whole_utf8_and_match_detokenized_ids(
     for seed in range(6):
         tag = f"u{seed}"
         job = Job(tokens=runner.tokenize("é✓", Format.RAW), tag=tag, max_tokens=64,
-                  sampling=Sampling(temperature=2.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed))
+                  sampling=Sampling.of(temperature=2.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed))
         runner.submit(job)
         outs = collector.wait(tag)
         ids = [i for o in outs for i in o.ids]
@@ -92,7 +92,7 @@ def test_stop_string_ends_the_stream_before_it(runner: Runner, collector: Collec
 
 def test_cancel_stops_within_a_step(runner: Runner, collector: Collector) -> None:
     job = Job(tokens=runner.tokenize("hello", Format.RAW), tag="x", max_tokens=4000,
-              sampling=Sampling(temperature=1.0, seed=3))
+              sampling=Sampling.of(temperature=1.0, seed=3))
     runner.submit(job)
     runner.cancel(job, "test")
     outs = collector.wait("x")
@@ -181,7 +181,7 @@ def test_repeat_penalty_goes_through_llama_cpps_penalties_sampler(
 ) -> None:
     plain = run(runner, collector, "rp0", "the", max_tokens=48, sampling=GREEDY)
     penalised = run(runner, collector, "rp1", "the", max_tokens=48,
-                    sampling=Sampling(temperature=0.0, repeat_penalty=5.0))
+                    sampling=Sampling.of(temperature=0.0, repeat_penalty=5.0))
     assert plain != penalised
     # a strong penalty on the last 64 tokens makes repeats rarer
     ids_plain = [i for o in collector.wait("rp0") for i in o.ids]
@@ -196,7 +196,7 @@ def test_cancelling_one_slot_leaves_the_others_untouched(
     alone = [run(runner, collector, f"solo{i}", p, max_tokens=40, sampling=GREEDY)
              for i, p in enumerate(prompts)]
     victim = Job(tokens=runner.tokenize("ing é", Format.RAW), tag="victim", max_tokens=4000,
-                 sampling=Sampling(temperature=1.0, seed=5))
+                 sampling=Sampling.of(temperature=1.0, seed=5))
     runner.submit(victim)
     jobs = []
     for i, p in enumerate(prompts):
@@ -227,7 +227,7 @@ def test_lazy_greedy_under_a_grammar_equals_masking_every_token(tiny_gguf: Path)
         runner = cls(tiny_gguf, context=512, parallel=1, notify=collector)
         try:
             runner.submit(Job(tokens=runner.tokenize("hello world", Format.RAW), max_tokens=80,
-                              sampling=Sampling(temperature=0.0, grammar=grammar), tag="g"))
+                              sampling=Sampling.of(temperature=0.0, grammar=grammar), tag="g"))
             outputs.append([i for out in collector.wait("g") for i in out.ids])
         finally:
             runner.close()

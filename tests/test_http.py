@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from everycycle.cli.daemon import parse_http_address
 from everycycle.client import SyncClient
 from everycycle.daemon.keys import load_or_create_token
+from everycycle.protocol import Format, Tokens
 
 
 @pytest.fixture
@@ -388,3 +389,30 @@ def test_n_choices_are_distinct_sampled_and_identical_greedy(client: openai.Open
     assert streamed == dict.fromkeys(range(3), greedy.choices[0].message.content)
     with pytest.raises(openai.BadRequestError, match="slots"):
         client.chat.completions.create(model="tiny4", messages=ask, n=5, max_tokens=2)
+
+
+def test_penalties_logit_bias_and_llama_servers_samplers_reach_the_engine(
+        client: openai.OpenAI) -> None:
+    """OpenAI's sampling parameters (and llama-server's extensions, as extra fields)
+    go through the table to llama.cpp's samplers: each changes a greedy answer."""
+    def text(**kw: object) -> str:
+        r = client.completions.create(model="tiny", prompt="the", max_tokens=32,
+                                      temperature=0, **kw)  # type: ignore[call-overload]
+        return str(r.choices[0].text)
+
+    plain = text()
+    with SyncClient() as c:  # (a completion's prompt is raw text)
+        first = next(e.chunk.ids[0] for e in c.generate(
+            "tiny", "the", max_tokens=1, temperature=0.0, format=Format.RAW)
+            if isinstance(e, Tokens) and e.chunk.ids)
+    assert text(logit_bias={str(first): -100}) != plain
+    assert text(frequency_penalty=2.0) != plain
+    assert text(presence_penalty=2.0) != plain
+    assert text(extra_body={"dry_multiplier": 5.0, "dry_allowed_length": 1}) != plain
+    assert text(extra_body={"xtc_probability": 1.0, "xtc_threshold": 0.01}) != plain
+    for bad, says in (({"presence_penalty": 3}, "presence_penalty must be between -2 and 2"),
+                      ({"logit_bias": {"x": 1}}, "'x' is not a token id"),
+                      ({"logit_bias": {"999999": 1}}, "token 999999 is not in this model's")):
+        with pytest.raises(openai.BadRequestError, match=says):
+            client.completions.create(model="tiny", prompt="the", max_tokens=2,
+                                      extra_body=bad)

@@ -37,7 +37,7 @@ from everycycle.engine.lookup import (
 from everycycle.engine.runner import Runner
 from everycycle.protocol import Format, Tokens
 
-GREEDY = Sampling(temperature=0.0, repeat_penalty=1.0)
+GREEDY = Sampling.of(temperature=0.0, repeat_penalty=1.0)
 
 
 def test_drafts_come_from_the_last_ngram_seen_before() -> None:

@@ -20,7 +20,7 @@ from everycycle.errors import ConfigError
 from everycycle.models import registry
 from everycycle.models.registry import load_registry
 
-GREEDY = Sampling(temperature=0.0)
+GREEDY = Sampling.of(temperature=0.0)
 
 
 @pytest.fixture(scope="module")

@@ -343,3 +343,19 @@ def test_the_readme_examples_run(url: str) -> None:
     out = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=60,
                          check=False)
     assert out.returncode == 0 and json.loads(out.stdout)["done"] is True
+
+
+def test_options_take_ollamas_sampling_parameters(client: ollama.Client) -> None:
+    plain = client.generate(model="tiny", prompt="the", raw=True, options={**GREEDY,
+                                                                          "num_predict": 32})
+    for extra in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+                  {"repeat_penalty": 5.0, "repeat_last_n": 64}):
+        other = client.generate(model="tiny", prompt="the", raw=True,
+                                options={**GREEDY, "num_predict": 32, **extra})
+        assert other.response != plain.response, extra
+    same = client.generate(model="tiny", prompt="the", raw=True,
+                           options={**GREEDY, "num_predict": 32, "repeat_penalty": 5.0,
+                                    "repeat_last_n": 0})
+    assert same.response == plain.response
+    with pytest.raises(ollama.ResponseError, match="options.mirostat must be an integer"):
+        client.generate(model="tiny", prompt="the", options={"mirostat": "two"})

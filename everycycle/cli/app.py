@@ -45,10 +45,13 @@ from .common import (
     ModelsOpt,
     NoDaemonOpt,
     OfflineOpt,
+    SamplingOpt,
     SeedOpt,
     SocketOpt,
     Status,
     TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
     VerboseOpt,
     app,
     exit_for,
@@ -56,6 +59,7 @@ from .common import (
     hub_model,
     prepull,
     report,
+    sampling_fields,
     with_images,
 )
 from .stats import RunStats
@@ -110,11 +114,10 @@ def run(
     model: ModelOpt = None,
     max_tokens: MaxTokensOpt = None,
     temperature: TemperatureOpt = None,
-    top_p: Annotated[float | None, typer.Option(
-        "--top-p", min=0.0, max=1.0, help="Nucleus sampling (default 0.95).")] = None,
-    top_k: Annotated[int | None, typer.Option(
-        "--top-k", min=0, help="Sample among the K likeliest tokens (default 40).")] = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
     seed: SeedOpt = None,
+    option: SamplingOpt = None,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")]
     = None,
     deadline: Annotated[float | None, typer.Option(
@@ -150,9 +153,11 @@ def run(
     Example:
       cat notes.md | everycycle run "Summarize:" | tee out.txt
     """
+    chosen = sampling_fields(option, temperature=temperature, top_p=top_p, top_k=top_k,
+                             seed=seed)
     if prompt is None and sys.stdin.isatty() and not as_json:
-        _chat(model=model, system=None, max_tokens=max_tokens, temperature=temperature,
-              seed=seed, no_daemon=no_daemon, offline=offline, models=models, socket=socket,
+        _chat(model=model, system=None, max_tokens=max_tokens, chosen=chosen,
+              no_daemon=no_daemon, offline=offline, models=models, socket=socket,
               verbose=verbose)
         return
     text = prompt or ""
@@ -172,8 +177,7 @@ def run(
             turn = {"messages": (Message(Role.USER, with_images(text, image)),)}
         req = Generate(
             request_id=uuid.uuid4().hex, model=name, prompt=None if turn else text,
-            think=think, **turn, max_tokens=max_tokens,
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            think=think, **turn, max_tokens=max_tokens, **chosen,
             stop=tuple(stop) if stop else None, format=Format.RAW if raw else None,
             deadline_ms=None if deadline is None else max(1, int(deadline * 1000)),
             json_schema=_read_text(json_schema, "--json-schema"),
@@ -355,7 +359,10 @@ def chat_cmd(
     system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
     max_tokens: MaxTokensOpt = None,
     temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
     seed: SeedOpt = None,
+    option: SamplingOpt = None,
     no_daemon: NoDaemonOpt = False,
     offline: OfflineOpt = False,
     models: ModelsOpt = None,
@@ -368,23 +375,23 @@ def chat_cmd(
     Example:
       everycycle chat --system "Answer in one sentence."
     """
-    _chat(model=model, system=system, max_tokens=max_tokens, temperature=temperature,
-          seed=seed, no_daemon=no_daemon, offline=offline, models=models, socket=socket,
+    _chat(model=model, system=system, max_tokens=max_tokens,
+          chosen=sampling_fields(option, temperature=temperature, top_p=top_p, top_k=top_k,
+                                 seed=seed),
+          no_daemon=no_daemon, offline=offline, models=models, socket=socket,
           verbose=verbose)
 
 
 def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
-          temperature: float | None, seed: int | None, no_daemon: bool, offline: bool,
+          chosen: dict[str, Any], no_daemon: bool, offline: bool,
           models: Path | None, socket: Path | None, verbose: bool) -> None:
     status = Status(verbose)
     try:
         name = hub_model(model or _registry_default(models), models, offline)
         _refuse_completion_model(name, models)
         prepull(name, models, offline)
-        options: dict[str, Any] = {
-            k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature),
-                              ("seed", seed)) if v is not None
-        }
+        options: dict[str, Any] = {**chosen, **({} if max_tokens is None
+                                                else {"max_tokens": max_tokens})}
         Generate(request_id="probe", model=name, prompt="", **options)  # validate options
     except EverycycleError as exc:
         exit_for(exc)

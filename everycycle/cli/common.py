@@ -13,8 +13,14 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from ..errors import DaemonUnavailableError, ErrorKind, EverycycleError, UnavailableError
-from ..protocol import MAX_TOKENS_LIMIT, ContentPart
+from ..errors import (
+    DaemonUnavailableError,
+    ErrorKind,
+    EverycycleError,
+    ProtocolError,
+    UnavailableError,
+)
+from ..protocol import MAX_TOKENS_LIMIT, ContentPart, sampling
 
 EXIT_CODES = {
     ErrorKind.INTERNAL: 1,
@@ -42,15 +48,45 @@ ModelsOpt = Annotated[Path | None, typer.Option("--models", help="Use this model
 ModelOpt = Annotated[str | None, typer.Option("-m", "--model", help="Model name.")]
 MaxTokensOpt = Annotated[int | None, typer.Option(
     "-n", "--max-tokens", min=1, max=MAX_TOKENS_LIMIT, help="Longest answer, in tokens.")]
-TemperatureOpt = Annotated[float | None, typer.Option(
-    "--temperature", min=0.0, max=100.0,
-    help="Sampling temperature; 0 is greedy (default 0.8, or the model's).")]
-SeedOpt = Annotated[int | None, typer.Option(
-    "--seed", min=0, max=2**32 - 2, help="Sampling seed, for repeatable output.")]
+
+
+def _sampling_option(p: sampling.Param[Any]) -> Any:
+    """The CLI option of a sampling parameter with its own flag, from the table."""
+    default = "" if p.default is None else f" (default {p.default:g}, or the model's)"
+    return typer.Option(f"--{p.name.replace('_', '-')}", min=p.low, max=p.high,
+                        help=p.help.rstrip(".") + default + ".")
+
+
+TemperatureOpt = Annotated[float | None, _sampling_option(sampling.TEMPERATURE)]
+TopPOpt = Annotated[float | None, _sampling_option(sampling.TOP_P)]
+TopKOpt = Annotated[int | None, _sampling_option(sampling.TOP_K)]
+SeedOpt = Annotated[int | None, _sampling_option(sampling.SEED)]
+SamplingOpt = Annotated[list[str] | None, typer.Option(
+    "-o", "--option", metavar="NAME=VALUE",
+    help="A sampling parameter, repeatable: "
+    + ", ".join(p.name for p in sampling.PARAMS if not p.flag)
+    + " (DRY breakers comma-separated; logit_bias as JSON, '{\"1234\": -100}').")]
 NoDaemonOpt = Annotated[bool, typer.Option("--no-daemon", help="Run in-process.")]
 OfflineOpt = Annotated[bool, typer.Option("--offline", help="Never download a model.")]
 VerboseOpt = Annotated[bool, typer.Option(
     "-v", "--verbose", help="Say what happens on stderr (loading, queue position).")]
+
+
+def sampling_fields(options: list[str] | None, **flags: Any) -> dict[str, Any]:
+    """The sampling parameters given on the command line: its own flags (``flags``, by
+    name) and ``-o NAME=VALUE``, checked against the table. Exits 2 on a mistake."""
+    fields = {name: value for name, value in flags.items() if value is not None}
+    for option in options or ():
+        name, eq, text = option.partition("=")
+        if not eq:
+            fail(f"usage: -o takes NAME=VALUE, not {option!r}", 2)
+        try:
+            key, value = sampling.from_text(name.strip(), text.strip())
+            sampling.checked({key: value})
+        except ProtocolError as exc:
+            fail(f"usage: -o {option}: {exc.message}", 2)
+        fields[key] = value
+    return fields
 
 
 def fail(message: str, code: int) -> NoReturn:

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from ..errors import EverycycleError
-from ..protocol import Format
+from ..protocol import Format, sampling
 from .common import ModelsOpt, app, exit_for, fail
 
 models_app = typer.Typer(no_args_is_help=False)
@@ -236,7 +236,7 @@ def show(
         "architecture": arch, "model_name": meta.get("general.name"),
         "context_trained": meta.get(f"{arch}.context_length"),
         "context": spec.context, "parallel": spec.parallel, "executor": spec.executor,
-        "parameters": dict(spec.sampling) or None,
+        "parameters": sampling.to_json(spec.sampling) or None,
         "chat_renderer": f"{renderer} ({note})" if note else renderer,
         "chat_template": source,
     }

@@ -26,18 +26,14 @@ from ..engine.tools import (
 from ..errors import InvalidRequestError, ProtocolError
 from ..models.registry import ModelSpec
 from ..protocol import Embed, Format, Generate, Message, Role, ToolChoice
+from ..protocol.sampling import values_of as sampling_values
 
 
 def sampling(req: Generate, model_defaults: Mapping[str, Any], grammar: str | None = None,
              triggers: tuple[str, ...] = ()) -> Sampling:
-    """The request's options, else the model's (models.toml), else llama.cpp's defaults."""
-    values: dict[str, Any] = {**model_defaults, "grammar": grammar,
-                              "grammar_triggers": triggers}
-    for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed"):
-        given = getattr(req, name)
-        if given is not None:
-            values[name] = given
-    return Sampling(**values)
+    """The request's options, else the model's (models.toml), else llama.cpp's defaults
+    (the table's: the engine reads an unset one as its default)."""
+    return Sampling({**model_defaults, **sampling_values(req)}, grammar, triggers)
 
 
 def _tools(req: Generate) -> list[dict[str, Any]] | None:

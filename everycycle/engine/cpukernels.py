@@ -242,7 +242,7 @@ def _child() -> int:
             # The load-time probe already decoded 1-, 2-, 4- and 8-row batches; decode a
             # prompt and a few tokens more, through the slot path.
             runner.submit(Job(tokens=list(range(3, 40)), max_tokens=4,
-                              sampling=Sampling(temperature=0.0), lookup=False))
+                              sampling=Sampling.of(temperature=0.0), lookup=False))
             if not done.wait(60) or outs[-1].reason == "error":
                 return 3
         finally:

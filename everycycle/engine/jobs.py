@@ -4,11 +4,14 @@ stop strings and held-back text that every engine applies the same way."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from ..errors import ContextOverflowError, EverycycleError, InvalidRequestError
+from ..protocol.sampling import BY_NAME, PARAMS, TEMPERATURE, Param
+
+V = TypeVar("V")
 
 EMBED_MAX_TOKENS = 2048
 """The longest input an embedding request may hold, in tokens."""
@@ -16,19 +19,42 @@ EMBED_MAX_TOKENS = 2048
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
-    """Sampling settings; llama-server's defaults. ``temperature == 0`` is greedy."""
+    """Sampling settings: the parameters of ``protocol.sampling.PARAMS`` that are set,
+    by name (read as ``sampling[TOP_P]``; unset ones are the table's defaults, which are
+    llama-server's), and a grammar. ``temperature == 0`` is greedy."""
 
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    seed: int | None = None
+    values: Mapping[str, object] = field(default_factory=dict)
     grammar: str | None = None
     """A GBNF grammar (root rule ``root``) every output must follow."""
     grammar_triggers: tuple[str, ...] = ()
     """With these patterns, the grammar is lazy: it holds from the first match on
     (llama.cpp's trigger patterns; the tool-call markers of ``auto`` tool choice)."""
+
+    @classmethod
+    def of(cls, grammar: str | None = None, grammar_triggers: tuple[str, ...] = (),
+           **values: object) -> Sampling:
+        """Sampling with these parameters set, by name (``Sampling.of(temperature=0)``);
+        a None value is unset."""
+        unknown = set(values) - set(BY_NAME)
+        if unknown:
+            raise TypeError(f"no sampling parameter {', '.join(sorted(unknown))}")
+        return cls({k: v for k, v in values.items() if v is not None}, grammar,
+                   grammar_triggers)
+
+    def __getitem__(self, param: Param[V]) -> V:
+        return cast(V, self.values.get(param.name, param.default))
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0."""
+        return self[TEMPERATURE] <= 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes its choice (no penalty, bias, DRY or XTC):
+        an argmax over the logits."""
+        return self.greedy and all(self[p] == p.neutral for p in PARAMS
+                                   if p.neutral is not None)
 
 
 Logprob = tuple[str, float, tuple[tuple[str, float], ...]]

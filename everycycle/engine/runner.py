@@ -251,7 +251,7 @@ class Runner(EngineThread):
         """
         with self._life:
             self._check_alive()
-            self._samplers.check(gbnf, triggers)
+            self._samplers.check_grammar(gbnf, triggers)
 
     def rss(self) -> int | None:
         return None
@@ -260,6 +260,7 @@ class Runner(EngineThread):
         """Queue ``job``; it starts in the next free slot. Raises InvalidRequestError
         when the prompt does not fit the context."""
         job.check_fits(self.n_ctx_slot)
+        self._samplers.check(job.sampling)
         with self._cond:
             if self._closing:
                 raise InternalError("the model is being unloaded")

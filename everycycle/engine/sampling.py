@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidRequestError
+from ..protocol import sampling as P
 from .jobs import Sampling
 from .llamalog import log_capture, stderr_text
 
 DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
-PENALTY_LAST_N = 64
 
 
 class _OneCandidate:
@@ -48,37 +48,75 @@ class Samplers:
     CHECKED_KEEP = 8
     """Compiled grammars kept between admission and a slot (more are compiled again)."""
 
-    def chain(self, s: Sampling) -> Any:
-        """llama.cpp's sampler chain for ``s`` (its grammar aside: see ``grammar``); None
-        for plain greedy decoding.
+    def chain(self, s: Sampling, n_ctx: int) -> Any:
+        """llama.cpp's sampler chain for ``s`` (its grammar aside: see ``grammar``), in
+        llama-server's order; None for plain greedy decoding. ``n_ctx`` is what a
+        ``-1`` look-back means.
 
-        Plain greedy (temperature 0, no penalty) is an argmax over the logits, which is
+        Plain greedy (``Sampling.plain_greedy``) is an argmax over the logits, which is
         what llama.cpp's greedy sampler computes, without building a candidate array
         over the whole vocabulary (262k entries for Gemma) for every token.
         """
-        L = self._L
-        if s.temperature <= 0.0 and s.repeat_penalty == 1.0:
+        if s.plain_greedy:
             return None
+        L = self._L
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+
+        def add(sampler: Any) -> None:
+            L.llama_sampler_chain_add(chain, sampler)
+
         # (A grammar is never in the chain: sample_constrained holds each token to it.)
-        if s.repeat_penalty != 1.0:
-            L.llama_sampler_chain_add(
-                chain,
-                L.llama_sampler_init_penalties(
-                    self._n_vocab, PENALTY_LAST_N, s.repeat_penalty, 0.0, 0.0
-                ),
-            )
-        if s.temperature <= 0.0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+        seed = DEFAULT_SEED if s[P.SEED] is None else s[P.SEED]
+        if biases := s[P.LOGIT_BIAS]:
+            array = (L.llama_logit_bias * len(biases))(*[(b.token, b.bias) for b in biases])
+            add(L.llama_sampler_init_logit_bias(self._n_vocab, len(biases), array))
+        last_n = s[P.REPEAT_LAST_N]
+        if any(s[p] != p.neutral for p in (P.REPEAT_PENALTY, P.FREQUENCY_PENALTY,
+                                           P.PRESENCE_PENALTY)):
+            add(L.llama_sampler_init_penalties(
+                self._n_vocab, n_ctx if last_n < 0 else last_n, s[P.REPEAT_PENALTY],
+                s[P.FREQUENCY_PENALTY], s[P.PRESENCE_PENALTY]))
+        if s[P.DRY_MULTIPLIER] > 0.0:
+            breakers = [b.encode() for b in s[P.DRY_SEQUENCE_BREAKERS]]
+            dry_n = s[P.DRY_PENALTY_LAST_N]
+            add(L.llama_sampler_init_dry(
+                self._vocab, s[P.DRY_MULTIPLIER], s[P.DRY_BASE], s[P.DRY_ALLOWED_LENGTH],
+                n_ctx if dry_n < 0 else dry_n, (ctypes.c_char_p * len(breakers))(*breakers),
+                len(breakers)))
+        if s.greedy:
+            if s[P.XTC_PROBABILITY] > 0.0:
+                add(L.llama_sampler_init_xtc(s[P.XTC_PROBABILITY], s[P.XTC_THRESHOLD], 1, seed))
+            add(L.llama_sampler_init_greedy())
             return chain
-        if s.top_k > 0:
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(s.top_k))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(s.top_p, 1))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(s.min_p, 1))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(s.temperature))
-        seed = DEFAULT_SEED if s.seed is None else s.seed
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
+        if s[P.MIROSTAT]:
+            add(L.llama_sampler_init_temp(s[P.TEMPERATURE]))
+            if s[P.MIROSTAT] == 1:
+                add(L.llama_sampler_init_mirostat(self._n_vocab, seed, s[P.MIROSTAT_TAU],
+                                                  s[P.MIROSTAT_ETA], 100))
+            else:
+                add(L.llama_sampler_init_mirostat_v2(seed, s[P.MIROSTAT_TAU],
+                                                     s[P.MIROSTAT_ETA]))
+            return chain
+        if s[P.TOP_N_SIGMA] > 0.0:
+            add(L.llama_sampler_init_top_n_sigma(s[P.TOP_N_SIGMA]))
+        if s[P.TOP_K] > 0:
+            add(L.llama_sampler_init_top_k(s[P.TOP_K]))
+        if s[P.TYPICAL_P] < 1.0:
+            add(L.llama_sampler_init_typical(s[P.TYPICAL_P], 1))
+        add(L.llama_sampler_init_top_p(s[P.TOP_P], 1))
+        add(L.llama_sampler_init_min_p(s[P.MIN_P], 1))
+        if s[P.XTC_PROBABILITY] > 0.0:
+            add(L.llama_sampler_init_xtc(s[P.XTC_PROBABILITY], s[P.XTC_THRESHOLD], 1, seed))
+        add(L.llama_sampler_init_temp(s[P.TEMPERATURE]))
+        add(L.llama_sampler_init_dist(seed))
         return chain
+
+    def check(self, s: Sampling) -> None:
+        """Raises InvalidRequestError for a logit bias on a token the vocabulary lacks."""
+        for b in s[P.LOGIT_BIAS]:
+            if b.token >= self._n_vocab:
+                raise InvalidRequestError(f"logit_bias: token {b.token} is not in this "
+                                          f"model's vocabulary of {self._n_vocab}")
 
     def grammar(self, gbnf: str, triggers: tuple[str, ...] = ()) -> Any:
         """llama.cpp's grammar sampler for ``gbnf`` (root rule ``root``), lazy from the
@@ -110,7 +148,7 @@ class Samplers:
             raise InvalidRequestError(f"grammar: {detail}")
         return sampler
 
-    def check(self, gbnf: str, triggers: tuple[str, ...] = ()) -> None:
+    def check_grammar(self, gbnf: str, triggers: tuple[str, ...] = ()) -> None:
         """Compile ``gbnf`` (raising InvalidRequestError saying where it is broken) and
         keep it for the job that asked, so that it is compiled once."""
         sampler = self._compile(gbnf, triggers)

@@ -287,13 +287,13 @@ class EngineThread:
             L.llama_memory_seq_rm(self._mem, slot.seq, reuse if reuse else -1, -1)
             del slot.cached[reuse:]
         slot.job = job
-        greedy = job.sampling.temperature <= 0.0 and job.sampling.repeat_penalty == 1.0
+        greedy = job.sampling.plain_greedy
         # Under a grammar, as llama-server does it: the argmax (or a sample), and the
         # whole vocabulary masked only when the grammar refuses that token.
         slot.grammar = (self._samplers.grammar(job.sampling.grammar,
                                                job.sampling.grammar_triggers)
                         if job.sampling.grammar is not None else None)
-        slot.sampler = self._samplers.chain(job.sampling)  # (None: plain greedy)
+        slot.sampler = self._samplers.chain(job.sampling, self.n_ctx_slot)  # None: plain greedy
         slot.lookup = (self.lookup_type(job.tokens, self._history)
                        if job.lookup and greedy and job.sampling.grammar is None else None)
         slot.draft = []

@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import paths
 from ..errors import ChecksumMismatchError, ConfigError, InvalidRequestError, ProtocolError
-from ..protocol import Format, check_model_name
+from ..protocol import Format, check_model_name, sampling
 from . import hub, hubrepo
 
 SHIPPED_MODELS = Path(__file__).parent.parent / "models.toml"
@@ -38,12 +38,6 @@ _KEYS = {
     "format": str,
     "package_file": str,
     "kv_cache_type": str,
-    "temperature": float,
-    "top_k": int,
-    "top_p": float,
-    "min_p": float,
-    "repeat_penalty": float,
-    "seed": int,
     "keep_alive": object,
     "gpu_layers": int,
     "speculative": bool,
@@ -55,14 +49,7 @@ _KEYS = {
     "grammar_after_tools": str,
     "kv_cache_disk": int,
 }
-_SAMPLING_RANGES: dict[str, tuple[float, float]] = {
-    "temperature": (0.0, 100.0),
-    "top_k": (0, 1_000_000),
-    "top_p": (0.0, 1.0),
-    "min_p": (0.0, 1.0),
-    "repeat_penalty": (0.01, 10.0),
-    "seed": (0, 2**32 - 2),
-}
+_KEYS.update({p.name: object for p in sampling.PARAMS})  # (checked by the table)
 _SOURCES = ("path", "package", "hf_repo")
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 DEFAULT_KEEP_ALIVE = 300.0
@@ -92,8 +79,11 @@ def parse_keep_alive(value: object) -> float:
         if parts:
             return sum(float(n) * _UNITS[u]
                        for n, _, u in re.findall(r"(\d+(\.\d+)?)(ms|s|m|h|d)", text))
-    raise ValueError(f"keep-alive {value!r}: use seconds (300), a duration (5m, 1h, 90s), "
-                     "0 (unload when idle) or -1 (never unload)")
+    raise ValueError(f"keep-alive {value!r}: {KEEP_ALIVE_FORMS}")
+
+
+KEEP_ALIVE_FORMS = ("use seconds (300), a duration (5m, 1h, 90s), 0 (unload when idle) or -1 "
+                    "(never unload)")
 """The kv_cache_type values the engine sizes and llama.cpp supports on every backend."""
 
 
@@ -118,7 +108,7 @@ class ModelSpec:
     """The GGUF's file name inside ``package`` (found without importing the package)."""
     kv_cache_type: str = "f16"
     """The KV cache's element type: f16, q8_0 or q4_0 (llama-server's -ctk/-ctv)."""
-    sampling: Mapping[str, float | int] = field(default_factory=dict)
+    sampling: Mapping[str, object] = field(default_factory=dict)
     """Sampling defaults for this model (temperature, top_k, …); requests override them."""
     keep_alive: float | None = None
     """Seconds it stays loaded once idle (-1: always); None: the daemon's default."""
@@ -226,16 +216,17 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
                         ("gpu_layers", 0, 100_000), ("threads", 1, 1024)):
         if key in raw and not lo <= raw[key] <= hi:
             raise ConfigError(f"{where}.{key} must be between {lo} and {hi}")
-    for key, (flo, fhi) in _SAMPLING_RANGES.items():
-        if key in raw and not flo <= raw[key] <= fhi:
-            raise ConfigError(f"{where}.{key} must be between {flo:g} and {fhi:g}")
+    try:
+        given = sampling.checked(sampling.from_json(None, raw))
+    except ProtocolError as exc:  # (its message starts with the key)
+        raise ConfigError(f"{where}.{exc.message}") from None
     keep_alive = None
     if "keep_alive" in raw:
         try:
             keep_alive = parse_keep_alive(raw["keep_alive"])
-        except ValueError as exc:
-            reason = str(exc).split(": ", 1)[1]
-            raise ConfigError(f"{where}.keep_alive = {raw['keep_alive']!r}: {reason}") from None
+        except ValueError:
+            raise ConfigError(f"{where}.keep_alive = {raw['keep_alive']!r}: "
+                              f"{KEEP_ALIVE_FORMS}") from None
     kv = raw.get("kv_cache_type", "f16")
     if kv not in KV_CACHE_TYPES:
         raise ConfigError(f"{where}.kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)} "
@@ -281,7 +272,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         format=Format(fmt) if fmt else None,
         package_file=raw.get("package_file"),
         kv_cache_type=kv,
-        sampling={k: raw[k] for k in _SAMPLING_RANGES if k in raw},
+        sampling=given,
         keep_alive=keep_alive,
         gpu_layers=raw.get("gpu_layers"),
         threads=raw.get("threads"),

@@ -7,7 +7,9 @@ import binascii
 import enum
 from dataclasses import field
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, TooLargeError
+from . import sampling
+from .sampling import Bias  # noqa: F401 - the extension fields' type, by name
 from .validation import (
     DEADLINE,
     KEEP_ALIVE,
@@ -21,7 +23,6 @@ from .validation import (
     MAX_STOPS,
     MAX_TOKENS_LIMIT,
     MAX_TOOL_CALLS,
-    U32_MAX,
     check_name,
     message,
     parse_json,
@@ -96,7 +97,7 @@ class ContentPart:
         if self.data is None or self.text is not None:
             raise ProtocolError("an image part has base64 `data` and no `text`")
         if len(self.data) > (MAX_IMAGE_BYTES + 2) // 3 * 4 + 4:
-            raise ProtocolError(f"an image is at most {MAX_IMAGE_BYTES >> 20} MiB")
+            raise TooLargeError(f"an image is at most {MAX_IMAGE_BYTES >> 20} MiB")
         if self.mime is not None and not (0 < len(self.mime) <= 100):
             raise ProtocolError("`mime` must be 1-100 characters")
 
@@ -151,15 +152,16 @@ class Message:
 
 
 @message(ranges={
-    "max_tokens": (1, MAX_TOKENS_LIMIT), "temperature": (0.0, 100.0), "top_p": (0.0, 1.0),
-    "top_k": (0, 1_000_000), "min_p": (0.0, 1.0), "repeat_penalty": (0.01, 10.0),
-    "seed": (0, U32_MAX - 1), "deadline_ms": DEADLINE, "keep_alive_ms": KEEP_ALIVE,
-    "logprobs": (0, 20)})
+    "max_tokens": (1, MAX_TOKENS_LIMIT), **sampling.RANGES, "deadline_ms": DEADLINE,
+    "keep_alive_ms": KEEP_ALIVE, "logprobs": (0, 20)})
+@sampling.with_extensions
 class Generate:
     """Generate text with ``model`` from ``prompt`` or from a conversation, ``messages``.
 
     Exactly one of the two is given. ``messages`` (an extension) is rendered with the
-    model's chat template; unset options take the model's defaults.
+    model's chat template; unset options take the model's defaults. The sampling
+    parameters are ``sampling.PARAMS``: the seed's six are declared here in their wire
+    places, the others (extensions) are added from the table.
     """
 
     request_id: str
@@ -206,6 +208,7 @@ class Generate:
 
     def _validate(self) -> None:
         self._validate_tools()
+        sampling.check(self)
         if (self.prompt is None) == (self.messages is None):
             raise ProtocolError("give exactly one of `prompt` and `messages`")
         if self.messages is not None:

@@ -25,8 +25,8 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 
 from ...errors import ProtocolError
-from ...protocol import ContentPart, Message, PartType, Role, ToolCall, ToolChoice
-from .common import HttpError, deadline, image_part, joined_text
+from ...protocol import ContentPart, Message, PartType, Role, ToolCall, ToolChoice, sampling
+from .common import HttpError, deadline, image_part, joined_text, sampling_options
 from .openai_request import check_types
 
 log = logging.getLogger(__name__)
@@ -222,8 +222,9 @@ def options(request: HttpRequest, data: dict[str, Any], *, counting: bool = Fals
     ``stop_sequences``, ``temperature``, ``top_p``, ``top_k`` and the deadline header."""
     if data.get("max_tokens") is None and not counting:
         raise _bad("max_tokens", "is required")
-    fields = {key: data[key] for key in ("max_tokens", "temperature", "top_p", "top_k")
-              if data.get(key) is not None and not counting}
+    fields = {} if counting else sampling_options(sampling.ANTHROPIC, data)
+    if data.get("max_tokens") is not None and not counting:
+        fields["max_tokens"] = data["max_tokens"]
     stops = data.get("stop_sequences")
     if stops is not None:
         if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):

@@ -10,8 +10,8 @@ from typing import Any
 
 from starlette.requests import Request as HttpRequest
 
-from ...errors import EverycycleError, ProtocolError
-from ...protocol import ContentPart, PartType, validate_request_id
+from ...errors import EverycycleError, ProtocolError, TooLargeError
+from ...protocol import ContentPart, PartType, sampling, validate_request_id
 from ..keys import LOCAL, KeyStore, Principal
 from ..supervisor import Supervisor
 
@@ -38,7 +38,7 @@ def image_part(where: str, data: object, mime: object = None) -> ContentPart:
         return ContentPart(PartType.IMAGE, data=data,
                            mime=mime if isinstance(mime, str) else None)
     except ProtocolError as exc:
-        status = 413 if "at most" in exc.message else 400
+        status = 413 if isinstance(exc, TooLargeError) else 400
         raise HttpError(status, f"{where}: {exc.message}", "invalid_image") from None
 
 
@@ -190,3 +190,12 @@ def stream_flag(data: dict[str, Any]) -> bool:
     if not isinstance(stream, bool):
         raise HttpError(400, "`stream` must be a boolean", "invalid_type")
     return stream
+
+
+def sampling_options(dialect: str, data: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """The sampling parameters ``dialect`` takes from ``data``, by name (the table's
+    mapping, ``protocol.sampling``). Raises HttpError (400) naming a mistyped one."""
+    try:
+        return sampling.from_json(dialect, data, where)
+    except ProtocolError as exc:
+        raise HttpError(400, exc.message, "invalid_type") from None

@@ -40,7 +40,7 @@ from ...errors import EverycycleError, UnavailableError
 from ...models import hub, hubrepo
 from ...models.registry import ModelSpec, hub_files, local_file
 from ...models.userfile import remove_user_entry
-from ...protocol import Done, Error, Load, Unload
+from ...protocol import Done, Error, Load, Unload, sampling
 from ..keys import Principal, load_or_create_token
 from . import ollama_request as parse
 from .common import HttpError, Reader, presented_key, request_id
@@ -202,7 +202,7 @@ class OllamaMeta(Dialect):
                             "(POST /api/pull downloads it)", "model_not_found")
         template = facts.meta.get("tokenizer.chat_template")
         template = template if isinstance(template, str) else ""
-        params = {**spec.sampling, "num_ctx": spec.context}
+        params = {**sampling.to_json(spec.sampling), "num_ctx": spec.context}
         modelfile = (f"# everycycle: model '{name}' from {spec.source}\nFROM {facts.path}\n"
                      + "".join(f"PARAMETER {k} {v}\n" for k, v in params.items())
                      + (f'TEMPLATE """{template}"""\n' if template else ""))

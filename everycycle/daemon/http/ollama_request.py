@@ -16,9 +16,9 @@ from starlette.requests import Request as HttpRequest
 
 from ...engine.grammar import JSON_OBJECT_SCHEMA
 from ...models.registry import parse_keep_alive
-from ...protocol import Message
+from ...protocol import Message, sampling
 from . import openai_request
-from .common import HttpError, Reader, deadline
+from .common import HttpError, Reader, deadline, sampling_options
 
 TAG = ":latest"
 """The one tag every model has: ``NAME`` and ``NAME:latest`` are the same model."""
@@ -64,22 +64,19 @@ def response_format(raw: object) -> dict[str, str]:
 
 
 def options(request: HttpRequest, data: dict[str, Any], context: int | None) -> dict[str, Any]:
-    """``options`` (num_predict, temperature, top_p, top_k, min_p, repeat_penalty, seed,
-    stop, num_ctx), ``keep_alive``, ``format`` and the deadline header, as Generate's
+    """``options`` (num_predict, the sampling parameters Ollama takes, stop, num_ctx), ``keep_alive``, ``format`` and the deadline header, as Generate's
     fields. ``context`` is the model's slot context, if known."""
     raw = data.get("options")
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise HttpError(400, "`options` must be an object", "invalid_options")
-    out: dict[str, Any] = {k: raw[k] for k in ("temperature", "top_p", "top_k", "min_p",
-                                               "repeat_penalty") if raw.get(k) is not None}
-    for key, field in (("num_predict", "max_tokens"), ("seed", "seed")):
-        value = raw.get(key)
-        # (num_predict -1 is "no limit" and -2 "fill the context"; seed -1 is "random")
-        negative = isinstance(value, int) and not isinstance(value, bool) and value < 0
-        if value is not None and not negative:
-            out[field] = value
+    out: dict[str, Any] = sampling_options(sampling.OLLAMA, raw, "options.")
+    value = raw.get("num_predict")
+    # (num_predict -1 is "no limit" and -2 "fill the context")
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool)
+                                  and value < 0):
+        out["max_tokens"] = value
     stop = raw.get("stop")
     stops = [stop] if isinstance(stop, str) else stop
     if stops is not None:

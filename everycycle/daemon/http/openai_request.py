@@ -11,22 +11,21 @@ from starlette.requests import Request as HttpRequest
 
 from ...engine.grammar import JSON_OBJECT_SCHEMA
 from ...errors import ProtocolError
-from ...protocol import ContentPart, Message, PartType, Role, ToolCall, ToolChoice
-from .common import HttpError, deadline, image_part
+from ...protocol import ContentPart, Message, PartType, Role, ToolCall, ToolChoice, sampling
+from .common import HttpError, deadline, image_part, sampling_options
 
 _ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER,
           "assistant": Role.ASSISTANT, "tool": Role.TOOL}
 
 
-def options(request: HttpRequest, data: dict[str, Any]) -> dict[str, Any]:
-    """The sampling and stopping options of a chat or text completion."""
-    options: dict[str, Any] = {}
+def options(request: HttpRequest, data: dict[str, Any], dialect: str = sampling.OPENAI
+            ) -> dict[str, Any]:
+    """The sampling and stopping options of a chat or text completion (or of the
+    Responses API, ``dialect``)."""
+    options: dict[str, Any] = sampling_options(dialect, data)
     max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
     if max_tokens is not None:
         options["max_tokens"] = max_tokens
-    for key in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed"):
-        if data.get(key) is not None:
-            options[key] = data[key]
     stop = data.get("stop")
     if isinstance(stop, str):
         options["stop"] = (stop,)
@@ -47,15 +46,11 @@ def options(request: HttpRequest, data: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_types(options: dict[str, Any]) -> None:
-    """Integers and numbers where Generate wants them (a bool is neither). Raises HttpError."""
-    for key, kind in (("max_tokens", int), ("top_k", int), ("seed", int)):
-        value = options.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
-            raise HttpError(400, f"`{key}` must be an integer", "invalid_type")
-    for key in ("temperature", "top_p", "min_p", "repeat_penalty"):
-        value = options.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise HttpError(400, f"`{key}` must be a number", "invalid_type")
+    """``max_tokens`` an integer (a bool is none; the sampling parameters' types are
+    their table's to check). Raises HttpError."""
+    value = options.get("max_tokens")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise HttpError(400, "`max_tokens` must be an integer", "invalid_type")
 
 
 def response_format(raw: object) -> dict[str, str]:

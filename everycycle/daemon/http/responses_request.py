@@ -25,7 +25,7 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 
 from ...errors import ProtocolError
-from ...protocol import Message, Role, ToolCall
+from ...protocol import Message, Role, ToolCall, sampling
 from . import openai_request
 from .common import HttpError, joined_text
 
@@ -206,8 +206,8 @@ def options(request: HttpRequest, data: dict[str, Any]) -> dict[str, Any]:
     """``max_output_tokens``, ``temperature``, ``top_p``, ``reasoning.effort``,
     ``text.format`` and the deadline header."""
     fields = openai_request.options(request, {
-        "max_tokens": data.get("max_output_tokens"), "temperature": data.get("temperature"),
-        "top_p": data.get("top_p")})
+        "max_tokens": data.get("max_output_tokens"),
+        **{k: data[k] for k in sampling.BY_NAME if k in data}}, sampling.RESPONSES)
     reasoning = data.get("reasoning")
     if isinstance(reasoning, dict):
         fields.update(openai_request.thinking({"reasoning_effort": reasoning.get("effort")}))
