@@ -31,10 +31,10 @@ from pathlib import Path
 import llama_cpp as L
 
 from everycycle import paths
-from everycycle.engine import cpukernels
 from everycycle.engine.jobs import Job, Sampling
 from everycycle.engine.llamalog import backend_init
 from everycycle.engine.runner import Runner
+from everycycle.hardware import cpukernels
 from everycycle.models.registry import load_registry, local_file
 from everycycle.protocol import Format
 

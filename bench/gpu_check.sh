@@ -57,7 +57,7 @@ rm -rf "$WORK/site/llama_cpp"
 cp -r "$SRC/llama_cpp" "$WORK/site/"
 mkdir -p "$WORK/site/llama_cpp/lib"
 cp -P "$WORK"/build/bin/lib*.so* "$WORK/site/llama_cpp/lib/"
-$PY -c "import everycycle.engine.executors as ex; [print(' ', e.name, e.vendor, len(e.devices), 'devices') for e in ex.discover()]"
+$PY -c "import everycycle.hardware.executors as ex; [print(' ', e.name, e.vendor, len(e.devices), 'devices') for e in ex.discover()]"
 
 stamp "tests marked gpu"
 REQUIRE=1

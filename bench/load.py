@@ -32,7 +32,7 @@ import anyio
 
 from everycycle import paths
 from everycycle.client import BaseClient, connect, embedded
-from everycycle.engine import cpukernels
+from everycycle.hardware import cpukernels
 from everycycle.models.registry import load_registry, local_file
 from everycycle.protocol import Format, Tokens
 

@@ -31,7 +31,7 @@ sys.modules[_spec.name] = load
 _spec.loader.exec_module(load)
 
 from everycycle.client import SyncClient
-from everycycle.engine import rpc
+from everycycle.hardware import rpc
 from everycycle.models.registry import load_registry, local_file
 
 

@@ -17,7 +17,7 @@ from nativeguard import DeathWatch, obey_the_verdict, watching
 from tinymodel import write_tiny_gguf
 
 from everycycle import paths
-from everycycle.engine import cpukernels
+from everycycle.hardware import cpukernels
 
 SpawnDaemon = Callable[..., subprocess.Popen[bytes]]
 

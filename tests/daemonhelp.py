@@ -188,7 +188,7 @@ def require_executor(name: str, required_by: str, missing: str, skip: str) -> An
 
     import pytest
 
-    from everycycle.engine import executors as ex
+    from everycycle.hardware import executors as ex
 
     found = {e.name: e for e in ex.discover()}
     if name not in found:

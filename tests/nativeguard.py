@@ -20,7 +20,7 @@ import sys
 from typing import IO, Any
 
 from everycycle import paths
-from everycycle.engine import cpukernels
+from everycycle.hardware import cpukernels
 
 
 def obey_the_verdict() -> None:

@@ -1,4 +1,4 @@
-"""everycycle.engine.tools.call_grammar, checked by llama.cpp itself: its GBNF parser compiles
+"""everycycle.chatfmt.tools.call_grammar, checked by llama.cpp itself: its GBNF parser compiles
 each grammar, and its grammar sampler (on SmolLM2's vocabulary, no weights) accepts the
 calls each format's model would write, token by token, and refuses malformed ones."""
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from everycycle.engine import tools as tc
-from everycycle.engine.toolparse import parse
-from everycycle.engine.tools import ToolFormat
+from everycycle.chatfmt import tools as tc
+from everycycle.chatfmt.toolparse import parse
+from everycycle.chatfmt.tools import ToolFormat
 from everycycle.errors import InvalidRequestError
 
 llamacheck = pytest.importorskip("llamacheck")

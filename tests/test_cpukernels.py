@@ -13,7 +13,7 @@ from daemonhelp import EC, daemon_process, running_daemon
 
 from everycycle import paths
 from everycycle.client import connect
-from everycycle.engine import cpukernels
+from everycycle.hardware import cpukernels
 from everycycle.protocol import Tokens
 
 
@@ -31,7 +31,7 @@ def test_the_probe_passes_where_the_kernels_run_and_is_cached(fresh: Path) -> No
     verdict = cpukernels.decide(paths.state_dir())
     # This machine's own kernels: the child decoded through them (on an AMX CPU that
     # faults, this is where the verdict turns to off instead).
-    done = subprocess.run([*EC[:1], "-m", "everycycle.engine.cpukernels"], check=False,
+    done = subprocess.run([*EC[:1], "-m", cpukernels.CHILD], check=False,
                           capture_output=True)
     assert verdict.extra is (done.returncode == 0), done
     assert verdict.source == "probe"

@@ -217,7 +217,7 @@ class _AlwaysMaskRunner(Runner):
 
 
 def test_lazy_greedy_under_a_grammar_equals_masking_every_token(tiny_gguf: Path) -> None:
-    from everycycle.engine.grammar import schema_to_gbnf
+    from everycycle.chatfmt.grammar import schema_to_gbnf
 
     grammar = schema_to_gbnf('{"type": "object", "properties": {"a": {"type": "string"}, '
                              '"b": {"type": "array", "items": {"type": "integer"}}}}')

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from everycycle.engine import executors as ex
-from everycycle.engine.memory import DEVICE_RESERVE, MemoryPlan
 from everycycle.errors import (
     ChecksumMismatchError,
     ConfigError,
     InvalidRequestError,
     RejectedError,
 )
+from everycycle.hardware import executors as ex
+from everycycle.hardware.memory import DEVICE_RESERVE, MemoryPlan
 from everycycle.models.registry import load_registry, local_file, parse_file
 from everycycle.protocol import Format
 
@@ -123,7 +123,7 @@ def test_a_named_gpu_without_room_for_a_layer_is_rejected() -> None:
 
 
 def test_the_plan_reads_each_layer_from_the_file(tiny_gguf: Path) -> None:
-    from everycycle.engine.memory import plan
+    from everycycle.hardware.memory import plan
 
     p = plan(tiny_gguf, context=512, parallel=4)
     assert p.n_layer == 2 and len(set(p.layer_weights)) == 1 and p.layer_weights[0] > 0

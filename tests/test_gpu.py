@@ -14,7 +14,7 @@ from conftest import SpawnDaemon
 from daemonhelp import cancel_mid_stream, greedy_ids, require_executor
 
 from everycycle.client import SyncClient
-from everycycle.engine import executors as ex
+from everycycle.hardware import executors as ex
 from everycycle.protocol import Error
 
 pytestmark = pytest.mark.gpu

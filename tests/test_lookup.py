@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 
 from everycycle import paths
 from everycycle.client import SyncClient
-from everycycle.engine import cpukernels
 from everycycle.engine.jobs import Job, Output, Sampling
 from everycycle.engine.lookup import (
     MAX_DRAFT,
@@ -35,6 +34,7 @@ from everycycle.engine.lookup import (
     expected_accepted,
 )
 from everycycle.engine.runner import Runner
+from everycycle.hardware import cpukernels
 from everycycle.protocol import Format, Tokens
 
 GREEDY = Sampling.of(temperature=0.0, repeat_penalty=1.0)

@@ -14,9 +14,9 @@ from tinymodel import write_tiny_gguf
 
 from everycycle.client import connect
 from everycycle.engine.jobs import Job, Sampling
-from everycycle.engine.memory import KV_CACHE_TYPES, plan
 from everycycle.engine.runner import Runner
 from everycycle.errors import ConfigError
+from everycycle.hardware.memory import KV_CACHE_TYPES, plan
 from everycycle.models import registry
 from everycycle.models.registry import load_registry
 

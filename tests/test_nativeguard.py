@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from everycycle.engine import cpukernels
+from everycycle.hardware import cpukernels
 
 HERE = Path(__file__).parent
 
@@ -31,7 +31,7 @@ def test_a_test_that_kills_the_run_is_named_on_its_last_line() -> None:
 def test_the_switch_makes_the_probe_die_and_the_verdict_off(tmp_path: Path) -> None:
     env = {**os.environ, cpukernels.CRASH_ENV: "1", "EVERYCYCLE_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", (
-        "from everycycle import paths; from everycycle.engine import cpukernels; "
+        "from everycycle import paths; from everycycle.hardware import cpukernels; "
         "v = cpukernels.decide(paths.state_dir()); print(v.extra, v.note)")],
         capture_output=True, text=True, env=env, timeout=300, check=True)
     assert out.stdout.strip() == ("False CPU extra buffer types (AMX, repacked weights) "

@@ -1,4 +1,4 @@
-"""everycycle.engine.reasoning: markers from templates, prompts that open thinking, streamed splits."""
+"""everycycle.chatfmt.reasoning: markers from templates, prompts that open thinking, streamed splits."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from templatehelp import fixture_source
 
-from everycycle.engine import reasoning as rs
-from everycycle.engine.reasoning import ReasoningFormat, ReasoningSplitter, split
-from everycycle.engine.template import ChatTemplate
-from everycycle.engine.toolparse import parse
-from everycycle.engine.tools import ToolFormat
+from everycycle.chatfmt import reasoning as rs
+from everycycle.chatfmt.reasoning import ReasoningFormat, ReasoningSplitter, split
+from everycycle.chatfmt.template import ChatTemplate
+from everycycle.chatfmt.toolparse import parse
+from everycycle.chatfmt.tools import ToolFormat
 
 THINK, THINKING, MAGISTRAL = (ReasoningFormat.THINK, ReasoningFormat.THINKING,
                               ReasoningFormat.MAGISTRAL)

@@ -1,6 +1,6 @@
 """Golden renders: conversations (with and without a system message, with tools, with a
 tool call and its result) through real chat templates — the default model's own, and
-published ones — by the daemon's own path (engine/chat.py). The expected prompts are
+published ones — by the daemon's own path (chatfmt/chat.py). The expected prompts are
 checked in under tests/data/renders; EVERYCYCLE_REGOLD=1 writes them anew (then read
 the diff)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from templatehelp import SMOLLM2, fixture_source, gguf_chat
 
-from everycycle.engine.chat import ChatFormat
+from everycycle.chatfmt.chat import ChatFormat
 from everycycle.protocol import Message, Role, ToolCall
 
 RENDERS = Path(__file__).parent / "data" / "renders"

@@ -21,7 +21,7 @@ from daemonhelp import EC, greedy_ids, wait_until
 
 from everycycle.client import SyncClient
 from everycycle.daemon.keys import load_or_create_token
-from everycycle.engine import rpc
+from everycycle.hardware import rpc
 from everycycle.protocol import Error, ErrorKind, FleetDescription, Tokens, decode_event
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import anyio
 import pytest
 
+from everycycle.chatfmt.chat import ChatPrompt
 from everycycle.daemon.keys import LOCAL
 from everycycle.daemon.supervisor import Outcome, Supervisor
-from everycycle.engine.chat import ChatPrompt
 from everycycle.engine.contract import Engine, LoadOptions, Notify
 from everycycle.engine.jobs import Job, Output
 from everycycle.errors import ErrorKind, InternalError

@@ -1,4 +1,4 @@
-"""everycycle.engine.template: HF-style rendering of real chat templates, golden where it matters."""
+"""everycycle.chatfmt.template: HF-style rendering of real chat templates, golden where it matters."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from templatehelp import GEMMA3, SMOLLM2, fixture_source, gguf_chat
 
-from everycycle.engine.template import CHATML, ChatTemplate, template_variables
+from everycycle.chatfmt.template import CHATML, ChatTemplate, template_variables
 from everycycle.errors import InvalidRequestError
 
 WEATHER = {

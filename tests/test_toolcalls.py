@@ -1,4 +1,4 @@
-"""everycycle.engine.tools: format detection, parsing whole and streamed, and the system prompt."""
+"""everycycle.chatfmt.tools: format detection, parsing whole and streamed, and the system prompt."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from templatehelp import SMOLLM2, fixture_source, gguf_chat
 
-from everycycle.engine import toolparse
-from everycycle.engine import tools as tc
-from everycycle.engine.toolparse import (
+from everycycle.chatfmt import toolparse
+from everycycle.chatfmt import tools as tc
+from everycycle.chatfmt.toolparse import (
     CallDelta,
     Parsed,
     StreamParser,
@@ -25,7 +25,7 @@ from everycycle.engine.toolparse import (
     collect,
     parse,
 )
-from everycycle.engine.tools import ToolFormat
+from everycycle.chatfmt.tools import ToolFormat
 from everycycle.errors import InvalidRequestError
 
 H, L, M, G = ToolFormat.HERMES, ToolFormat.LLAMA3, ToolFormat.MISTRAL, ToolFormat.GENERIC

@@ -19,9 +19,9 @@ from daemonhelp import EC, cancel_mid_stream, greedy_ids, require_executor
 from tinymodel import write_tiny_gguf
 
 from everycycle.client import SyncClient
-from everycycle.engine import executors as ex
-from everycycle.engine.memory import fit, plan
 from everycycle.errors import RequestFailedError
+from everycycle.hardware import executors as ex
+from everycycle.hardware.memory import fit, plan
 from everycycle.protocol import Error, LoadedModel, Unload
 
 pytestmark = pytest.mark.vulkan

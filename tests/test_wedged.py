@@ -18,9 +18,9 @@ from test_engine_process import engine_pid, generate, loaded, serving_again, str
 from tinymodel import CHAT_TEMPLATE, write_tiny_gguf
 
 from everycycle import paths
+from everycycle.chatfmt.template import ChatTemplate
+from everycycle.chatfmt.templatebudget import RenderBudgetError
 from everycycle.client import SyncClient
-from everycycle.engine.template import ChatTemplate
-from everycycle.engine.templatebudget import RenderBudgetError
 from everycycle.errors import ErrorKind
 from everycycle.protocol import Error, Format, Message, Role, Tokens
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from everycycle.engine.ggufwrite import finish
+from everycycle.hardware.ggufwrite import finish
 
 N_EMBD, N_HEAD, N_LAYER, N_FF, N_CTX = 64, 4, 2, 128, 32768
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from everycycle.engine.ggufwrite import finish, write_hparams
+from everycycle.hardware.ggufwrite import finish, write_hparams
 
 CHAT_TEMPLATE = (  # Gemma's: the assistant's turns are the model's
     "{{ bos_token }}{% for message in messages %}"

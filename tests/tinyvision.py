@@ -24,7 +24,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from everycycle.engine.ggufwrite import finish
+from everycycle.hardware.ggufwrite import finish
 
 PROJECTOR_TYPE = "mlp"
 IMAGE_SIZE = 32

@@ -442,7 +442,7 @@ def _refuse_completion_model(name: str, models: Path | None) -> None:
 def _note_if_no_template(name: str, models: Path | None) -> None:
     """Say once, on stderr, that a chat-format request goes to a model without a chat
     template (its prompt is then sent as is). Quiet when the file is not local yet."""
-    from ..engine.gguf import read_metadata
+    from ..hardware.gguf import read_metadata
     from ..models.registry import load_registry, local_file
 
     spec = load_registry(models).models.get(name)

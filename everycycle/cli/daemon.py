@@ -87,7 +87,7 @@ def daemon(
         keep_seconds = parse_keep_alive(keep_alive)
     except ValueError as exc:
         fail(f"--{exc}", 2)
-    from ..engine.rpc import parse_endpoint
+    from ..hardware.rpc import parse_endpoint
 
     try:
         rpc_hosts = tuple(parse_endpoint(h) for h in rpc or ())

@@ -61,7 +61,7 @@ def fleet(
         if not as_json:
             from rich.console import Console
 
-            from ..engine.executors import discover
+            from ..hardware.executors import discover
             from .render import local_executors_view
 
             Console(stderr=True).print(local_executors_view(discover()))

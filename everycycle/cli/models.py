@@ -78,7 +78,7 @@ def list_models(as_json: bool, models: Path | None, wide: bool = False) -> None:
     from rich.console import Console
 
     from .. import paths
-    from ..engine import cpukernels
+    from ..hardware import cpukernels
     from .render import models_view
 
     kernels = cpukernels.cached(paths.state_dir())  # (never probes: the daemon does)
@@ -153,9 +153,9 @@ def _needs(spec: Any) -> dict[str, int | str | None]:
     """What ``spec`` will need in memory (weights, KV cache), and how its chats are
     rendered (``jinja``, ``llama.cpp``, ``chatml``; ``none`` for a completion model)
     and why not by its own template where that is so, if its file is here."""
-    from ..engine.chat import renderer_of
-    from ..engine.gguf import read_metadata
-    from ..engine.memory import plan
+    from ..chatfmt.chat import renderer_of
+    from ..hardware.gguf import read_metadata
+    from ..hardware.memory import plan
     from ..models.registry import local_file
 
     unknown: dict[str, int | str | None] = {"weights_bytes": None, "kv_bytes": None,
@@ -216,8 +216,8 @@ def show(
     Example:
       everycycle show smollm2-135m
     """
-    from ..engine.chat import renderer_of
-    from ..engine.gguf import read_metadata
+    from ..chatfmt.chat import renderer_of
+    from ..hardware.gguf import read_metadata
     from ..models.registry import load_registry, local_file
 
     try:

@@ -44,8 +44,8 @@ def rpc_serve(
     import ipaddress
     import socket
 
-    from ..engine import executors as ex
-    from ..engine import rpc
+    from ..hardware import executors as ex
+    from ..hardware import rpc
 
     try:
         loopback = ipaddress.ip_address(host.strip("[]")).is_loopback

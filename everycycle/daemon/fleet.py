@@ -15,7 +15,7 @@ import time
 import anyio
 import anyio.to_thread
 
-from ..engine import cpukernels
+from ..hardware import cpukernels
 from ..protocol import ActiveRequest, FleetSnapshot, LoadedModel, PrincipalLoad
 from .lifecycle import Requests
 from .residency import Residency, Resident

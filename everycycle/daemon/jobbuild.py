@@ -10,19 +10,19 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..engine.chat import ChatPrompt
-from ..engine.chatoutput import ChatOutput
-from ..engine.contract import Engine
-from ..engine.grammar import check_size as check_grammar_size
-from ..engine.grammar import schema_to_gbnf
-from ..engine.jobs import Job, Sampling
-from ..engine.tools import (
+from ..chatfmt.chat import ChatPrompt
+from ..chatfmt.chatoutput import ChatOutput
+from ..chatfmt.grammar import check_size as check_grammar_size
+from ..chatfmt.grammar import schema_to_gbnf
+from ..chatfmt.tools import (
     ToolFormat,
     call_grammar,
     constrained_from_start,
     tool_names,
     trigger_patterns,
 )
+from ..engine.contract import Engine
+from ..engine.jobs import Job, Sampling
 from ..errors import InvalidRequestError, ProtocolError
 from ..models.registry import ModelSpec
 from ..protocol import Embed, Format, Generate, Message, Role, ToolChoice

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.abc
 
-from ..engine.chatoutput import ChatOutput
+from ..chatfmt.chatoutput import ChatOutput
 from ..engine.contract import Engine
 from ..engine.jobs import Job, Output
 from ..errors import ErrorKind, EverycycleError, RejectedError

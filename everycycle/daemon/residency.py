@@ -23,10 +23,7 @@ import anyio.abc
 import anyio.to_thread
 
 from .. import paths
-from ..engine import cpukernels
-from ..engine import executors as ex
 from ..engine.contract import Engine, LoadOptions, Notify
-from ..engine.memory import MemoryPlan, plan
 from ..errors import (
     ErrorKind,
     EverycycleError,
@@ -36,6 +33,9 @@ from ..errors import (
     RejectedError,
     RequestCancelledError,
 )
+from ..hardware import cpukernels
+from ..hardware import executors as ex
+from ..hardware.memory import MemoryPlan, plan
 from ..models.registry import (
     DEFAULT_KEEP_ALIVE,
     ModelSpec,

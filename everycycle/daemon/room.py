@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import anyio.to_thread
 
-from ..engine import executors as ex
 from ..engine.contract import Engine, LoadOptions
-from ..engine.memory import MemoryPlan
 from ..errors import AllocationError, RejectedError, RequestCancelledError
+from ..hardware import executors as ex
+from ..hardware.memory import MemoryPlan
 from ..models.registry import ModelSpec
 from .remote import in_order
 

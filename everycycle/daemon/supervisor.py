@@ -22,8 +22,7 @@ import anyio.abc
 import anyio.to_thread
 
 from .. import paths
-from ..engine import cpukernels
-from ..engine.chatoutput import ChatOutput
+from ..chatfmt.chatoutput import ChatOutput
 from ..engine.contract import Engine
 from ..engine.jobs import Job, Output
 from ..errors import (
@@ -35,6 +34,7 @@ from ..errors import (
     RejectedError,
     RequestCancelledError,
 )
+from ..hardware import cpukernels
 from ..models import manage
 from ..models.registry import DEFAULT_KEEP_ALIVE, Registry
 from ..protocol import (
@@ -177,7 +177,7 @@ class Supervisor:
         # child process the first time on this machine and build; then cached).
         self.fleet.cpu_kernels = await anyio.to_thread.run_sync(cpukernels.decide,
                                                                 paths.state_dir())
-        from ..engine import rpc
+        from ..hardware import rpc
 
         self.fleet.rpc_available = await anyio.to_thread.run_sync(rpc.available)
         await self.remote.probe(self._host_busy)

@@ -1,2 +1,22 @@
-"""llama.cpp: executors and placement (executors.py), the batched runner (runner.py),
-GGUF metadata (gguf.py). Knows nothing of sockets, clients or the registry."""
+"""The engine: llama.cpp with a model loaded, its decode loop, and the process it runs
+in. Imports the ground, chatfmt and hardware; knows nothing of sockets, clients or the
+registry.
+
+contract.py   the ``Engine`` Protocol the supervisor depends on, and the pipe's typed
+              messages
+process.py    one engine process per model (a Runner in a child process) and its proxy
+runner.py     a loaded model and its any-thread API (``Runner``)
+steps.py      the engine thread's decode loop: admit, build the batch, decode, sample
+slots.py      one decoding slot: its sequence in the KV cache, its job, the text it owes
+sampling.py   llama.cpp's sampler chains for a job, grammars (lazy ones too)
+lookup.py     prompt-lookup drafts and the step cost by row count (no llama.cpp)
+probes.py     the load-time batch probe (exactness, step timings), and the CPU-kernel
+              probe's child (``python -m everycycle.engine.probes``)
+jobs.py       Job in, Outputs out, stop strings and held-back text
+vocab.py      a loaded model's vocabulary, and llama.cpp's own chat-template renderer
+kvdisk.py     a model's cached prefixes (slots' KV state) on disk across unloads
+embedder.py   embeddings: a second context in embeddings mode, batched
+vision.py     images in: the libmtmd projector, Pillow decoding
+llamaload.py  a GGUF loaded onto an executor's devices, and its context
+llamalog.py   llama.cpp's process-wide set-up: backends, and its log captured per thread
+"""

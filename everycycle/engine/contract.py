@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from ..chatfmt.chat import ChatPrompt
 from ..errors import AllocationError, ErrorKind, EverycycleError
 from ..protocol import Format, Message
-from .chat import ChatPrompt
 from .jobs import Job, Logprob, Output, Sampling
 
 Notify = Callable[[list[tuple[Job, Output]]], None]

@@ -9,20 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AllocationError, InternalError, InvalidRequestError
+from ..hardware.cpukernels import crash_if_simulated
+from ..hardware.memory import kv_type_id
 from .contract import LoadOptions
-from .cpukernels import crash_if_simulated
 from .llamalog import backend_init, log_capture
-from .memory import kv_type_id
 
 
 def devices_for(options: LoadOptions) -> list[int]:
     """The ggml device handles ``options`` names: its RPC servers' (registered here), or
     the executor's; none for the CPU."""
-    from . import executors as ex
+    from ..hardware import executors as ex
 
     backend_init()
     if options.rpc_endpoints:
-        from . import rpc
+        from ..hardware import rpc
 
         devices: list[int] = []
         for i, endpoint in enumerate(options.rpc_endpoints):
@@ -68,7 +68,7 @@ def load_model(L: Any, path: Path, *, gpu_devices: list[int], n_gpu_layers: int 
     mparams.n_gpu_layers = (0 if not gpu_devices else 999 if n_gpu_layers is None
                             else n_gpu_layers)
     # The CPU's extra buffer types (AMX, repacked weights): only where a child process
-    # showed they run on this CPU (cpukernels.py).
+    # showed they run on this CPU (hardware/cpukernels.py).
     mparams.use_extra_bufts = extra_bufts
     crash_if_simulated(extra_bufts)
     split: Any = None

@@ -30,8 +30,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from ..chatfmt.chat import ChatPrompt
 from ..errors import InternalError
-from .chat import ChatPrompt
+from ..hardware.cpukernels import signal_cause
 from .contract import (
     CALLS,
     HEARTBEAT_S,
@@ -51,7 +52,6 @@ from .contract import (
     SubmitJob,
     WireError,
 )
-from .cpukernels import signal_cause
 from .jobs import Job, Output
 
 LOAD_TIMEOUT = 300.0

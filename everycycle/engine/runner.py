@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import paths
+from ..chatfmt.chat import ChatFormat, ChatPrompt, flat
 from ..errors import InternalError
+from ..hardware import cpukernels
 from ..protocol import Format, Message, Role
-from . import cpukernels, kvdisk
-from .chat import ChatFormat, ChatPrompt, flat
+from . import kvdisk
 from .contract import LoadOptions, Notify
 from .jobs import EMBED_MAX_TOKENS, Job, Output
 from .llamaload import create_context, devices_for, load_model

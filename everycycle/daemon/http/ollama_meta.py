@@ -146,7 +146,7 @@ class OllamaMeta(Dialect):
             with contextlib.suppress(OSError):
                 return _Facts(mtime=spec.origin.stat().st_mtime) if spec else _Facts()
             return _Facts()
-        from ...engine.gguf import read_metadata
+        from ...hardware.gguf import read_metadata
 
         try:
             st = path.stat()

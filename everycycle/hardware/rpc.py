@@ -3,10 +3,10 @@
 ggml-rpc ends the whole process (GGML_ABORT) when a server cannot be reached or goes
 away, and a registered server is asked for its memory whenever devices are listed.
 So the daemon never registers one itself: probing a host (``probe``, run through
-``python -m everycycle.engine.rpc probe ENDPOINT`` by ``probe_in_child``) and running
-a model on it (an engine process, ``process.py``) happen in child processes, where an abort costs only
-that child. The RPC protocol has no authentication: whoever reaches a server's port
-can use its devices and read what they hold.
+``python -m everycycle.hardware.rpc probe ENDPOINT`` by ``probe_in_child``) and running
+a model on it (an engine process, ``engine/process.py``) happen in child processes,
+where an abort costs only that child. The RPC protocol has no authentication: whoever
+reaches a server's port can use its devices and read what they hold.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def probe_in_child(endpoint: str, timeout: float = PROBE_TIMEOUT) -> list[Remote
     """``probe`` in a child process. Raises InternalError naming the host when it cannot
     be reached, and ConfigError when this build has no RPC backend."""
     try:
-        out = subprocess.run([sys.executable, "-m", "everycycle.engine.rpc", "probe", endpoint],
+        out = subprocess.run([sys.executable, "-m", "everycycle.hardware.rpc", "probe", endpoint],
                              capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         raise InternalError(f"RPC host {endpoint} did not answer in {timeout:g} s") from None
@@ -167,7 +167,7 @@ def _main(argv: list[str]) -> int:
         sys.stdout.write(json.dumps([{"index": d.index, "memory_total": d.memory_total,
                                       "memory_free": d.memory_free} for d in found]) + "\n")
         return 0
-    sys.stderr.write("usage: python -m everycycle.engine.rpc probe HOST:PORT\n")
+    sys.stderr.write("usage: python -m everycycle.hardware.rpc probe HOST:PORT\n")
     return 2
 
 

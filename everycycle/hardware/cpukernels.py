@@ -4,8 +4,9 @@ llama.cpp puts a CPU model's weights in "extra" buffer types when the CPU report
 instructions for them (AMX tiles on recent Xeons, repacked Q4_0/Q4_K for AVX2 and
 NEON). Some CPUs report AMX and fault on it (SIGILL at ``tilezero``, seen under KVM),
 and a fault in the daemon's own process would end every client. So before the first
-load, a child process (``python -m everycycle.engine.cpukernels``) loads a small
-generated GGUF with Q4_0 weights, extra buffers on, and decodes a batch through them.
+load, a child process (``python -m everycycle.engine.probes``: it decodes through the
+engine's Runner, so it lives in the engine) loads a small generated GGUF with Q4_0
+weights (``write_probe_model``), extra buffers on, and decodes a batch through them.
 If the child dies by a signal, every model loads with ``use_extra_bufts = false``.
 
 The verdict is kept in ``<state_dir>/cpu-kernels.json``, keyed by the CPU's model and
@@ -27,7 +28,6 @@ import platform
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +47,9 @@ CRASH_ENV = "EVERYCYCLE_TEST_EXTRA_BUFTS_CRASH"
 die of SIGSEGV, as on an Intel CPU whose AMX kernels fault: the probe's child, an
 engine told to use them, and (through the tests' conftest) any load a test makes in
 its own process."""
+CHILD = "everycycle.engine.probes"
+"""The probe's child, run by name: it loads a model through the engine's Runner (this
+module imports nothing of the engine)."""
 CACHE_NAME = "cpu-kernels.json"
 _OFF = "CPU extra buffer types (AMX, repacked weights) off"
 PROBE_TIMEOUT = 120.0
@@ -142,7 +145,7 @@ def _write_cache(path: Path, key: str, verdict: Verdict) -> None:
 
 def run_probe() -> Verdict:
     """Run the child and read its end (blocking, about a second)."""
-    cmd = [sys.executable, "-m", "everycycle.engine.cpukernels"]
+    cmd = [sys.executable, "-m", CHILD]
     env = {**os.environ, "GGML_NO_BACKTRACE": "1", "OMP_NUM_THREADS": "2"}
     try:
         done = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -204,50 +207,7 @@ def cached(state_dir: Path) -> Verdict | None:
     return _read_cache(state_dir / CACHE_NAME, cache_key())
 
 
-# ---------------------------------------------------------------------- the child
-
-
-def _illegal_instruction() -> None:
-    """Execute ``ud2``: the CPU raises #UD, the kernel sends SIGILL."""
-    import ctypes
-    import mmap
-
-    code = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
-    code.write(b"\x0f\x0b")  # ud2
-    address = ctypes.addressof(ctypes.c_char.from_buffer(code))
-    ctypes.CFUNCTYPE(None)(address)()
-
-
-def _child() -> int:
-    from .jobs import Sampling
-    from .runner import Job, Output, Runner
-
-    with tempfile.TemporaryDirectory(prefix="everycycle-probe") as d:
-        path = Path(d) / "probe-q4_0.gguf"
-        write_probe_model(path)
-        done = threading.Event()
-        outs: list[Output] = []
-
-        def notify(batch: list[tuple[Job, Output]]) -> None:
-            for _, o in batch:
-                outs.append(o)
-                if o.finished:
-                    done.set()
-
-        if os.environ.get(FAULT_ENV) == "sigill":
-            _illegal_instruction()
-        runner = Runner(path, context=256, parallel=1, notify=notify, n_threads=2,
-                        extra_bufts=True, n_batch=64)
-        try:
-            # The load-time probe already decoded 1-, 2-, 4- and 8-row batches; decode a
-            # prompt and a few tokens more, through the slot path.
-            runner.submit(Job(tokens=list(range(3, 40)), max_tokens=4,
-                              sampling=Sampling.of(temperature=0.0), lookup=False))
-            if not done.wait(60) or outs[-1].reason == "error":
-                return 3
-        finally:
-            runner.close()
-    return 0
+# -------------------------------------------------------------- the probe's model
 
 
 def write_probe_model(path: Path) -> None:
@@ -289,6 +249,3 @@ def write_probe_model(path: Path) -> None:
         q4(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
     finish(w)
 
-
-if __name__ == "__main__":
-    sys.exit(_child())

@@ -1,0 +1,18 @@
+"""Chat formatting: conversations into prompts, and a model's output back into its
+answer, thinking and tool calls. Pure Python, no llama.cpp; imports only the ground
+(protocol, errors). The daemon and the engine both import it.
+
+chat.py            a model's chat: its template compiled once, the prompt it renders, and
+                   the thinking and tool-call formats that prompt implies (``ChatPrompt``)
+chatoutput.py      one request's output split as it streams: answer, thinking, tool calls
+template.py        the sandboxed Jinja environment that renders a GGUF's chat template as
+                   Hugging Face transformers does
+templatebudget.py  a render's budget of time, operations and bytes
+tools.py           tool-call formats (Hermes, Llama 3, Mistral, ...), their system prompts
+                   and the grammars that hold a model to a well-formed call
+toolparse.py       tool calls parsed out of the output, whole or streamed
+jsonscan.py        JSON read as it streams in (where a value ends, a string's text so far)
+reasoning.py       thinking markers found in templates, and thinking split from the answer
+grammar.py         JSON Schema to GBNF (llama-cpp-python's converter module, loaded alone
+                   without the llama_cpp bindings), and a grammar's size limits
+"""
