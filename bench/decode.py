@@ -31,7 +31,7 @@ from pathlib import Path
 import llama_cpp as L
 
 from everycycle import paths
-from everycycle.engine.jobs import Job, Sampling
+from everycycle.engine.jobs import Job, JobSpec, Sampling
 from everycycle.engine.llamalog import backend_init
 from everycycle.engine.runner import Runner
 from everycycle.hardware import cpukernels
@@ -88,8 +88,7 @@ def engine(path: Path, prompt: list[int], n: int, threads: int, lookup: bool) ->
 
     runner = Runner(path, context=4096, parallel=1, notify=notify, n_threads=threads,
                     extra_bufts=EXTRA)
-    job = Job(tokens=prompt, max_tokens=n + 1, sampling=Sampling.of(temperature=0.0),
-              lookup=lookup)
+    job = Job(JobSpec(tokens=prompt, max_tokens=n + 1, sampling=Sampling.of(temperature=0.0), lookup=lookup))
     runner.submit(job)
     done.wait()
     elapsed = time.perf_counter() - first[0]  # from the first token, as the raw loop

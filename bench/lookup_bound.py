@@ -19,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-from everycycle.engine.jobs import Job, Output, Sampling
+from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
 from everycycle.engine.lookup import MAX_DRAFT, PromptLookup
 from everycycle.engine.runner import Runner
 from everycycle.models.registry import load_registry, local_file
@@ -44,8 +44,7 @@ def answer(runner: Runner, tokens: list[int], n: int) -> list[int]:
                 done.set()
 
     runner._notify = notify
-    runner.submit(Job(tokens=tokens, max_tokens=n, lookup=False,
-                      sampling=Sampling.of(temperature=0.0, repeat_penalty=1.0)))
+    runner.submit(Job(JobSpec(tokens=tokens, max_tokens=n, lookup=False, sampling=Sampling.of(temperature=0.0, repeat_penalty=1.0))))
     done.wait()
     return ids
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from enginehelp import Collector
 
-from everycycle.engine.jobs import Job, Output, Sampling
+from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
 from everycycle.engine.llamalog import log_capture
 from everycycle.engine.runner import Runner
 from everycycle.errors import InvalidRequestError
@@ -31,7 +31,7 @@ def runner(tiny_gguf: Path, collector: Collector) -> Iterator[Runner]:
 
 
 def run(runner: Runner, collector: Collector, tag: str, prompt: str, **kw: object) -> str:
-    job = Job(tokens=runner.tokenize(prompt, Format.RAW), tag=tag, **kw)  # type: ignore[arg-type]
+    job = Job(JobSpec(tokens=runner.tokenize(prompt, Format.RAW), **kw), tag=tag)  # type: ignore[arg-type]
     runner.submit(job)
     return collector.text(tag)
 
@@ -58,8 +58,8 @@ def test_chunks_are_whole_utf8_and_match_detokenized_ids(
     split_seen = False
     for seed in range(6):
         tag = f"u{seed}"
-        job = Job(tokens=runner.tokenize("é✓", Format.RAW), tag=tag, max_tokens=64,
-                  sampling=Sampling.of(temperature=2.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed))
+        job = Job(JobSpec(tokens=runner.tokenize("é✓", Format.RAW), max_tokens=64,
+                          sampling=Sampling.of(temperature=2.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed)), tag=tag)
         runner.submit(job)
         outs = collector.wait(tag)
         ids = [i for o in outs for i in o.ids]
@@ -72,7 +72,8 @@ def test_chunks_are_whole_utf8_and_match_detokenized_ids(
 
 
 def test_max_tokens_bounds_the_output(runner: Runner, collector: Collector) -> None:
-    job = Job(tokens=runner.tokenize("a", Format.RAW), tag="m", max_tokens=5, sampling=GREEDY)
+    job = Job(JobSpec(tokens=runner.tokenize("a", Format.RAW), max_tokens=5,
+                      sampling=GREEDY), tag="m")
     runner.submit(job)
     outs = collector.wait("m")
     assert outs[-1].finished and outs[-1].reason in ("length", "eos")
@@ -91,8 +92,8 @@ def test_stop_string_ends_the_stream_before_it(runner: Runner, collector: Collec
 
 
 def test_cancel_stops_within_a_step(runner: Runner, collector: Collector) -> None:
-    job = Job(tokens=runner.tokenize("hello", Format.RAW), tag="x", max_tokens=4000,
-              sampling=Sampling.of(temperature=1.0, seed=3))
+    job = Job(JobSpec(tokens=runner.tokenize("hello", Format.RAW), max_tokens=4000,
+                      sampling=Sampling.of(temperature=1.0, seed=3)), tag="x")
     runner.submit(job)
     runner.cancel(job, "test")
     outs = collector.wait("x")
@@ -103,7 +104,7 @@ def test_cancel_stops_within_a_step(runner: Runner, collector: Collector) -> Non
 def test_prompt_longer_than_context_is_invalid(runner: Runner) -> None:
     tokens = runner.tokenize("hello " * 300, Format.RAW)
     with pytest.raises(InvalidRequestError, match="context holds 256"):
-        runner.submit(Job(tokens=tokens, max_tokens=4))
+        runner.submit(Job(JobSpec(tokens=tokens, max_tokens=4)))
 
 
 def test_chat_format_applies_the_gguf_template(runner: Runner) -> None:
@@ -118,22 +119,22 @@ def test_batched_greedy_output_equals_output_alone(runner: Runner, collector: Co
     alone = [run(runner, collector, f"alone{i}", p, max_tokens=20, sampling=GREEDY)
              for i, p in enumerate(prompts)]
     for i, p in enumerate(prompts):
-        runner.submit(Job(tokens=runner.tokenize(p, Format.RAW), tag=f"b{i}", max_tokens=20,
-                          sampling=GREEDY))
+        runner.submit(Job(JobSpec(tokens=runner.tokenize(p, Format.RAW), max_tokens=20,
+                                  sampling=GREEDY), tag=f"b{i}"))
     together = [collector.text(f"b{i}") for i in range(len(prompts))]
     assert together == alone
 
 
 def test_a_follow_up_prompt_reuses_the_cached_prefix(runner: Runner, collector: Collector) -> None:
-    first = Job(tokens=runner.tokenize("hello world the world", Format.RAW), tag="p1",
-                max_tokens=4, sampling=GREEDY)
+    first = Job(JobSpec(tokens=runner.tokenize("hello world the world", Format.RAW), max_tokens=4,
+                        sampling=GREEDY), tag="p1")
     runner.submit(first)
     collector.wait("p1")
-    longer = list(first.tokens) + runner.tokenize(" a", Format.RAW)[1:]
-    second = Job(tokens=longer, tag="p2", max_tokens=4, sampling=GREEDY)
+    longer = list(first.spec.tokens) + runner.tokenize(" a", Format.RAW)[1:]
+    second = Job(JobSpec(tokens=longer, max_tokens=4, sampling=GREEDY), tag="p2")
     runner.submit(second)
     collector.wait("p2")
-    assert second.n_reused == len(first.tokens)
+    assert second.n_reused == len(first.spec.tokens)
 
 
 def test_a_missing_or_bad_file_is_invalid(tmp_path: Path, collector: Collector) -> None:
@@ -151,7 +152,7 @@ def test_greedy_fast_path_matches_llama_cpps_greedy_sampler(
     import llama_cpp as L
 
     prompt = runner.tokenize("hello world", Format.RAW)
-    job = Job(tokens=prompt, tag="argmax", max_tokens=24, sampling=GREEDY)
+    job = Job(JobSpec(tokens=prompt, max_tokens=24, sampling=GREEDY), tag="argmax")
     runner.submit(job)
     ours = [i for o in collector.wait("argmax") for i in o.ids]
 
@@ -195,13 +196,13 @@ def test_cancelling_one_slot_leaves_the_others_untouched(
     prompts = ["hello", "world", "the a"]
     alone = [run(runner, collector, f"solo{i}", p, max_tokens=40, sampling=GREEDY)
              for i, p in enumerate(prompts)]
-    victim = Job(tokens=runner.tokenize("ing é", Format.RAW), tag="victim", max_tokens=4000,
-                 sampling=Sampling.of(temperature=1.0, seed=5))
+    victim = Job(JobSpec(tokens=runner.tokenize("ing é", Format.RAW), max_tokens=4000,
+                         sampling=Sampling.of(temperature=1.0, seed=5)), tag="victim")
     runner.submit(victim)
     jobs = []
     for i, p in enumerate(prompts):
-        job = Job(tokens=runner.tokenize(p, Format.RAW), tag=f"mix{i}", max_tokens=40,
-                  sampling=GREEDY)
+        job = Job(JobSpec(tokens=runner.tokenize(p, Format.RAW), max_tokens=40,
+                          sampling=GREEDY), tag=f"mix{i}")
         jobs.append(job)
         runner.submit(job)
     runner.cancel(victim, "test")
@@ -226,8 +227,9 @@ def test_lazy_greedy_under_a_grammar_equals_masking_every_token(tiny_gguf: Path)
         collector = Collector()
         runner = cls(tiny_gguf, context=512, parallel=1, notify=collector)
         try:
-            runner.submit(Job(tokens=runner.tokenize("hello world", Format.RAW), max_tokens=80,
-                              sampling=Sampling.of(temperature=0.0, grammar=grammar), tag="g"))
+            runner.submit(Job(JobSpec(tokens=runner.tokenize("hello world", Format.RAW),
+                                      max_tokens=80,
+                                      sampling=Sampling.of(temperature=0.0, grammar=grammar)), tag="g"))
             outputs.append([i for out in collector.wait("g") for i in out.ids])
         finally:
             runner.close()
@@ -255,8 +257,7 @@ def test_every_decode_runs_on_the_engine_thread(tiny_gguf: Path, collector: Coll
     _Watched.threads = []
     runner = _Watched(tiny_gguf, context=256, parallel=1, notify=collector)
     try:
-        job = Job(tokens=[], max_tokens=1, embed_inputs=[runner.tokenize("hello", Format.RAW)],
-                  tag="embed")
+        job = Job(JobSpec(tokens=[], max_tokens=1, embed_inputs=[runner.tokenize("hello", Format.RAW)]), tag="embed")
         runner.submit(job)
         assert collector.wait("embed")[-1].reason == "embedded"
         assert _Watched.threads == [f"engine:{tiny_gguf.name}"] * 2

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from everycycle import paths
 from everycycle.client import SyncClient
-from everycycle.engine.jobs import Job, Output, Sampling
+from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
 from everycycle.engine.lookup import (
     MAX_DRAFT,
     History,
@@ -301,15 +301,16 @@ def test_greedy_output_is_identical_with_and_without_lookup(
     a, b, off, on = make_pair()
     tokens = a.tokenize(prompt, Format.RAW)
     # What greedy decoding gives, to the context's end: the oracle's script.
-    script, _, _ = off.run(a, Job(tokens=tokens, max_tokens=96, sampling=GREEDY, lookup=False))
+    script, _, _ = off.run(a, Job(JobSpec(tokens=tokens, max_tokens=96,
+                                          sampling=GREEDY, lookup=False)))
     Oracle.expected[tuple(tokens)] = script
     Oracle.spoil = spoil
-    want = off.run(a, Job(tokens=tokens, max_tokens=max_tokens, sampling=GREEDY,
-                          stop=tuple(stop), lookup=False))
-    b_script = on.run(b, Job(tokens=tokens, max_tokens=96, sampling=GREEDY, lookup=False))
+    want = off.run(a, Job(JobSpec(tokens=tokens, max_tokens=max_tokens,
+                                  sampling=GREEDY, stop=tuple(stop), lookup=False)))
+    b_script = on.run(b, Job(JobSpec(tokens=tokens, max_tokens=96, sampling=GREEDY, lookup=False)))
     assert b_script[0] == script  # the same history on both runners
-    got = on.run(b, Job(tokens=tokens, max_tokens=max_tokens, sampling=GREEDY,
-                        stop=tuple(stop), lookup=True))
+    got = on.run(b, Job(JobSpec(tokens=tokens, max_tokens=max_tokens,
+                                sampling=GREEDY, stop=tuple(stop), lookup=True)))
     assert got == want
     if max_tokens > 2 and want[2] == "length":
         assert b.lookup_drafted > 0  # drafts were really made and checked
@@ -324,13 +325,13 @@ def test_a_request_asked_again_drafts_its_earlier_answer(tiny_gguf: Path, prompt
     runner = Runner(tiny_gguf, context=256, parallel=1, notify=got, n_threads=1)
     try:
         tokens = runner.tokenize(prompt, Format.RAW)
-        first = got.run(runner, Job(tokens=tokens, max_tokens=80, sampling=GREEDY,
-                                    lookup=True))
+        first = got.run(runner, Job(JobSpec(tokens=tokens, max_tokens=80,
+                                            sampling=GREEDY, lookup=True)))
         assert first[2] == "length"
         before = (runner.lookup_drafted, runner.lookup_accepted)
         assert before == (0, 0)  # this random model's text never repeats itself
-        again = got.run(runner, Job(tokens=tokens, max_tokens=80, sampling=GREEDY,
-                                    lookup=True))
+        again = got.run(runner, Job(JobSpec(tokens=tokens, max_tokens=80,
+                                            sampling=GREEDY, lookup=True)))
         assert again == first
         # Drafted from the first answer: most of its 79 tokens after the first.
         assert runner.lookup_accepted >= 60
@@ -344,10 +345,10 @@ def test_drafts_were_accepted_and_rejected(
     a, b, off, on = make_pair()
     tokens = a.tokenize("hello world", Format.RAW)
     Oracle.expected[tuple(tokens)] = off.run(
-        a, Job(tokens=tokens, max_tokens=96, sampling=GREEDY, lookup=False))[0]
+        a, Job(JobSpec(tokens=tokens, max_tokens=96, sampling=GREEDY, lookup=False)))[0]
     Oracle.spoil = 4
     before = (b.lookup_drafted, b.lookup_accepted)
-    on.run(b, Job(tokens=tokens, max_tokens=60, sampling=GREEDY, lookup=True))
+    on.run(b, Job(JobSpec(tokens=tokens, max_tokens=60, sampling=GREEDY, lookup=True)))
     drafted, accepted = b.lookup_drafted - before[0], b.lookup_accepted - before[1]
     assert 0 < accepted < drafted  # some whole, some cut short
 
@@ -356,30 +357,29 @@ def test_the_context_limit_inside_a_draft(
         make_pair: Callable[[], tuple[Runner, Runner, Collect, Collect]]) -> None:
     a, b, off, on = make_pair()
     tokens = a.tokenize("the a " * 12, Format.RAW)
-    script = off.run(a, Job(tokens=tokens, max_tokens=1000, sampling=GREEDY,
-                            lookup=False))
+    script = off.run(a, Job(JobSpec(tokens=tokens, max_tokens=1000, sampling=GREEDY, lookup=False)))
     assert script[2] == "context"
     Oracle.expected[tuple(tokens)] = script[0]
     Oracle.spoil = 0
-    on.run(b, Job(tokens=tokens, max_tokens=1000, sampling=GREEDY, lookup=False))
-    assert on.run(b, Job(tokens=tokens, max_tokens=1000, sampling=GREEDY,
-                         lookup=True)) == script
+    on.run(b, Job(JobSpec(tokens=tokens, max_tokens=1000, sampling=GREEDY, lookup=False)))
+    assert on.run(b, Job(JobSpec(tokens=tokens, max_tokens=1000,
+                                 sampling=GREEDY, lookup=True))) == script
 
 
 def test_cancelling_mid_draft_leaves_the_slot_sound(
         make_pair: Callable[[], tuple[Runner, Runner, Collect, Collect]]) -> None:
     a, b, off, on = make_pair()
     tokens = a.tokenize("x é x", Format.RAW)
-    script = off.run(a, Job(tokens=tokens, max_tokens=96, sampling=GREEDY, lookup=False))
+    script = off.run(a, Job(JobSpec(tokens=tokens, max_tokens=96, sampling=GREEDY, lookup=False)))
     Oracle.expected[tuple(tokens)] = script[0]
     Oracle.spoil = 3
-    on.run(b, Job(tokens=tokens, max_tokens=96, sampling=GREEDY, lookup=False))
-    _, _, reason = on.run(b, Job(tokens=tokens, max_tokens=96, sampling=GREEDY,
-                                 lookup=True), cancel_after=1)
+    on.run(b, Job(JobSpec(tokens=tokens, max_tokens=96, sampling=GREEDY, lookup=False)))
+    _, _, reason = on.run(b, Job(JobSpec(tokens=tokens, max_tokens=96,
+                                         sampling=GREEDY, lookup=True)), cancel_after=1)
     assert reason in ("cancelled", "context")
     # The next request on that slot (reusing its cache) is unaffected.
-    assert on.run(b, Job(tokens=tokens, max_tokens=40, sampling=GREEDY, lookup=True)) == \
-        off.run(a, Job(tokens=tokens, max_tokens=40, sampling=GREEDY, lookup=False))
+    assert on.run(b, Job(JobSpec(tokens=tokens, max_tokens=40, sampling=GREEDY, lookup=True))) == \
+        off.run(a, Job(JobSpec(tokens=tokens, max_tokens=40, sampling=GREEDY, lookup=False)))
 
 
 def test_the_daemon_takes_speculative_per_model_and_request(
@@ -488,8 +488,8 @@ def test_the_default_model_drafts_a_story_that_repeats_itself() -> None:
         r = Runner(path, context=1024, parallel=1, notify=got)
         try:
             tokens = r.tokenize("Write a short story about a robot who learns to paint.")
-            outs.append(got.run(r, Job(tokens=tokens, max_tokens=200, sampling=GREEDY,
-                                       lookup=lookup)))
+            outs.append(got.run(r, Job(JobSpec(tokens=tokens, max_tokens=200,
+                                               sampling=GREEDY, lookup=lookup))))
             drafted, accepted = r.lookup_drafted, r.lookup_accepted
         finally:
             r.close()

@@ -13,7 +13,7 @@ from enginehelp import Collector
 from tinymodel import write_tiny_gguf
 
 from everycycle.client import connect
-from everycycle.engine.jobs import Job, Sampling
+from everycycle.engine.jobs import Job, JobSpec, Sampling
 from everycycle.engine.runner import Runner
 from everycycle.errors import ConfigError
 from everycycle.hardware.memory import KV_CACHE_TYPES, plan
@@ -32,7 +32,7 @@ def swa_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def generate(runner: Runner, collector: Collector, tokens: list[int], tag: str,
              n: int = 24) -> list[int]:
-    runner.submit(Job(tokens=tokens, max_tokens=n, sampling=GREEDY, tag=tag))
+    runner.submit(Job(JobSpec(tokens=tokens, max_tokens=n, sampling=GREEDY), tag=tag))
     return [i for out in collector.wait(tag) for i in out.ids]
 
 

@@ -14,7 +14,7 @@ import pytest
 from enginehelp import Collector
 
 import everycycle
-from everycycle.engine.jobs import Job, Sampling
+from everycycle.engine.jobs import Job, JobSpec, Sampling
 from everycycle.engine.runner import Runner
 from everycycle.errors import ConfigError, InvalidRequestError, ProtocolError
 from everycycle.models.registry import load_registry
@@ -132,8 +132,8 @@ HOT = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 def ids(engine: tuple[Runner, Collector], n: int = 48, **values: object) -> list[int]:
     runner, collector = engine
     tag = next(_tags)
-    runner.submit(Job(tokens=runner.tokenize("the", Format.RAW), tag=tag,
-                      max_tokens=n, sampling=Sampling.of(**values)))
+    runner.submit(Job(JobSpec(tokens=runner.tokenize("the", Format.RAW), max_tokens=n,
+                              sampling=Sampling.of(**values)), tag=tag))
     return [i for o in collector.wait(tag) for i in o.ids]
 
 
@@ -152,8 +152,8 @@ def test_logit_bias_bans_the_greedy_first_token_and_forces_another(
     assert forced == [42] * 8
     runner, _ = engine
     with pytest.raises(InvalidRequestError, match="token 99999 is not in this model's"):
-        runner.submit(Job(tokens=[1, 2], max_tokens=2,
-                          sampling=Sampling.of(logit_bias=(Bias(99999, 1.0),))))
+        runner.submit(Job(JobSpec(tokens=[1, 2], max_tokens=2,
+                                  sampling=Sampling.of(logit_bias=(Bias(99999, 1.0),)))))
 
 
 @pytest.mark.parametrize("name", ["frequency_penalty", "presence_penalty"])

@@ -64,7 +64,7 @@ class FakeEngine:
                 for job in list(self._jobs):
                     if job._cancel_reason is not None:
                         out.append((job, Output("", (), True, "cancelled")))
-                    elif job.n_generated >= job.max_tokens:
+                    elif job.n_generated >= job.spec.max_tokens:
                         out.append((job, Output("", (), True, "length")))
                     else:
                         job.n_generated += 1

@@ -22,7 +22,7 @@ from ..chatfmt.tools import (
     trigger_patterns,
 )
 from ..engine.contract import Engine
-from ..engine.jobs import Job, Sampling
+from ..engine.jobs import Job, JobSpec, Sampling
 from ..errors import InvalidRequestError, ProtocolError
 from ..models.registry import ModelSpec
 from ..protocol import Embed, Format, Generate, Message, Role, ToolChoice
@@ -96,8 +96,8 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
     """
     if isinstance(req, Embed):
         inputs = [engine.tokenize(text, Format.RAW) for text in req.input]
-        job = Job(tokens=(), max_tokens=1, embed_inputs=inputs, tag=tag)
-        job.check_fits(engine.n_ctx_slot)
+        job = Job(JobSpec(tokens=(), max_tokens=1, embed_inputs=inputs), tag=tag)
+        job.spec.check_fits(engine.n_ctx_slot)
         return job, None
     tools = _tools(req)
     prompt: ChatPrompt | None = None
@@ -129,12 +129,12 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
     lookup = (req.speculative if req.speculative is not None
               else spec.speculative and engine.lookup_exact) and req.logprobs is None
     images = _images(spec, req)
-    job = Job(tokens=tokens, max_tokens=req.max_tokens or engine.n_ctx_slot,
-              sampling=sampling(req, spec.sampling, grammar, triggers), stop=req.stop or (),
-              tag=tag, lookup=lookup and not images, special=output is not None,
-              logprobs=req.logprobs, images=images,
-              text=prompt.text if images and prompt is not None else None)
-    job.check_fits(engine.n_ctx_slot)
+    job = Job(JobSpec(
+        tokens=tokens, max_tokens=req.max_tokens or engine.n_ctx_slot,
+        sampling=sampling(req, spec.sampling, grammar, triggers), stop=req.stop or (),
+        lookup=lookup and not images, special=output is not None, logprobs=req.logprobs,
+        images=images, text=prompt.text if images and prompt is not None else None), tag=tag)
+    job.spec.check_fits(engine.n_ctx_slot)
     if grammar is not None:
         engine.check_grammar(grammar, triggers)  # compiled once: the engine keeps it
     return job, output

@@ -394,8 +394,8 @@ class Supervisor:
             return
         active.job = job
         active.executor = model.executor
-        active.n_prompt = (sum(len(t) for t in job.embed_inputs) if job.embed_inputs is not None
-                           else len(job.tokens))
+        active.n_prompt = (sum(len(t) for t in job.spec.embed_inputs) if job.spec.embed_inputs is not None
+                           else len(job.spec.tokens))
         self.requests.place(active, model.engine if model.serving else None,
                             self.limits.max_queue)
 

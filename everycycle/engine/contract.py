@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 from ..chatfmt.chat import ChatPrompt
 from ..errors import AllocationError, ErrorKind, EverycycleError
 from ..protocol import Format, Message
-from .jobs import Job, Logprob, Output, Sampling
+from .jobs import Job, JobSpec, Logprob, Output
 
 Notify = Callable[[list[tuple[Job, Output]]], None]
 """Called on an engine's own thread with one step's outputs (must not block)."""
@@ -130,16 +130,8 @@ class WireError(NamedTuple):
 
 class SubmitJob(NamedTuple):
     jid: int
-    tokens: list[int]
-    max_tokens: int
-    sampling: Sampling
-    stop: tuple[str, ...]
-    embed_inputs: Sequence[Sequence[int]] | None
-    lookup: bool
-    special: bool
-    logprobs: int | None
-    images: tuple[bytes, ...] = ()
-    text: str | None = None
+    spec: JobSpec
+    """The job's spec, sent whole."""
 
 
 class CancelJob(NamedTuple):
@@ -147,12 +139,47 @@ class CancelJob(NamedTuple):
     reason: str
 
 
+class Tokenize(NamedTuple):
+    """``Engine.tokenize``: answered by the token ids."""
+
+    prompt: str
+    fmt: Format | None = None
+
+    def answer(self, engine: Engine) -> list[int]:
+        return engine.tokenize(self.prompt, self.fmt)
+
+
+class RenderChat(NamedTuple):
+    """``Engine.chat_prompt``: answered by the tokens and the ChatPrompt."""
+
+    messages: Sequence[Message]
+    tools: Sequence[dict[str, Any]] | None = None
+    think: bool | None = None
+    as_prompt: bool = False
+
+    def answer(self, engine: Engine) -> tuple[list[int], ChatPrompt]:
+        return engine.chat_prompt(self.messages, self.tools, self.think, self.as_prompt)
+
+
+class CheckGrammar(NamedTuple):
+    """``Engine.check_grammar``: answered by None, or its error."""
+
+    gbnf: str
+    triggers: tuple[str, ...] = ()
+
+    def answer(self, engine: Engine) -> None:
+        engine.check_grammar(self.gbnf, self.triggers)
+
+
+Question = Tokenize | RenderChat | CheckGrammar
+"""What a ``Call`` may ask: each answers itself from the child's Runner."""
+
+
 class Call(NamedTuple):
-    """A synchronous question (tokenize, chat_prompt, check_grammar)."""
+    """A synchronous question to the engine process."""
 
     cid: int
-    method: str
-    args: tuple[Any, ...]
+    question: Question
 
 
 class CloseEngine(NamedTuple):
@@ -219,6 +246,3 @@ HEARTBEAT_S = 1.0
 class Closed(NamedTuple):
     pass
 
-
-CALLS = frozenset({"tokenize", "chat_prompt", "check_grammar"})
-"""The methods a ``Call`` may name."""

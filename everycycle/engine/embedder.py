@@ -72,7 +72,7 @@ class Embedder:
             return any(j._cancel_reason for j in jobs)
 
         try:
-            inputs = [tokens for job in jobs for tokens in job.embed_inputs or ()]
+            inputs = [tokens for job in jobs for tokens in job.spec.embed_inputs or ()]
             vectors = self.embed(inputs, cancelled=cancelled)
         except EverycycleError as exc:
             out.extend((job, Output("", (), True, "error", exc)) for job in jobs)
@@ -82,7 +82,7 @@ class Embedder:
             return
         i = 0
         for job in jobs:
-            n = len(job.embed_inputs or ())
+            n = len(job.spec.embed_inputs or ())
             out.append((job, Output("", (), True, "embedded", embeddings=vectors[i:i + n])))
             i += n
 

@@ -78,16 +78,14 @@ class Output:
     """One per id, for a job that asked (``Job.logprobs``)."""
 
 
-@dataclass(eq=False)
-class Job:
-    """One generation: prompt tokens in, Outputs out through the runner's ``notify``."""
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What a job asks for, whole: what crosses to an engine process as it is."""
 
     tokens: Sequence[int]
     max_tokens: int
     sampling: Sampling = field(default_factory=Sampling)
     stop: Sequence[str] = ()
-    tag: Any = None
-    """Opaque to the engine: whatever the caller uses to route outputs."""
     embed_inputs: Sequence[Sequence[int]] | None = None
     """Set for an embedding job: the token sequences to embed (no generation)."""
     lookup: bool = True
@@ -101,11 +99,6 @@ class Job:
     """Image files for a vision model, one per media marker in ``text`` (in order)."""
     text: str | None = None
     """With ``images``: the rendered prompt, which the engine tokenizes with them."""
-    # Filled in by the runner, read by callers once the job finished:
-    n_prompt: int = 0
-    n_reused: int = 0
-    n_generated: int = 0
-    _cancel_reason: str | None = None
 
     def check_fits(self, n_ctx_slot: int) -> None:
         """Raise InvalidRequestError unless the job fits a slot of ``n_ctx_slot`` tokens:
@@ -121,6 +114,20 @@ class Job:
             raise ContextOverflowError(
                 f"prompt is {len(self.tokens)} tokens; the context holds {n_ctx_slot}",
                 prompt_tokens=len(self.tokens), context=n_ctx_slot)
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation: its spec in, Outputs out through the runner's ``notify``."""
+
+    spec: JobSpec
+    tag: Any = None
+    """Opaque to the engine: whatever the caller uses to route outputs."""
+    # Filled in by the runner, read by callers once the job finished:
+    n_prompt: int = 0
+    n_reused: int = 0
+    n_generated: int = 0
+    _cancel_reason: str | None = None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

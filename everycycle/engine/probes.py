@@ -97,7 +97,7 @@ def _illegal_instruction() -> None:
 def _kernel_child() -> int:
     """Load the probe's model with the CPU's extra buffer types on and decode through
     them; 0 when it ran, 3 when the decode failed (a fault ends the process instead)."""
-    from .jobs import Job, Output, Sampling
+    from .jobs import Job, JobSpec, Output, Sampling
     from .runner import Runner
 
     with tempfile.TemporaryDirectory(prefix="everycycle-probe") as d:
@@ -119,8 +119,7 @@ def _kernel_child() -> int:
         try:
             # The load-time probe already decoded 1-, 2-, 4- and 8-row batches; decode a
             # prompt and a few tokens more, through the slot path.
-            runner.submit(Job(tokens=list(range(3, 40)), max_tokens=4,
-                              sampling=Sampling.of(temperature=0.0), lookup=False))
+            runner.submit(Job(JobSpec(tokens=list(range(3, 40)), max_tokens=4, sampling=Sampling.of(temperature=0.0), lookup=False)))
             if not done.wait(60) or outs[-1].reason == "error":
                 return 3
         finally:

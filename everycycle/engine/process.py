@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -33,11 +33,12 @@ from typing import Any
 from ..chatfmt.chat import ChatPrompt
 from ..errors import InternalError
 from ..hardware.cpukernels import signal_cause
+from ..protocol import Format, Message
 from .contract import (
-    CALLS,
     HEARTBEAT_S,
     Call,
     CancelJob,
+    CheckGrammar,
     Closed,
     CloseEngine,
     EngineInfo,
@@ -47,9 +48,12 @@ from .contract import (
     LoadOptions,
     Notify,
     Outputs,
+    Question,
     Ready,
+    RenderChat,
     Returned,
     SubmitJob,
+    Tokenize,
     WireError,
 )
 from .jobs import Job, Output
@@ -136,11 +140,7 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
         except (EOFError, OSError):
             break
         if isinstance(message, SubmitJob):
-            job = Job(tokens=message.tokens, max_tokens=message.max_tokens,
-                      sampling=message.sampling, stop=message.stop,
-                      embed_inputs=message.embed_inputs, lookup=message.lookup,
-                      special=message.special, logprobs=message.logprobs,
-                      images=message.images, text=message.text)
+            job = Job(message.spec)
             jobs[message.jid] = job
             ids[id(job)] = message.jid
             try:
@@ -157,9 +157,7 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
                 runner.cancel(jobs[message.jid], message.reason)
         elif isinstance(message, Call):
             try:
-                if message.method not in CALLS:
-                    raise InternalError(f"no engine call {message.method!r}")
-                value = getattr(runner, message.method)(*message.args)
+                value = message.question.answer(runner)
                 send(Returned(message.cid, value, None))
             except Exception as exc:  # noqa: BLE001 - the caller's error
                 send(Returned(message.cid, None, WireError.of(exc)))
@@ -391,14 +389,14 @@ class EngineProcess:
         if died and self._on_death is not None:
             self._on_death(self)
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, question: Question) -> Any:
         future: Future[Any] = Future()
         cid = next(self._ids)
         with self._lock:
             self._work_arrives()
             self._calls[cid] = future
         try:
-            self._send(Call(cid, method, args))
+            self._send(Call(cid, question))
         except InternalError:
             with self._lock:
                 self._calls.pop(cid, None)
@@ -414,9 +412,7 @@ class EngineProcess:
             self._jobs[jid] = job
             self._jids[id(job)] = jid
         try:
-            self._send(SubmitJob(jid, list(job.tokens), job.max_tokens, job.sampling,
-                                 tuple(job.stop), job.embed_inputs, job.lookup, job.special,
-                                 job.logprobs, job.images, job.text))
+            self._send(SubmitJob(jid, job.spec))
         except InternalError:
             with self._lock:
                 self._jobs.pop(jid, None)
@@ -430,16 +426,19 @@ class EngineProcess:
             with contextlib.suppress(InternalError):
                 self._send(CancelJob(jid, reason))
 
-    def tokenize(self, *args: Any) -> list[int]:
-        result: list[int] = self._call("tokenize", *args)
+    def tokenize(self, prompt: str, fmt: Format | None = None) -> list[int]:
+        result: list[int] = self._call(Tokenize(prompt, fmt))
         return result
 
-    def chat_prompt(self, *args: Any) -> tuple[list[int], ChatPrompt]:
-        result: tuple[list[int], ChatPrompt] = self._call("chat_prompt", *args)
+    def chat_prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None
+                    = None, think: bool | None = None, as_prompt: bool = False
+                    ) -> tuple[list[int], ChatPrompt]:
+        result: tuple[list[int], ChatPrompt] = self._call(
+            RenderChat(tuple(messages), tools, think, as_prompt))
         return result
 
     def check_grammar(self, gbnf: str, triggers: tuple[str, ...] = ()) -> None:
-        self._call("check_grammar", gbnf, triggers)
+        self._call(CheckGrammar(gbnf, triggers))
 
     def rss(self) -> int | None:
         """The child's resident memory (Linux: /proc; elsewhere unknown)."""

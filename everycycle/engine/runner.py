@@ -260,8 +260,8 @@ class Runner(EngineThread):
     def submit(self, job: Job) -> None:
         """Queue ``job``; it starts in the next free slot. Raises InvalidRequestError
         when the prompt does not fit the context."""
-        job.check_fits(self.n_ctx_slot)
-        self._samplers.check(job.sampling)
+        job.spec.check_fits(self.n_ctx_slot)
+        self._samplers.check(job.spec.sampling)
         with self._cond:
             if self._closing:
                 raise InternalError("the model is being unloaded")

@@ -120,7 +120,7 @@ class EngineThread:
             if embeds:
                 self._embed(embeds, out)
             for s in self._slots:
-                if s.job is not None and s.job.images and s.prompt is None and not s.todo:
+                if s.job is not None and s.job.spec.images and s.prompt is None and not s.todo:
                     self._prepare_images(s, out)
             active = [s for s in self._slots if s.job is not None]
             n, rows, prefill = self._build(active)
@@ -163,7 +163,7 @@ class EngineThread:
             for job in self._pending:
                 if job._cancel_reason is not None:
                     out.append((job, Output("", (), True, "cancelled")))
-                elif job.embed_inputs is not None:
+                elif job.spec.embed_inputs is not None:
                     embeds.append(job)  # needs no slot: its own context
                 else:
                     kept.append(job)
@@ -192,7 +192,7 @@ class EngineThread:
                 continue
             assert s.job is not None
             room = min(self._n_batch - n, self.n_ctx_slot - s.n_past,
-                       s.job.max_tokens - s.job.n_generated - 1)
+                       s.job.spec.max_tokens - s.job.n_generated - 1)
             s.draft = s.lookup.propose(room, partial(self._cost.draft_len, n, expected))
             s.draft_row = n
             if s.draft:
@@ -247,8 +247,8 @@ class EngineThread:
                     continue
             else:
                 tok = L.llama_sampler_sample(s.sampler, self._ctx, row)
-            if s.job.logprobs is not None:
-                s.held_logprobs.append(self._logprob(row, tok, s.job.logprobs))
+            if s.job.spec.logprobs is not None:
+                s.held_logprobs.append(self._logprob(row, tok, s.job.spec.logprobs))
             self._take(s, tok, s.n_past, out)
 
     def _logprob(self, row: int, tok: int, top: int) -> Logprob:
@@ -271,8 +271,8 @@ class EngineThread:
     def _start(self, job: Job) -> None:
         """Put ``job`` in the free slot whose cached tokens share the longest prefix."""
         L = self._L
-        slot, reuse = best_slot([s for s in self._slots if s.job is None], job.tokens)
-        if self._kvdisk is not None and not job.images:
+        slot, reuse = best_slot([s for s in self._slots if s.job is None], job.spec.tokens)
+        if self._kvdisk is not None and not job.spec.images:
             reuse = self._restore(slot, job, reuse)
         if reuse > 0 and self._n_swa > 0:
             # A sliding-window layer has dropped the cells before its window: the
@@ -281,33 +281,33 @@ class EngineThread:
             pos_min = L.llama_memory_seq_pos_min(self._mem, slot.seq)
             if pos_min > 0 and pos_min >= reuse - self._n_swa:
                 reuse = 0
-        if job.images:  # its cells are settled once its images are read (_prepare_images)
+        if job.spec.images:  # its cells are settled once its images are read (_prepare_images)
             reuse = len(slot.cached)
         else:
             L.llama_memory_seq_rm(self._mem, slot.seq, reuse if reuse else -1, -1)
             del slot.cached[reuse:]
         slot.job = job
-        greedy = job.sampling.plain_greedy
+        greedy = job.spec.sampling.plain_greedy
         # Under a grammar, as llama-server does it: the argmax (or a sample), and the
         # whole vocabulary masked only when the grammar refuses that token.
-        slot.grammar = (self._samplers.grammar(job.sampling.grammar,
-                                               job.sampling.grammar_triggers)
-                        if job.sampling.grammar is not None else None)
-        slot.sampler = self._samplers.chain(job.sampling, self.n_ctx_slot)  # None: plain greedy
-        slot.lookup = (self.lookup_type(job.tokens, self._history)
-                       if job.lookup and greedy and job.sampling.grammar is None else None)
+        slot.grammar = (self._samplers.grammar(job.spec.sampling.grammar,
+                                               job.spec.sampling.grammar_triggers)
+                        if job.spec.sampling.grammar is not None else None)
+        slot.sampler = self._samplers.chain(job.spec.sampling, self.n_ctx_slot)  # None: plain greedy
+        slot.lookup = (self.lookup_type(job.spec.tokens, self._history)
+                       if job.spec.lookup and greedy and job.spec.sampling.grammar is None else None)
         slot.draft = []
-        slot.todo = [] if job.images else list(job.tokens[reuse:])
+        slot.todo = [] if job.spec.images else list(job.spec.tokens[reuse:])
         slot.prompt = None
         slot.n_past = reuse
         slot.reset_text()
-        job.n_prompt, job.n_reused, job.n_generated = len(job.tokens), reuse, 0
+        job.n_prompt, job.n_reused, job.n_generated = len(job.spec.tokens), reuse, 0
 
     def _restore(self, slot: Slot, job: Job, reuse: int) -> int:
         """Restore a prefix saved on disk into ``slot`` when it is longer than what the
         slot would reuse; the tokens it now reuses."""
         assert self._kvdisk is not None
-        entry = self._kvdisk.best(job.tokens, reuse)
+        entry = self._kvdisk.best(job.spec.tokens, reuse)
         state = self._kvdisk.load(entry) if entry is not None else None
         if entry is None or state is None:
             return reuse
@@ -316,14 +316,14 @@ class EngineThread:
             slot.cached.clear()
             return 0
         slot.cached[:] = entry.tokens
-        return min(common_prefix(slot.cached, job.tokens), len(job.tokens) - 1)
+        return min(common_prefix(slot.cached, job.spec.tokens), len(job.spec.tokens) - 1)
 
     def _prepare_images(self, slot: Slot, out: list[tuple[Job, Output]]) -> None:
         """Read a job's images and prompt (libmtmd), keep the slot's cells that match
         them (an image by its content), decode the rest but the last text chunk, which
         prefills in the shared batch as any prompt does."""
         job = slot.job
-        assert job is not None and job.text is not None
+        assert job is not None and job.spec.text is not None
         vision = self._vision
         if vision is None:
             self._finish(slot, out, "error", InvalidRequestError(
@@ -331,7 +331,7 @@ class EngineThread:
             return
         L = self._L
         try:
-            prompt = slot.prompt = vision.prompt(job.text, job.images)
+            prompt = slot.prompt = vision.prompt(job.spec.text, job.spec.images)
             keys = prompt.keys
             if len(keys) >= self.n_ctx_slot:
                 raise InvalidRequestError(f"prompt is {len(keys)} tokens with its images; "
@@ -364,7 +364,7 @@ class EngineThread:
         if reason not in ("cancelled", "error"):
             if slot.lookup is not None:  # (a model with lookup off keeps no history)
                 self._history.add(slot.cached, job.n_prompt)
-            text, ids, reason = slot.final_text(reason, job.stop)
+            text, ids, reason = slot.final_text(reason, job.spec.stop)
         out.append((job, Output(text, tuple(ids), True, reason, error,
                                 logprobs=slot.take_logprobs() if ids else None)))
         slot.held_logprobs = []
@@ -384,7 +384,7 @@ class EngineThread:
         """Add a sampled token's text; True if a stop string ended the job."""
         job = slot.job
         assert job is not None
-        chunk = slot.add_text(token, self.vocab.piece(token, job.special), job.stop)
+        chunk = slot.add_text(token, self.vocab.piece(token, job.spec.special), job.spec.stop)
         if isinstance(chunk, bool):
             return chunk
         out.append((job, Output(chunk[0], tuple(chunk[1]), logprobs=slot.take_logprobs())))
@@ -406,7 +406,7 @@ class EngineThread:
             s.lookup.append(tok)
         if self._emit(s, tok, out):
             self._finish(s, out, "stop")
-        elif running.n_generated >= running.max_tokens:
+        elif running.n_generated >= running.spec.max_tokens:
             self._finish(s, out, "length")
         elif n_past + 1 >= self.n_ctx_slot:
             self._finish(s, out, "context")
