@@ -8,6 +8,7 @@
     │   └── TooLargeError              a value over its size limit: an image (Invalid; HTTP 413)
     ├── InvalidRequestError            well-formed but unacceptable: range, unknown model (Invalid)
     │   ├── ChecksumMismatchError      a model file differs from its sha256 pin (Invalid)
+    │   ├── UnknownModelError          a name no registry entry has (Invalid; HTTP 404)
     │   └── ContextOverflowError       a prompt longer than the context; its numbers (Invalid)
     ├── ConfigError                    a models.toml or option problem (Invalid)
     │   └── AlreadyRunningError        another daemon serves this socket; .pid (Invalid)
@@ -82,6 +83,10 @@ class InvalidRequestError(EverycycleError):
 
 class ChecksumMismatchError(InvalidRequestError):
     """A model file's sha256 differs from the pinned one."""
+
+
+class UnknownModelError(InvalidRequestError):
+    """A model name no registry entry has (what HTTP answers with 404)."""
 
 
 class ContextOverflowError(InvalidRequestError):

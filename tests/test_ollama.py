@@ -359,3 +359,36 @@ def test_options_take_ollamas_sampling_parameters(client: ollama.Client) -> None
     assert same.response == plain.response
     with pytest.raises(ollama.ResponseError, match="options.mirostat must be an integer"):
         client.generate(model="tiny", prompt="the", options={"mirostat": "two"})
+
+
+def test_delete_of_a_download_removes_its_files_unless_another_model_uses_them(
+        tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As Ollama's delete: the model and its files (the CLI's `rm --purge`, one service)."""
+    import hashlib
+
+    from everycycle.models.registry import hub_files, load_registry
+
+    fake = FakeHub()
+    fake.add("acme/tiny", COMMIT, "tiny.gguf", tiny_gguf.read_bytes())
+    fake.start()
+    monkeypatch.setenv("HF_ENDPOINT", fake.url)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    entry = ('hf_repo = "acme/tiny"\nhf_file = "tiny.gguf"\n'
+             f'revision = "{COMMIT}"\nsha256 = "{hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()}"'
+             "\ncontext = 256\nparallel = 1\n")
+    paths.user_models_file().parent.mkdir(parents=True, exist_ok=True)
+    paths.user_models_file().write_text(f"[models.one]\n{entry}[models.two]\n{entry}")
+    token = {"authorization": f"Bearer {load_or_create_token()}"}
+    try:
+        with (daemon_process("--http", "127.0.0.1:0"),
+              ollama.Client(host=fleet_http(), headers=token, timeout=60) as owner):
+            assert owner.pull("one").status == "success"
+            (cached,) = hub_files(load_registry().get("one"))
+            assert owner.delete("one").status == "success"
+            assert cached.exists()  # "two" uses it
+            assert owner.delete("two:latest").status == "success"
+            assert not cached.exists()
+            assert {m.model for m in owner.list().models}.isdisjoint({"one:latest",
+                                                                      "two:latest"})
+    finally:
+        fake.stop()

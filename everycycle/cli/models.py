@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import sys
@@ -127,23 +126,16 @@ def pull(
     Example:
       everycycle pull hf://ggml-org/gemma-3-270m-it-GGUF:Q8_0
     """
-    from ..models import hub, manage
-    from ..models.registry import load_registry, local_file
+    from ..models import manage
+    from ..models.registry import load_registry
 
-    progress = sys.stderr.isatty()
     web = re.fullmatch(r"https?://(?:www\.)?huggingface\.co/([^/]+/[^/]+)/(?:resolve|blob)/"
                        r"([^/]+)/(.+?)(?:\?.*)?", model)
     if web is not None:  # a browser's address for it: say what it means here
         fail(f"{model!r} is a web address; pull it as hf://{web[1]}/{web[3]}@{web[2]}", 2)
     try:
-        if model.startswith("hf:"):
-            path = manage.fetch(model, progress=progress).path
-        else:
-            spec = load_registry(models).get(model)
-            if spec.hf_repo is not None:
-                path = hub.download(spec.hub_ref, sha256=spec.sha256, progress=progress)
-            else:
-                path = local_file(spec)
+        path = manage.plan_pull(model, load_registry(models)).run(
+            progress=sys.stderr.isatty())
     except EverycycleError as exc:
         exit_for(exc)
     sys.stdout.write(f"{path}\n")
@@ -270,35 +262,14 @@ def rm(
     Example:
       everycycle rm qwen --purge
     """
-    from ..models import hub
-    from ..models.registry import hub_files, load_registry, projector_file
-    from ..models.userfile import remove_user_entry
+    from ..models import manage
 
     try:
-        files: list[Path] = []
-        if purge:
-            registry = load_registry()
-            spec = registry.get(model)
-            if spec.hf_repo is None:
-                fail(f"'{model}' is {spec.source}, not a download: --purge deletes only "
-                     "files from the hub cache (nothing was removed)", 2)
-            shared = [m.name for m in registry.models.values() if m.name != model
-                      and (m.hf_repo, m.hf_file, m.revision) ==
-                      (spec.hf_repo, spec.hf_file, spec.revision)]
-            if not shared:
-                try:
-                    files = hub_files(spec)
-                except EverycycleError:
-                    files = []  # (not downloaded: nothing to delete)
-                if spec.mmproj is not None and spec.mmproj.startswith("hf:"):
-                    with contextlib.suppress(EverycycleError):
-                        files += [p for p in [projector_file(spec)] if p is not None]
-        where = remove_user_entry(model)
-        freed = sum(hub.delete_cached(f) for f in files)
+        removed = manage.remove(model, purge=purge)
     except EverycycleError as exc:
         exit_for(exc)
-    sys.stderr.write(f"everycycle: removed '{model}' from {where}\n")
+    sys.stderr.write(f"everycycle: removed '{model}' from {removed.where}\n")
     if purge:
-        sys.stderr.write(f"everycycle: deleted {len(files)} file(s), {freed / (1 << 20):.1f} "
-                         "MiB, from the hub cache\n" if files or not shared else
-                         f"everycycle: kept its files: {', '.join(shared)} uses them\n")
+        sys.stderr.write(f"everycycle: kept its files: {', '.join(removed.shared)} uses them\n"
+                         if removed.shared else f"everycycle: deleted {removed.files} file(s), "
+                         f"{removed.freed / (1 << 20):.1f} MiB, from the hub cache\n")

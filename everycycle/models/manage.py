@@ -1,6 +1,9 @@
-"""Model management in one place: a hub URL fetched (by quantization or one file) and
-recorded, pinned, in the user's models.toml; a hub URL given as a model name resolved to
-its entry, pulling it the first time (``run -m hf://owner/repo:Q8_0``).
+"""Model management in one place, for the CLI and the daemon's Ollama routes alike: a
+hub URL fetched (by quantization or one file) and recorded, pinned, in the user's
+models.toml; a hub URL given as a model name resolved to its entry, pulling it the first
+time (``run -m hf://owner/repo:Q8_0``); what a pull of a name or URL downloads
+(``plan_pull``: ``everycycle pull``, ``POST /api/pull``); removing an entry and, with
+``purge``, its downloaded files (``everycycle rm``, ``DELETE /api/delete``).
 
 ``models add`` and ``run``/``chat``/``launch -m hf://…`` all go through here.
 """
@@ -9,11 +12,20 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError, InvalidRequestError
+from ..errors import ConfigError, EverycycleError, InvalidRequestError, UnknownModelError
 from . import hub, hubrepo
+from .registry import (
+    SHIPPED_MODELS,
+    Registry,
+    hub_files,
+    load_registry,
+    local_file,
+    projector_file,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +99,9 @@ _HUB_HOSTS = ("hf.co/", "huggingface.co/")
 
 
 def is_hub_url(name: str) -> bool:
-    """``hf://owner/repo[:QUANT]``, or Ollama's ``hf.co/owner/repo[:QUANT]``."""
-    return name.startswith(("hf://", *_HUB_HOSTS))
+    """``hf://owner/repo[:QUANT]`` (or a malformed ``hf:…``), or Ollama's
+    ``hf.co/owner/repo[:QUANT]``."""
+    return name.startswith(("hf:", *_HUB_HOSTS))  # (hf:/x: a malformed one, said so)
 
 
 def _as_hf(name: str) -> str:
@@ -104,8 +117,6 @@ def resolve(name: str, models: Path | None = None, *, progress: bool = False) ->
     ConfigError when that name is taken by another model, and the hub's errors."""
     if not is_hub_url(name):
         return name
-    from .registry import load_registry
-
     name = _as_hf(name)
     short = short_name(name)
     spec = load_registry(models).models.get(short)
@@ -123,3 +134,97 @@ def resolve(name: str, models: Path | None = None, *, progress: bool = False) ->
     sys.stderr.write(f"everycycle: pulled {repo_path(got.path, got.commit)} (revision "
                      f"{got.commit}) as '{short}' into {where}\n")
     return short
+
+
+@dataclass(frozen=True, slots=True)
+class PullPlan:
+    """What pulling a name or URL downloads: a label for progress, the pinned sha256 if
+    known, and the download itself (blocking: run it on a worker thread)."""
+
+    label: str
+    sha256: str | None
+    _run: Callable[[hub.Progress | None, bool], Path] = field(repr=False)
+
+    def run(self, on_progress: hub.Progress | None = None, *, progress: bool = False
+            ) -> Path:
+        """Download what is missing; the local file (a split GGUF's first part).
+        ``on_progress`` hears (bytes done, total); ``progress`` draws a bar on stderr."""
+        return self._run(on_progress, progress)
+
+
+def plan_pull(given: str, registry: Registry) -> PullPlan:
+    """The pull of ``given``: ``hf://owner/repo[:QUANT][@rev]`` (a repo by
+    quantization), ``hf://owner/repo/file.gguf[@rev]`` (one file), Ollama's
+    ``hf.co/…``, or a registry name. Raises InvalidRequestError for a malformed URL,
+    UnknownModelError for an unknown name."""
+    if is_hub_url(given):
+        url = _as_hf(given)
+        by_quant = hubrepo.parse_repo_url(url)
+        if by_quant is not None:
+            def by_repo(report: hub.Progress | None, bar: bool) -> Path:
+                tell = None if report is None else (
+                    lambda _part, done, total: report(done, total))
+                return hubrepo.pull(by_quant, progress=bar, on_progress=tell).path
+
+            return PullPlan(by_quant.url, None, by_repo)
+        ref = hub.parse_hf_url(url)
+        return PullPlan(ref.file, None, lambda report, bar: hub.download(
+            ref, progress=bar, on_progress=report))
+    spec = registry.get(given)
+    if spec.hf_repo is None:
+        return PullPlan(given, spec.sha256, lambda report, bar: local_file(spec))
+    return PullPlan(spec.hf_file or given, spec.sha256, lambda report, bar: hub_files(
+        spec, download=True, progress=bar, on_progress=report)[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """What ``remove`` did: the models.toml it changed, and with ``purge`` the files it
+    deleted, the bytes freed, and the entries whose files it kept (they share them)."""
+
+    where: Path
+    files: int = 0
+    freed: int = 0
+    shared: tuple[str, ...] = ()
+
+
+def remove(name: str, *, purge: bool = False) -> Removed:
+    """Remove model ``name`` from the user's models.toml; with ``purge``, its downloaded
+    files too, unless another entry uses them. Raises UnknownModelError for an unknown
+    name, ConfigError for an entry not in the user's file (nothing is removed), and
+    InvalidRequestError for ``purge`` of a model that is not a download."""
+    from .. import paths
+    from .userfile import remove_user_entry
+
+    registry = load_registry()
+    spec = registry.models.get(name)
+    mine = paths.user_models_file()
+    if spec is None:
+        raise UnknownModelError(f"model '{name}' not found")
+    if spec.origin.resolve() != mine.resolve():
+        origin = ("shipped with everycycle" if spec.origin.resolve() == SHIPPED_MODELS.resolve()
+                  else f"defined in {spec.origin}")
+        raise ConfigError(f"model '{name}' is {origin}, not in your models.toml ({mine}): it "
+                          "cannot be removed (an entry of yours with its name overrides it)")
+    files: list[Path] = []
+    shared: tuple[str, ...] = ()
+    if purge:
+        if spec.hf_repo is None:
+            raise InvalidRequestError(f"'{name}' is {spec.source}, not a download: --purge "
+                                      "deletes only files from the hub cache (nothing was "
+                                      "removed)")
+        shared = tuple(m.name for m in registry.models.values() if m.name != name
+                       and (m.hf_repo, m.hf_file, m.revision)
+                       == (spec.hf_repo, spec.hf_file, spec.revision))
+        if not shared:
+            try:
+                files = hub_files(spec)
+            except EverycycleError:
+                files = []  # (not downloaded: nothing to delete)
+            if spec.mmproj is not None and spec.mmproj.startswith("hf:"):
+                try:
+                    files += [p for p in [projector_file(spec)] if p is not None]
+                except EverycycleError:
+                    pass
+    where = remove_user_entry(name)
+    return Removed(where, len(files), sum(hub.delete_cached(f) for f in files), shared)

@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import paths
-from ..errors import ChecksumMismatchError, ConfigError, InvalidRequestError, ProtocolError
+from ..errors import (
+    ChecksumMismatchError,
+    ConfigError,
+    InvalidRequestError,
+    ProtocolError,
+    UnknownModelError,
+)
 from ..protocol import Format, check_model_name, sampling
 from . import hub, hubrepo
 
@@ -165,11 +171,11 @@ class Registry:
     level); None: as many as memory holds."""
 
     def get(self, name: str) -> ModelSpec:
-        """The spec for ``name``. Raises InvalidRequestError for an unknown name."""
+        """The spec for ``name``. Raises UnknownModelError for an unknown name."""
         spec = self.models.get(name)
         if spec is None:
             known = ", ".join(sorted(self.models)) or "none"
-            raise InvalidRequestError(f"unknown model '{name}' (known: {known})")
+            raise UnknownModelError(f"unknown model '{name}' (known: {known})")
         return spec
 
     def default_name(self) -> str:

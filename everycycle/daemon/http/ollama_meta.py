@@ -3,8 +3,8 @@
     GET  /api/tags      the registry's models as NAME:latest, with size, digest, details
     GET  /api/ps        the loaded models, with size, size_vram (0 on the CPU), expires_at
     POST /api/show      a model's parameters, chat template, details and GGUF metadata
-    POST /api/pull      a hub download (a registry name or hf://…), NDJSON progress
-    DELETE /api/delete  remove a model of the user's models.toml (the daemon's token only)
+    POST /api/pull      a hub download (a registry name, hf://… or hf.co/…), NDJSON progress
+    DELETE /api/delete  remove a model of the user's models.toml and its files (daemon token)
     GET  /api/version   everycycle's version · GET|HEAD / "Ollama is running" (for probes)
 
 Facts about a model's file (its size, GGUF metadata) are read on a worker thread, never
@@ -22,7 +22,7 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,11 +35,10 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from ... import __version__, paths
-from ...errors import EverycycleError, UnavailableError
-from ...models import hub, hubrepo
-from ...models.registry import ModelSpec, hub_files, local_file
-from ...models.userfile import remove_user_entry
+from ... import __version__
+from ...errors import EverycycleError, UnavailableError, UnknownModelError
+from ...models import hub, manage
+from ...models.registry import ModelSpec, local_file
 from ...protocol import Done, Error, Load, Unload, sampling
 from ..keys import Principal, load_or_create_token
 from . import ollama_request as parse
@@ -218,33 +217,24 @@ class OllamaMeta(Dialect):
 
     # ------------------------------------------------------------------ pull and delete
 
-    def _pull_job(self, request: HttpRequest, given: str
-                  ) -> tuple[Callable[[hub.Progress], Path], str, str | None]:
-        """What pulling ``given`` runs (on a thread), its label and its sha256 if known.
-        Raises HttpError (400 for a bad URL, 404 for an unknown name)."""
-        if given.startswith("hf:"):
-            try:
-                repo = hubrepo.parse_repo_url(given)  # by quantization: hf://owner/repo:Q8_0
-                ref = hub.parse_hf_url(given) if repo is None else None
-            except EverycycleError as exc:
-                raise HttpError(400, exc.message, "invalid_model") from None
-            if repo is not None:
-                return ((lambda report: hubrepo.pull(
-                    repo, on_progress=lambda _, done, total: report(done, total)).path),
-                    repo.url, None)
-            assert ref is not None
-            return (lambda report: hub.download(ref, on_progress=report)), ref.file, None
-        name = given if given in self.api.supervisor.registry.models else (
+    def _plan(self, request: HttpRequest, given: str) -> manage.PullPlan:
+        """What pulling ``given`` runs (the CLI's ``pull`` decides the same way). Raises
+        HttpError (400 for a bad URL, 404 for a name this key cannot see)."""
+        registry = self.api.supervisor.registry
+        name = given if manage.is_hub_url(given) or given in registry.models else (
             given.removesuffix(parse.TAG))
-        spec = self.api.supervisor.registry.models.get(name)
-        if spec is None or name not in self.reader.visible(request.state.principal):
-            raise HttpError(404, f"model '{given}' not found: pull a registry name "
+        missing = HttpError(404, f"model '{given}' not found: pull a registry name "
                             f"({parse.LISTING}) or hf://owner/repo/file.gguf[@revision]",
                             "model_not_found")
-        if spec.hf_repo is None:
-            return (lambda report: local_file(spec)), name, spec.sha256
-        return ((lambda report: hub_files(spec, download=True, on_progress=report)[0]),
-                spec.hf_file or name, spec.sha256)
+        if not manage.is_hub_url(name) and name not in self.reader.visible(
+                request.state.principal):
+            raise missing
+        try:
+            return manage.plan_pull(name, registry)
+        except UnknownModelError:
+            raise missing from None
+        except EverycycleError as exc:
+            raise HttpError(400, exc.message, "invalid_model") from None
 
     async def pull(self, request: HttpRequest) -> Response:
         data = await self.reader.json(request)
@@ -253,9 +243,9 @@ class OllamaMeta(Dialect):
         if not isinstance(given, str) or not isinstance(stream, bool):
             raise HttpError(400, "`model` must be a name or hf:// URL, `stream` a boolean",
                             "invalid_type")
-        job, label, digest = self._pull_job(request, given)
+        plan = self._plan(request, given)
         send, receive = anyio.create_memory_object_stream[tuple[dict[str, Any], int]](math.inf)
-        self.api.spawn(self._pull, job, label, digest, send)
+        self.api.spawn(self._pull, plan, send)
         if stream:
             return StreamingResponse(self._lines(receive), media_type=NDJSON)
         last: tuple[dict[str, Any], int] = ({"error": "the pull ended early"}, 500)
@@ -271,10 +261,11 @@ class OllamaMeta(Dialect):
             async for obj, _ in receive:
                 yield dumps(obj) + b"\n"
 
-    async def _pull(self, job: Callable[[hub.Progress], Path], label: str, digest: str | None,
+    async def _pull(self, plan: manage.PullPlan,
                     send: MemoryObjectSendStream[tuple[dict[str, Any], int]]) -> None:
         """The download, on a worker thread, told to ``send`` as Ollama's progress lines.
         A client gone (``send`` broken) stops it at the next progress report."""
+        label, digest = plan.label, plan.sha256
         base = {"status": f"pulling {label}", **({"digest": f"sha256:{digest}"} if digest
                                                   else {})}
         last = [0.0]
@@ -293,7 +284,7 @@ class OllamaMeta(Dialect):
         with send:
             try:
                 send.send_nowait(({"status": "pulling manifest"}, 200))
-                path = await anyio.to_thread.run_sync(job, report, abandon_on_cancel=True)
+                path = await anyio.to_thread.run_sync(plan.run, report, abandon_on_cancel=True)
                 size = path.stat().st_size
                 send.send_nowait(({**base, "total": size, "completed": size}, 200))
                 if digest:
@@ -334,21 +325,19 @@ class OllamaMeta(Dialect):
             raise HttpError(400, "`model` must name the model to delete", "invalid_model")
         sup = self.api.supervisor
         name = parse.model(self.reader, request, given)
-        spec = sup.registry.models.get(name)
-        mine = paths.user_models_file()
-        if spec is None:
+        if name not in sup.registry.models:
             raise HttpError(404, f"model '{name}' not found", "model_not_found")
-        if spec.origin.resolve() != mine.resolve():
-            raise HttpError(400, f"model '{name}' is defined in {spec.origin}, not in your "
-                            f"models.toml ({mine}): it cannot be deleted here",
-                            "not_deletable")
         if name in {m.name for m in sup.snapshot().loaded_models}:
             failed = await control(self.api, request.state.principal,
                                    Unload(request_id(request, "delete"), name))
             if failed is not None:
                 return error_response(STATUS[failed.kind], failed.message)
+        # As Ollama's: the model and its files (unless another model uses them).
+        purge = sup.registry.models[name].hf_repo is not None
         try:
-            await anyio.to_thread.run_sync(remove_user_entry, name)
+            await anyio.to_thread.run_sync(lambda: manage.remove(name, purge=purge))
+        except UnknownModelError:
+            raise HttpError(404, f"model '{name}' not found", "model_not_found") from None
         except EverycycleError as exc:
             raise HttpError(400, exc.message, "not_deletable") from None
         sup.forget(name)
