@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -95,15 +96,33 @@ class Lane:
         return bool(self.running or self.queue or self.admitting)
 
 
+class Tasks:
+    """The supervisor's task group while it runs: one holder, shared by everything that
+    starts tasks in it (the requests' deadlines, the residency's loads and restarts)."""
+
+    def __init__(self) -> None:
+        self.group: anyio.abc.TaskGroup | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.group is not None
+
+    def start_soon(self, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        """Start ``func(*args)`` in the group. Raises RejectedError once it has stopped."""
+        if self.group is None:
+            raise RejectedError("daemon shutting down")
+        self.group.start_soon(func, *args)
+
+
 class Requests:
     """Every active request and every model's lane."""
 
-    def __init__(self, quotas: Quotas, report: Report) -> None:
+    def __init__(self, quotas: Quotas, report: Report, tasks: Tasks) -> None:
         self.quotas = quotas
         self._report = report
         self.active: dict[str, Active] = {}
         self.lanes: dict[str, Lane] = {}
-        self.tg: anyio.abc.TaskGroup | None = None
+        self.tasks = tasks
         """Where deadline tasks run (the supervisor's task group)."""
         self.all_ended: anyio.Event | None = None
         """Set when the last request ends, once someone waits for that."""
@@ -128,10 +147,9 @@ class Requests:
         if req.deadline_ms is not None:
             # The scope exists before anything can finish the request, so finish can
             # always cancel it: the deadline task never outlives its request.
-            assert self.tg is not None
             active.deadline = anyio.CancelScope(
                 deadline=anyio.current_time() + req.deadline_ms / 1000)
-            self.tg.start_soon(self._deadline, active, active.deadline, req.deadline_ms)
+            self.tasks.start_soon(self._deadline, active, active.deadline, req.deadline_ms)
 
     async def _deadline(self, active: Active, scope: anyio.CancelScope, ms: int) -> None:
         with scope:

@@ -129,8 +129,10 @@ class Residency:
                  engine_factory: EngineFactory | None, keep_alive: float,
                  max_loaded_models: int | None = None,
                  audit: Callable[[dict[str, Any]], None] | None = None,
-                 hang_after: float = 60.0) -> None:
+                 hang_after: float = 60.0, room_waits: room.RoomWaits | None = None
+                 ) -> None:
         self.registry = registry
+        """The registry in use (the supervisor's, read again when a name is new)."""
         self.requests = requests
         self.remote = remote
         self._notify = notify
@@ -152,7 +154,7 @@ class Residency:
         """Loads under way, by model name: whoever asks for one of these waits for it."""
         self.loads = 0
         """Loads attempted (each model's load runs once, however many ask)."""
-        self.room_waits = room.RoomWaits()
+        self.room_waits = room_waits or room.RoomWaits()
         self.max_loaded_models = max_loaded_models
         """At most this many resident; None: as many as memory holds."""
         self._audit = self.audit = audit or (lambda record: None)
@@ -161,7 +163,8 @@ class Residency:
         self.last_eviction: room.Eviction | None = None
         self._turns: dict[str, anyio.Lock] = {}
         """One lock for this machine's loads (key ""), one per RPC host."""
-        self.tg: anyio.abc.TaskGroup | None = None
+        self.tasks = requests.tasks
+        """The supervisor's task group, as the requests have it."""
         self._reckon: anyio.Event | None = None
         """Set when a model's idle clock changes: the reaper reckons again."""
         self.closing = False
@@ -217,10 +220,10 @@ class Residency:
             raise RejectedError("daemon shutting down")
         attempt = self.loading.get(spec.name)
         if attempt is None:  # the first to ask loads it; the rest wait for that load
-            if self.tg is None:
+            if not self.tasks.running:
                 raise RejectedError("daemon shutting down")
             attempt = self.loading[spec.name] = Loading(spec)
-            self.tg.start_soon(self._load, attempt, executor)
+            self.tasks.start_soon(self._load, attempt, executor)
         attempt.waiters += 1
         try:
             await attempt.done.wait()
@@ -434,7 +437,7 @@ class Residency:
         """A model's engine process died: its running requests have had their errors;
         restart it with backoff (its queue waits), or after a crash loop mark it failed."""
         model = next((m for m in self.models.values() if m.engine is engine), None)
-        if model is None or self.tg is None:
+        if model is None or not self.tasks.running:
             return  # unloaded meanwhile, or the supervisor has stopped
         name = model.name
         cause = engine.exit_cause or "ended"
@@ -467,12 +470,12 @@ class Residency:
                 model.up.set()
                 model.up = None
             return
-        if self.closing or self.tg is None:
+        if self.closing or not self.tasks.running:
             return
         if model.up is None:
             model.up = anyio.Event()
         delay = self.RESTART_BACKOFF_S * 2 ** (len(model.deaths) - 1)
-        self.tg.start_soon(self._restart, model, delay)
+        self.tasks.start_soon(self._restart, model, delay)
 
     async def _restart(self, model: Resident, delay: float) -> None:
         await anyio.sleep(delay)

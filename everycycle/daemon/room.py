@@ -9,7 +9,8 @@ turn, a model it has waited on for ``SWAP_AFTER_S`` (resident for at least
 ``MIN_RESIDENCY_S``) takes no new requests until the load is done: it finishes those it
 has, goes idle and makes room; its newcomers then wait for it to load again.
 
-The residency measures, unloads and loads; this decides.
+The residency measures, unloads and loads; this decides. It sees the residency only
+through ``Host``: the members it reads and the steps it asks for, declared here.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio.to_thread
 
@@ -32,7 +33,9 @@ from ..models.registry import ModelSpec
 from .remote import in_order
 
 if TYPE_CHECKING:
-    from .residency import Residency, Resident
+    from .lifecycle import Requests
+    from .remote import RemoteHosts
+    from .residency import Loading, Resident
 
 log = logging.getLogger("everycycle.daemon.residency")
 
@@ -42,6 +45,31 @@ MIN_RESIDENCY_S = 2.0
 """How long a model stays resident, taking requests, before it gives way to a load."""
 POLL_S = 0.05
 """How often a waiting load looks again (a request ending frees no event of its own)."""
+
+
+class Host(Protocol):
+    """What making room reads of the residency, and asks it to do."""
+
+    models: dict[str, Resident]
+    loading: dict[str, Loading]
+    max_loaded_models: int | None
+    room_waits: RoomWaits
+    requests: Requests
+    remote: RemoteHosts
+
+    def audit(self, record: dict[str, Any]) -> None: ...
+
+    async def measure(self) -> list[ex.Executor]:
+        """This machine's executors and their free memory, now."""
+
+    async def evict(self, model: Resident, for_model: str, reason: str) -> None:
+        """Unload ``model`` to make room for ``for_model``."""
+
+    def options(self, spec: ModelSpec, placement: ex.Placement,
+                projector: Path | None) -> LoadOptions: ...
+
+    def spawn(self, spec: ModelSpec, path: Path, options: LoadOptions) -> Engine:
+        """Start ``spec``'s engine (blocking: on a worker thread)."""
 
 
 @dataclass
@@ -143,7 +171,7 @@ def _short(placement: ex.Placement, spec: ModelSpec) -> bool:
                                                                offload.n_layer)
 
 
-async def make_room(res: Residency, spec: ModelSpec, need: MemoryPlan, wanted: str
+async def make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
                     ) -> ex.Placement:
     """Where ``spec`` goes, after unloading idle models (least recently used first)
     while it does not fit, or gets fewer GPU layers than it could, or the daemon
@@ -166,7 +194,7 @@ async def make_room(res: Residency, spec: ModelSpec, need: MemoryPlan, wanted: s
                            "waiting for memory: held by ")})
 
 
-async def _make_room(res: Residency, spec: ModelSpec, need: MemoryPlan, wanted: str
+async def _make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
                      ) -> ex.Placement:
     busy = res.requests.busy
     while True:
@@ -224,7 +252,7 @@ def _layers(placement: ex.Placement) -> int:
     return placement.offload.gpu_layers if placement.offload is not None else 0
 
 
-async def start(res: Residency, spec: ModelSpec, path: Path, need: MemoryPlan, wanted: str,
+async def start(res: Host, spec: ModelSpec, path: Path, need: MemoryPlan, wanted: str,
                 placement: ex.Placement, projector: Path | None = None
                 ) -> tuple[Engine, ex.Placement, LoadOptions]:
     """Start ``spec``'s engine at ``placement``. When llama.cpp cannot allocate there (a

@@ -56,7 +56,7 @@ from .audit import AuditLog
 from .fleet import FleetView
 from .handoff import Handoff
 from .jobbuild import build_job
-from .lifecycle import Active, Requests
+from .lifecycle import Active, Requests, Tasks
 from .outcome import Limits, Outcome, Peer, audit_record, prompt_bytes
 from .quota import Quotas
 from .remote import RemoteHosts
@@ -89,7 +89,6 @@ class Supervisor:
         reload: Callable[[], Registry] | None = None,
         resolve: Callable[[str], str] | None = None,
     ) -> None:
-        self.registry = registry
         self._reload = reload
         """Reads the registry files again: a name the registry does not know may have
         been added since (``models add``, ``run -m hf://…``)."""
@@ -104,7 +103,8 @@ class Supervisor:
         self.observers: list[Callable[[Outcome], None]] = []
         """Called with every Generate and Embed request's Outcome (metrics)."""
         self._on_shutdown = on_shutdown
-        self.requests = Requests(self.quotas, self._report)
+        self.tasks = Tasks()
+        self.requests = Requests(self.quotas, self._report, self.tasks)
         self.remote = RemoteHosts([*rpc, *registry.rpc])
         self._outputs: Handoff[list[tuple[Job, Output]] | Engine] = Handoff()
         self.residency = Residency(
@@ -113,14 +113,22 @@ class Supervisor:
             keep_alive=keep_alive,
             max_loaded_models=max_loaded_models or registry.max_loaded_models,
             audit=audit.write if audit is not None else None,
-            hang_after=self.limits.hang_timeout)
-        self.residency.room_waits = room.RoomWaits(self.limits.swap_after,
-                                                   self.limits.min_residency)
+            hang_after=self.limits.hang_timeout,
+            room_waits=room.RoomWaits(self.limits.swap_after, self.limits.min_residency))
         self.fleet = FleetView(self.residency, self.requests)
         self._admission: dict[str, anyio.Lock] = {}
         self._deaths: deque[Engine] = deque()
         self._deaths_due: anyio.Event | None = None
-        self.closing = False
+
+    @property
+    def registry(self) -> Registry:
+        """The registry in use: the residency's (one copy)."""
+        return self.residency.registry
+
+    @property
+    def closing(self) -> bool:
+        """Shutting down: no new requests, no loads (the residency's flag)."""
+        return self.residency.closing
 
     @property
     def engine_deaths(self) -> dict[tuple[str, str], int]:
@@ -139,10 +147,9 @@ class Supervisor:
         """Drop ``name`` from the registry in use (a model deleted over HTTP); the
         registry files are the caller's to change. A resident copy stays until unloaded."""
         reg = self.registry
-        self.registry = dataclasses.replace(
+        self.residency.registry = dataclasses.replace(
             reg, models={k: v for k, v in reg.models.items() if k != name},
             default=None if reg.default == name else reg.default)
-        self.residency.registry = self.registry
 
     def knows(self, name: str) -> bool:
         """Whether a request may name ``name``: a registry entry (read again if need be),
@@ -161,7 +168,7 @@ class Supervisor:
         except EverycycleError as exc:
             log.warning("the registry was not read again: %s", exc.message)
             return
-        self.registry = self.residency.registry = registry
+        self.residency.registry = registry
 
     def snapshot(self) -> FleetSnapshot:
         """The live fleet, with the executors as last queried."""
@@ -183,7 +190,7 @@ class Supervisor:
         await self.remote.probe(self._host_busy)
         try:
             async with anyio.create_task_group() as tg:
-                self.requests.tg = self.residency.tg = tg
+                self.tasks.group = tg
                 tg.start_soon(self._outputs.serve, self._on_item)
                 tg.start_soon(self.residency.watch_deaths, self._deaths, self._next_death)
                 tg.start_soon(self.residency.reap_idle)
@@ -192,7 +199,7 @@ class Supervisor:
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
-            self.requests.tg = self.residency.tg = None
+            self.tasks.group = None
             with anyio.CancelScope(shield=True):
                 await self.close()
 
@@ -202,7 +209,7 @@ class Supervisor:
     async def close(self) -> None:
         """Cancel everything ("daemon shutting down") and unload all models; return once
         every request has had its terminal event (or after CLOSE_WAIT_S)."""
-        self.closing = self.residency.closing = True
+        self.residency.closing = True
         for active in list(self.requests.active.values()):
             self.requests.cancel(active, "daemon shutting down")
         for name in list(self.residency.models):
