@@ -15,7 +15,7 @@ ROOT = Path(everycycle.__file__).parent
 GROUND = {"protocol", "errors", "paths", "sockets", "mailbox", "statefile"}
 # Which layers each layer may import (the ground is open to all of them).
 ALLOWED = {
-    "cli": {"client", "daemon", "engine", "chatfmt", "hardware", "models"},
+    "cli": {"client", "daemon", "chatfmt", "hardware", "models"},  # never the engine
     "client": {"daemon", "models"},  # embedded mode: the one place a client reaches down
     "daemon": {"engine", "chatfmt", "hardware", "models"},
     "engine": {"chatfmt", "hardware"},

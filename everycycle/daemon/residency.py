@@ -36,13 +36,7 @@ from ..errors import (
 from ..hardware import cpukernels
 from ..hardware import executors as ex
 from ..hardware.memory import MemoryPlan, plan
-from ..models.registry import (
-    DEFAULT_KEEP_ALIVE,
-    ModelSpec,
-    Registry,
-    local_file,
-    projector_file,
-)
+from ..models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry, local_file, projector_file
 from . import room
 from .lifecycle import Requests
 from .remote import RemoteHosts
