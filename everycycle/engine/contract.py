@@ -207,6 +207,10 @@ class LoadFailed(NamedTuple):
 
 
 class JobOutput(NamedTuple):
+    """One job's Output of a step, flat (a tuple pickles ten times faster than a
+    dataclass: this is the per-token path), its error as a WireError, and the job's
+    token counts so far. Made by ``of`` and read by ``unpacked``, nowhere else."""
+
     jid: int
     text: str
     ids: tuple[int, ...]
@@ -214,10 +218,24 @@ class JobOutput(NamedTuple):
     reason: str | None
     error: WireError | None
     embeddings: list[list[float]] | None
+    logprobs: tuple[Logprob, ...] | None
     n_prompt: int
     n_reused: int
     n_generated: int
-    logprobs: tuple[Logprob, ...] | None = None
+
+    @classmethod
+    def of(cls, jid: int, job: Job, o: Output) -> JobOutput:
+        return cls(jid, o.text, o.ids, o.finished, o.reason,
+                   WireError.of(o.error) if o.error is not None else None, o.embeddings,
+                   o.logprobs, job.n_prompt, job.n_reused, job.n_generated)
+
+    def unpacked(self, job: Job) -> Output:
+        """The Output again, its counts set on ``job`` (the daemon's copy)."""
+        job.n_prompt, job.n_reused, job.n_generated = (self.n_prompt, self.n_reused,
+                                                       self.n_generated)
+        return Output(self.text, self.ids, self.finished, self.reason,
+                      self.error.exception() if self.error is not None else None,
+                      self.embeddings, self.logprobs)
 
 
 class Outputs(NamedTuple):

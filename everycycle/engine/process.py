@@ -106,10 +106,7 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
         items = []
         for job, o in batch:
             jid = ids[id(job)]
-            items.append(JobOutput(jid, o.text, o.ids, o.finished, o.reason,
-                                   WireError.of(o.error) if o.error is not None else None,
-                                   o.embeddings, job.n_prompt, job.n_reused, job.n_generated,
-                                   o.logprobs))
+            items.append(JobOutput.of(jid, job, o))
             if o.finished:
                 del ids[id(job)]
                 jobs.pop(jid, None)
@@ -148,8 +145,8 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
             except Exception as exc:  # noqa: BLE001 - that job's error
                 jobs.pop(message.jid, None)
                 ids.pop(id(job), None)
-                send(Outputs([JobOutput(message.jid, "", (), True, "error", WireError.of(exc),
-                                        None, 0, 0, 0)],
+                failed = Output("", (), True, "error", WireError.of(exc).exception())
+                send(Outputs([JobOutput.of(message.jid, job, failed)],
                              runner.lookup_drafted, runner.lookup_accepted,
                              runner.images_encoded))
         elif isinstance(message, CancelJob):
@@ -325,10 +322,7 @@ class EngineProcess:
                 if o.finished:
                     del self._jobs[o.jid]
                     self._jids.pop(id(job), None)
-                job.n_prompt, job.n_reused, job.n_generated = o.n_prompt, o.n_reused, o.n_generated
-                batch.append((job, Output(o.text, o.ids, o.finished, o.reason,
-                                          o.error.exception() if o.error else None,
-                                          o.embeddings, o.logprobs)))
+                batch.append((job, o.unpacked(job)))
         if batch:
             self._notify(batch)
 
