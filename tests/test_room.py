@@ -17,7 +17,7 @@ from tinymodel import write_tiny_gguf
 
 from everycycle import paths
 from everycycle.client import connect
-from everycycle.daemon import room
+from everycycle.daemon.residency import room
 from everycycle.hardware.memory import plan
 from everycycle.protocol import Accepted, Error, ErrorKind, ServerEvent, Tokens
 

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 
 from everycycle.cli.render import fleet_view, models_view, usage_view
-from everycycle.daemon.room import Eviction
+from everycycle.daemon.residency.room import Eviction
 from everycycle.daemon.usage import UsageRow
 from everycycle.protocol import (
     ActiveRequest,

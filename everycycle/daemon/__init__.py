@@ -6,9 +6,9 @@ connection.py  the sans-IO ServerConnection: framing, decoding, auth, per connec
 supervisor.py  admission and limits; coordinates the parts below
 lifecycle.py   active requests, each model's lane, queue positions, cancels, deadlines,
                the one terminal event
-residency.py   loading, unloading, idle unloading, engine deaths and restarts
-room.py        making room for a load: evictions, waits for busy models, allocation retries
-remote.py      RPC hosts' devices, and the order of executors
+residency/     the resident models and the room they need: loading, unloading, idle
+               unloading, engine deaths and restarts; evictions, waits for busy models,
+               allocation retries; RPC hosts' devices and the order of executors
 jobbuild.py    a request's Job: tokens, sampling, grammar, and how its output is split
 fleet.py       the live FleetSnapshot; hardware queried off the event loop
 outcome.py     admission Limits, the Peer contract, each generation's Outcome

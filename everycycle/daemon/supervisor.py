@@ -51,7 +51,6 @@ from ..protocol import (
     Shutdown,
     Unload,
 )
-from . import room
 from .audit import AuditLog
 from .fleet import FleetView
 from .handoff import Handoff
@@ -59,8 +58,8 @@ from .jobbuild import build_job
 from .lifecycle import Active, Requests, Tasks
 from .outcome import Limits, Outcome, Peer, audit_record, prompt_bytes
 from .quota import Quotas
-from .remote import RemoteHosts
-from .residency import EngineFactory, Residency, Resident
+from .residency import EngineFactory, Residency, Resident, room
+from .residency.remote import RemoteHosts
 
 __all__ = ["EngineFactory", "Limits", "Outcome", "Peer", "Supervisor"]
 

@@ -25,17 +25,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio.to_thread
 
-from ..engine.contract import Engine, LoadOptions
-from ..errors import AllocationError, RejectedError, RequestCancelledError
-from ..hardware import executors as ex
-from ..hardware.memory import MemoryPlan
-from ..models.registry import ModelSpec
+from ...engine.contract import Engine, LoadOptions
+from ...errors import AllocationError, RejectedError, RequestCancelledError
+from ...hardware import executors as ex
+from ...hardware.memory import MemoryPlan
+from ...models.registry import ModelSpec
 from .remote import in_order
 
 if TYPE_CHECKING:
-    from .lifecycle import Requests
+    from ..lifecycle import Requests
     from .remote import RemoteHosts
-    from .residency import Loading, Resident
+    from .resident import Loading, Resident
 
 log = logging.getLogger("everycycle.daemon.residency")
 

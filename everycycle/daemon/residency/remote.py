@@ -11,9 +11,9 @@ from typing import Protocol, TypeVar
 import anyio
 import anyio.to_thread
 
-from ..errors import EverycycleError
-from ..hardware import executors as ex
-from ..protocol import ExecutorSummary
+from ...errors import EverycycleError
+from ...hardware import executors as ex
+from ...protocol import ExecutorSummary
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class RemoteHosts:
         """Ask each RPC server not serving a model now for its devices (in a child
         process: ggml-rpc aborts the process that loses its server); with ``only_down``,
         just those last seen unreachable."""
-        from ..hardware import rpc
+        from ...hardware import rpc
 
         for endpoint in self.hosts:
             if only_down and self.down(endpoint) is None:

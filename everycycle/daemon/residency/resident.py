@@ -22,9 +22,9 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-from .. import paths
-from ..engine.contract import Engine, LoadOptions, Notify
-from ..errors import (
+from ... import paths
+from ...engine.contract import Engine, LoadOptions, Notify
+from ...errors import (
     ErrorKind,
     EverycycleError,
     InternalError,
@@ -33,12 +33,12 @@ from ..errors import (
     RejectedError,
     RequestCancelledError,
 )
-from ..hardware import cpukernels
-from ..hardware import executors as ex
-from ..hardware.memory import MemoryPlan, plan
-from ..models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry, local_file, projector_file
+from ...hardware import cpukernels
+from ...hardware import executors as ex
+from ...hardware.memory import MemoryPlan, plan
+from ...models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry, local_file, projector_file
+from ..lifecycle import Requests
 from . import room
-from .lifecycle import Requests
 from .remote import RemoteHosts
 
 log = logging.getLogger(__name__)
@@ -341,11 +341,11 @@ class Residency:
                 return self.engine_factory(spec.name, path, options, self._notify,
                                            self._on_death)
             if self.isolate or options.rpc_endpoints:
-                from ..engine.process import EngineProcess
+                from ...engine.process import EngineProcess
 
                 return EngineProcess(path, options, notify=self._notify, label=spec.name,
                                      on_death=self._on_death, hang_after=self.hang_after)
-            from ..engine.runner import Runner
+            from ...engine.runner import Runner
 
             return Runner.load(path, options, self._notify)
         except EverycycleError:
