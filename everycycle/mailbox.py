@@ -28,6 +28,10 @@ class Mailbox(Generic[T]):
         self._waiter: anyio.Event | None = None
         self.closed = False
 
+    def __bool__(self) -> bool:
+        """Whether anything is queued."""
+        return bool(self._items)
+
     def put(self, item: T) -> bool:
         """Queue ``item``; False (and nothing queued) once closed."""
         if self.closed:

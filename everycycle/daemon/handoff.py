@@ -6,13 +6,15 @@ queue (``anyio.to_thread.run_sync(queue.get)``) costs two thread switches per st
 Here a producer appends to a deque and, only when the consumer is not already due to
 run, asks the event loop to run it soon (asyncio's ``call_soon_threadsafe``: a write
 to the loop's own wake-up pipe); the consumer then delivers
-everything queued since it last ran, in one go.
+everything queued since it last ran, in one go. A producer on the event loop itself
+(an engine process's pipe, read there) delivers at once: no wake-up at all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -41,10 +43,15 @@ class Handoff(Generic[T]):
         # drains, so whatever a producer appended before seeing it set is drained in
         # that pass: no wake-up is ever missed.
         self._due = False
+        self._loop_thread: int | None = None
 
     def put(self, item: T) -> None:
-        """Queue ``item`` (any thread; never blocks)."""
+        """Queue ``item`` (any thread; never blocks). On the event loop's own thread,
+        deliver it now (after anything queued before it)."""
         self._items.append(item)
+        if threading.get_ident() == self._loop_thread:
+            self._drain()
+            return
         if not self._due:
             self._due = True
             schedule = self._schedule
@@ -62,8 +69,10 @@ class Handoff(Generic[T]):
         """Deliver items as they come until cancelled (runs on the event loop)."""
         self._deliver = deliver
         self._schedule = _run_soon_from_threads()
+        self._loop_thread = threading.get_ident()
         try:
             self._drain()  # anything queued before serving began
             await anyio.sleep_forever()
         finally:
             self._schedule = self._deliver = None
+            self._loop_thread = None

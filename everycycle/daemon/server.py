@@ -15,6 +15,7 @@ import ipaddress
 import logging
 import os
 import select
+import socket
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -132,11 +133,18 @@ MAX_PENDING_REQUESTS = 64
 class _Connection:
     """One client connection: its outgoing lines and identity (a supervisor Peer)."""
 
-    def __init__(self, protocol: ServerConnection[Principal], *, allow_paths: bool) -> None:
+    def __init__(self, protocol: ServerConnection[Principal], *, allow_paths: bool,
+                 sock: socket.socket | None = None) -> None:
         self.protocol = protocol
         self.allow_paths = allow_paths
         self.outgoing: Mailbox[bytes] = Mailbox()
         """Encoded lines for the connection's writer; closed when the connection ends."""
+        self._sock = sock
+        """The connection's own (non-blocking) socket: a line is written straight to it
+        while nothing waits to be written before it (the per-token path: no wake-up of
+        the writer task); what does not fit goes to the writer."""
+        self.writing = False
+        """The writer holds lines taken from ``outgoing`` and not yet all sent."""
         self.unsent = 0
         """Bytes queued for the client and not yet written."""
         self.pending = 0
@@ -154,6 +162,17 @@ class _Connection:
         if self.outgoing.closed:
             return
         line = self.protocol.send(event)
+        if self._sock is not None and not self.writing and not self.outgoing:
+            try:
+                n = self._sock.send(line)
+            except BlockingIOError:
+                n = 0
+            except OSError:  # the client is gone: the writer ends the connection
+                self.outgoing.close()
+                return
+            if n == len(line):
+                return
+            line = line[n:]
         self.unsent += len(line)
         if self.unsent > MAX_UNSENT_HARD_BYTES:
             self.overflowed = True
@@ -357,9 +376,13 @@ class Daemon:
             tg.start_soon(self._serve_connection, stream, is_tcp)
 
     async def _serve_connection(self, stream: anyio.abc.ByteStream, is_tcp: bool) -> None:
+        raw = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
         conn = _Connection(ServerConnection(
             None if is_tcp else self.keys.principal(LOCAL.name), self.keys.authenticate),
-            allow_paths=not is_tcp)
+            allow_paths=not is_tcp,
+            # (a Unix socket's stream writes to it itself; a TCP one, through asyncio's
+            # transport, which must see every write)
+            sock=raw if type(raw) is socket.socket else None)
         self._connections.add(conn)
         try:
             async with anyio.create_task_group() as tg:
@@ -370,7 +393,9 @@ class Daemon:
                             # One write for everything queued: a decode step emits an
                             # event per slot at once.
                             data = b"".join(await conn.outgoing.take())
+                            conn.writing = True
                             await stream.send(data)
+                            conn.writing = False
                             conn.sent(len(data))
                     except (anyio.EndOfStream, anyio.BrokenResourceError,
                             anyio.ClosedResourceError, OSError):

@@ -189,7 +189,7 @@ class Supervisor:
         await self.remote.probe(self._host_busy)
         try:
             async with anyio.create_task_group() as tg:
-                self.tasks.group = tg
+                self.tasks.attach(tg)
                 tg.start_soon(self._outputs.serve, self._on_item)
                 tg.start_soon(self.residency.watch_deaths, self._deaths, self._next_death)
                 tg.start_soon(self.residency.reap_idle)
@@ -198,7 +198,7 @@ class Supervisor:
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
-            self.tasks.group = None
+            self.tasks.attach(None)
             with anyio.CancelScope(shield=True):
                 await self.close()
 

@@ -166,17 +166,26 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
         send(Closed())
 
 
+Readable = Callable[[int, Callable[[], None]], Callable[[], None]]
+"""Call back when file descriptor ``fd`` is readable (``(fd, callback)``, from any
+thread); returns what stops that (called from the callback's own thread)."""
+
+
 class EngineProcess:
     """The daemon's side of a Runner in a child process (an ``Engine``).
 
     Construct it off the event loop: it waits for the model to load. ``label`` names
-    the model in error messages; ``on_death`` is called (on the reader thread) after
+    the model in error messages; ``on_death`` is called (on a thread of its own) after
     the child died unasked, once its jobs have had their errors.
+
+    What the child sends is read on a thread of its own, or, with ``readable`` (the
+    daemon's event loop), by ``pump`` when the pipe is readable: then a step's outputs
+    reach ``notify`` on the loop itself, with no thread in between (the per-token path).
     """
 
     def __init__(self, path: Path, options: LoadOptions, *, notify: Notify, label: str,
                  on_death: Callable[[EngineProcess], None] | None = None,
-                 hang_after: float = HANG_AFTER) -> None:
+                 hang_after: float = HANG_AFTER, readable: Readable | None = None) -> None:
         self.label = label
         self.hang_after = hang_after
         """Seconds an engine with work in hand may go without progress (a step, a call
@@ -226,8 +235,20 @@ class EngineProcess:
         self.lookup_drafted = 0
         self.lookup_accepted = 0
         self.images_encoded = 0
-        self._reader = threading.Thread(target=self._read, name=f"engine {label}", daemon=True)
-        self._reader.start()
+        self._finished = threading.Event()
+        """Set once the pipe closed and the child's end was handled (``_ended``)."""
+        self._stop_reading: Callable[[], None] | None = None
+        if readable is None:
+            threading.Thread(target=self._read, name=f"engine {label}", daemon=True).start()
+        else:
+            threading.Thread(target=self._watchdog, name=f"engine {label} watch",
+                             daemon=True).start()
+            try:
+                self._stop_reading = readable(self._conn.fileno(), self.pump)
+            except BaseException:
+                self._finished.set()
+                self._kill()
+                raise
 
     def _first_message(self) -> Ready:
         where = f" on RPC host {self.endpoint}" if self.endpoint else ""
@@ -280,34 +301,63 @@ class EngineProcess:
         return f"engine for {self.label} is gone"
 
     def _read(self) -> None:
+        """The reader thread: every message, until the pipe closes."""
         while True:
             try:
                 if not self._conn.poll(HEARTBEAT_S):
                     self._watch()
                     continue
-                message = self._conn.recv()
+                if not self._handle(self._conn.recv()):
+                    break
             except (EOFError, OSError):
                 break
-            if isinstance(message, Heartbeat):
-                if message.steps != self._steps:
-                    self._steps, self._progress = message.steps, time.monotonic()
-                else:
-                    self._watch()
-                continue
-            self._progress = time.monotonic()
-            if isinstance(message, Outputs):
-                self._deliver(message)
-            elif isinstance(message, Returned):
-                with self._lock:
-                    future = self._calls.pop(message.cid, None)
-                if future is not None:
-                    if message.error is None:
-                        future.set_result(message.value)
-                    else:
-                        future.set_exception(message.error.exception())
-            elif isinstance(message, Closed):
-                break
         self._ended()
+
+    def pump(self) -> None:
+        """Handle one message from the child (where ``readable`` calls it: the pipe is
+        readable). When the pipe closes, reading stops and the end is handled on a
+        thread of its own (it waits for the child to exit)."""
+        try:
+            if self._handle(self._conn.recv()):
+                return
+        except (EOFError, OSError):
+            pass
+        except Exception:  # a bug costs this message, never the event loop
+            log.exception("engine for %s: a message was not handled", self.label)
+            return
+        if self._stop_reading is not None:
+            self._stop_reading()
+            self._stop_reading = None
+            threading.Thread(target=self._ended, name=f"engine {self.label} end",
+                             daemon=True).start()
+
+    def _watchdog(self) -> None:
+        """With ``readable``: look for a hang every heartbeat, messages or none."""
+        while not self._finished.wait(HEARTBEAT_S):
+            self._watch()
+
+    def _handle(self, message: object) -> bool:
+        """One message from the child; False once it said it closed."""
+        if isinstance(message, Heartbeat):
+            if message.steps != self._steps:
+                self._steps, self._progress = message.steps, time.monotonic()
+            else:
+                self._watch()
+            return True
+        self._progress = time.monotonic()
+        if isinstance(message, Outputs):
+            self._deliver(message)
+        elif isinstance(message, Returned):
+            with self._lock:
+                future = self._calls.pop(message.cid, None)
+            if future is not None:
+                if message.error is None:
+                    future.set_result(message.value)
+                else:
+                    future.set_exception(message.error.exception())
+        elif isinstance(message, Closed):
+            return False
+        return True
 
     def _deliver(self, message: Outputs) -> None:
         self.lookup_drafted, self.lookup_accepted = (message.lookup_drafted,
@@ -380,6 +430,7 @@ class EngineProcess:
             self._notify([(job, Output("", (), True, "error", error)) for job in jobs.values()])
         with contextlib.suppress(OSError):
             self._conn.close()
+        self._finished.set()
         if died and self._on_death is not None:
             self._on_death(self)
 
@@ -449,10 +500,9 @@ class EngineProcess:
             self._closing = True
         with contextlib.suppress(InternalError):
             self._send(CloseEngine())
-        self._reader.join(CLOSE_TIMEOUT)
-        if self._reader.is_alive():  # the child does not answer: end it
+        if not self._finished.wait(CLOSE_TIMEOUT):  # the child does not answer: end it
             self._kill()
-            self._reader.join(5)
+            self._finished.wait(5)
         with self._lock:
             if self.dead is None:
                 self.dead = "unloaded"

@@ -344,7 +344,8 @@ class Residency:
                 from ...engine.process import EngineProcess
 
                 return EngineProcess(path, options, notify=self._notify, label=spec.name,
-                                     on_death=self._on_death, hang_after=self.hang_after)
+                                     on_death=self._on_death, hang_after=self.hang_after,
+                                     readable=self.tasks.readable)
             from ...engine.runner import Runner
 
             return Runner.load(path, options, self._notify)
