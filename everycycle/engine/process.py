@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import logging
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -68,6 +69,17 @@ steps)."""
 log = logging.getLogger(__name__)
 
 
+def _send(conn: Connection, message: object) -> None:
+    """``message`` pickled as is: Connection.send's ForkingPickler (a pickler object
+    per message, for handles this pipe never carries) costs a third of an engine's
+    per-token Python time."""
+    conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
 def _isolate() -> None:
     """In the child: ignore the terminal's Ctrl-C (the daemon decides) and keep stdout
     for the daemon's own (nothing of ours goes there). The child ends with the daemon:
@@ -83,7 +95,7 @@ def main() -> None:
     """``python -m everycycle.engine.process FD``: the child's entry. Its first message
     on the pipe (a socket, fd FD) is what to load."""
     conn = Connection(int(sys.argv[1]))
-    path, options = conn.recv()
+    path, options = _recv(conn)
     _serve(conn, path, options)
 
 
@@ -96,7 +108,7 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
 
     def send(message: object) -> None:
         with send_lock:
-            conn.send(message)
+            _send(conn, message)
 
     jobs: dict[int, Job] = {}
     ids: dict[int, int] = {}  # id(job) -> its jid
@@ -133,7 +145,7 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
     threading.Thread(target=beat, name="heartbeat", daemon=True).start()
     while True:
         try:
-            message = conn.recv()
+            message = _recv(conn)
         except (EOFError, OSError):
             break
         if isinstance(message, SubmitJob):
@@ -205,7 +217,7 @@ class EngineProcess:
         self._conn = Connection(mine.detach())
         self.pid: int | None = self._proc.pid
         try:
-            self._conn.send((str(path), options))
+            _send(self._conn, (str(path), options))
         except OSError:
             pass  # it died at once: the first read says how
         self._lock = threading.Lock()
@@ -256,7 +268,7 @@ class EngineProcess:
             self._kill()
             raise InternalError(f"loading {self.label}{where} took over {LOAD_TIMEOUT:g} s")
         try:
-            first = self._conn.recv()
+            first = _recv(self._conn)
         except (EOFError, OSError):
             cause = signal_cause(self._wait())
             if self.endpoint:
@@ -291,7 +303,7 @@ class EngineProcess:
             if self.dead is not None:
                 raise InternalError(self.dead)
             try:
-                self._conn.send(message)
+                _send(self._conn, message)
             except (OSError, ValueError):
                 raise InternalError(self._gone_message()) from None
 
@@ -307,7 +319,7 @@ class EngineProcess:
                 if not self._conn.poll(HEARTBEAT_S):
                     self._watch()
                     continue
-                if not self._handle(self._conn.recv()):
+                if not self._handle(_recv(self._conn)):
                     break
             except (EOFError, OSError):
                 break
@@ -318,7 +330,7 @@ class EngineProcess:
         readable). When the pipe closes, reading stops and the end is handled on a
         thread of its own (it waits for the child to exit)."""
         try:
-            if self._handle(self._conn.recv()):
+            if self._handle(_recv(self._conn)):
                 return
         except (EOFError, OSError):
             pass
