@@ -301,8 +301,13 @@ class Requests:
             malformed_calls=active.output.malformed if active.output else 0,
             context_limit=active.context_limit,
         )
-        active.peer.emit(event, outcome)
-        self._report(outcome, active.req)
+        # Reported (audit, metrics) before the client hears of it: with a line written
+        # straight to the socket, a client that reads the audit log after its answer
+        # finds the request's record there.
+        try:
+            self._report(outcome, active.req)
+        finally:
+            active.peer.emit(event, outcome)
 
     # ------------------------------------------------------------------ engine outputs
 

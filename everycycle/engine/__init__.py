@@ -4,7 +4,9 @@ registry.
 
 contract.py   the ``Engine`` Protocol the supervisor depends on, and the pipe's typed
               messages
-process.py    one engine process per model (a Runner in a child process) and its proxy
+process.py    the daemon's proxy for a model's engine process (``EngineProcess``)
+child.py      the engine process itself: a Runner served over the pipe
+              (``python -m everycycle.engine.child``)
 runner.py     a loaded model and its any-thread API (``Runner``)
 steps.py      the engine thread's decode loop: admit, build the batch, decode, sample
 slots.py      one decoding slot: its sequence in the KV cache, its job, the text it owes

@@ -1,4 +1,4 @@
-"""One engine process per loaded model: a Runner in a child process, and its proxy.
+"""One engine process per loaded model (child.py): the daemon's proxy for it.
 
 A native fault in llama.cpp (SIGILL from CPU kernels this CPU cannot run, a
 ``GGML_ABORT``, a CUDA error, the OOM killer, ggml-rpc losing its server) ends the
@@ -18,7 +18,6 @@ import contextlib
 import itertools
 import logging
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -42,9 +41,7 @@ from .contract import (
     CheckGrammar,
     Closed,
     CloseEngine,
-    EngineInfo,
     Heartbeat,
-    JobOutput,
     LoadFailed,
     LoadOptions,
     Notify,
@@ -55,7 +52,8 @@ from .contract import (
     Returned,
     SubmitJob,
     Tokenize,
-    WireError,
+    receive_message,
+    send_message,
 )
 from .jobs import Job, Output
 
@@ -67,115 +65,6 @@ step of a large model on a slow device stays well under it; a long prefill is ma
 steps)."""
 
 log = logging.getLogger(__name__)
-
-
-def _send(conn: Connection, message: object) -> None:
-    """``message`` pickled as is: Connection.send's ForkingPickler (a pickler object
-    per message, for handles this pipe never carries) costs a third of an engine's
-    per-token Python time."""
-    conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
-
-
-def _recv(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
-
-
-def _isolate() -> None:
-    """In the child: ignore the terminal's Ctrl-C (the daemon decides) and keep stdout
-    for the daemon's own (nothing of ours goes there). The child ends with the daemon:
-    when the daemon's end of the pipe closes, however it died. (Not PR_SET_PDEATHSIG:
-    that fires when the *thread* that started the child ends, a worker thread here.)"""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # a fault's gdb dump helps nobody here
-    with contextlib.suppress(OSError):
-        os.dup2(2, 1)
-
-
-def main() -> None:
-    """``python -m everycycle.engine.process FD``: the child's entry. Its first message
-    on the pipe (a socket, fd FD) is what to load."""
-    conn = Connection(int(sys.argv[1]))
-    path, options = _recv(conn)
-    _serve(conn, path, options)
-
-
-def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
-    """The child: load the model, then serve the pipe until told to close or it ends."""
-    _isolate()
-    from .runner import Runner
-
-    send_lock = threading.Lock()
-
-    def send(message: object) -> None:
-        with send_lock:
-            _send(conn, message)
-
-    jobs: dict[int, Job] = {}
-    ids: dict[int, int] = {}  # id(job) -> its jid
-    runner: Runner | None = None
-
-    def notify(batch: list[tuple[Job, Output]]) -> None:
-        items = []
-        for job, o in batch:
-            jid = ids[id(job)]
-            items.append(JobOutput.of(jid, job, o))
-            if o.finished:
-                del ids[id(job)]
-                jobs.pop(jid, None)
-        assert runner is not None  # jobs come only once it is loaded
-        send(Outputs(items, runner.lookup_drafted, runner.lookup_accepted,
-                     runner.images_encoded))
-
-    try:
-        runner = Runner.load(Path(path), options, notify)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then we end
-        send(LoadFailed(WireError.of(exc)))
-        return
-    send(Ready(EngineInfo(os.getpid(), runner.parallel, runner.n_ctx_slot,
-                          runner.weights_bytes, runner.kv_bytes, runner.offloaded,
-                          runner.lookup_exact)))
-    stop = threading.Event()
-
-    def beat() -> None:
-        assert runner is not None
-        while not stop.wait(HEARTBEAT_S):
-            with contextlib.suppress(OSError, ValueError):
-                send(Heartbeat(runner.steps))
-
-    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
-    while True:
-        try:
-            message = _recv(conn)
-        except (EOFError, OSError):
-            break
-        if isinstance(message, SubmitJob):
-            job = Job(message.spec)
-            jobs[message.jid] = job
-            ids[id(job)] = message.jid
-            try:
-                runner.submit(job)
-            except Exception as exc:  # noqa: BLE001 - that job's error
-                jobs.pop(message.jid, None)
-                ids.pop(id(job), None)
-                failed = Output("", (), True, "error", WireError.of(exc).exception())
-                send(Outputs([JobOutput.of(message.jid, job, failed)],
-                             runner.lookup_drafted, runner.lookup_accepted,
-                             runner.images_encoded))
-        elif isinstance(message, CancelJob):
-            if message.jid in jobs:
-                runner.cancel(jobs[message.jid], message.reason)
-        elif isinstance(message, Call):
-            try:
-                value = message.question.answer(runner)
-                send(Returned(message.cid, value, None))
-            except Exception as exc:  # noqa: BLE001 - the caller's error
-                send(Returned(message.cid, None, WireError.of(exc)))
-        elif isinstance(message, CloseEngine):
-            break
-    stop.set()
-    runner.close()
-    with contextlib.suppress(OSError, ValueError):
-        send(Closed())
 
 
 Readable = Callable[[int, Callable[[], None]], Callable[[], None]]
@@ -211,13 +100,13 @@ class EngineProcess:
         mine, theirs = socket.socketpair()
         with theirs:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "everycycle.engine.process", str(theirs.fileno())],
+                [sys.executable, "-m", "everycycle.engine.child", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=2,
                 close_fds=True)  # (stdout: the daemon's stderr; `run`'s stdout is text only)
         self._conn = Connection(mine.detach())
         self.pid: int | None = self._proc.pid
         try:
-            _send(self._conn, (str(path), options))
+            send_message(self._conn, (str(path), options))
         except OSError:
             pass  # it died at once: the first read says how
         self._lock = threading.Lock()
@@ -268,7 +157,7 @@ class EngineProcess:
             self._kill()
             raise InternalError(f"loading {self.label}{where} took over {LOAD_TIMEOUT:g} s")
         try:
-            first = _recv(self._conn)
+            first = receive_message(self._conn)
         except (EOFError, OSError):
             cause = signal_cause(self._wait())
             if self.endpoint:
@@ -303,7 +192,7 @@ class EngineProcess:
             if self.dead is not None:
                 raise InternalError(self.dead)
             try:
-                _send(self._conn, message)
+                send_message(self._conn, message)
             except (OSError, ValueError):
                 raise InternalError(self._gone_message()) from None
 
@@ -319,7 +208,7 @@ class EngineProcess:
                 if not self._conn.poll(HEARTBEAT_S):
                     self._watch()
                     continue
-                if not self._handle(_recv(self._conn)):
+                if not self._handle(receive_message(self._conn)):
                     break
             except (EOFError, OSError):
                 break
@@ -330,7 +219,7 @@ class EngineProcess:
         readable). When the pipe closes, reading stops and the end is handled on a
         thread of its own (it waits for the child to exit)."""
         try:
-            if self._handle(_recv(self._conn)):
+            if self._handle(receive_message(self._conn)):
                 return
         except (EOFError, OSError):
             pass
@@ -518,7 +407,3 @@ class EngineProcess:
         with self._lock:
             if self.dead is None:
                 self.dead = "unloaded"
-
-
-if __name__ == "__main__":
-    main()
