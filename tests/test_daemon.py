@@ -27,8 +27,10 @@ from everycycle.errors import (
 from everycycle.protocol import (
     MAX_LINE_BYTES,
     Accepted,
+    DescribeFleet,
     Done,
     Error,
+    FleetDescription,
     Generate,
     Tokens,
     encode,
@@ -71,6 +73,19 @@ async def test_queue_positions_for_four_requests_on_one_slot(models_file: Path) 
             await c.send(long_gen(f"q{i}", max_tokens=30))
         firsts = {rid: await c.next_for(rid) for rid in ("q0", "q1", "q2", "q3")}
         assert firsts == {f"q{i}": Accepted(f"q{i}", i) for i in range(4)}
+        # (Accepted comes at admission, while the model may still load: wait until q0
+        # runs and the three are in its queue before the queue moves)
+        async with Raw.open() as probe:
+            for _ in range(500):
+                await probe.send(encode(DescribeFleet("f")))
+                answer = await probe.next()
+                assert isinstance(answer, FleetDescription), answer
+                if any(m.name == "tiny" and m.queued == 3
+                       for m in answer.snapshot.loaded_models):
+                    break
+                await anyio.sleep(0.01)
+            else:
+                raise AssertionError("q1-q3 were never all queued")
         await c.send(b'{"Cancel":{"request_id":"c","target":"q0"}}')
         positions: dict[str, list[int]] = {}
         for rid in ("q0", "q1", "q2", "q3"):
