@@ -104,7 +104,7 @@ class ClientConnection:
         if request_id in self._fleet_waiting:
             self._fleet_waiting.remove(request_id)
 
-    def receive_data(self, data: bytes) -> list[Routed]:
+    def receive_data(self, data: bytes | bytearray) -> list[Routed]:
         """Feed bytes from the daemon (``b""`` is end of stream); return the events
         they complete, routed in order.
 

@@ -21,7 +21,7 @@ class LineFramer:
         self._max = max_line
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes | bytearray) -> list[bytes]:
         """Add ``data``; return each complete line. Raises LineTooLongError."""
         self._buf += data
         lines: list[bytes] = []
