@@ -44,6 +44,7 @@ from .contract import (
     Heartbeat,
     LoadFailed,
     LoadOptions,
+    MessageReader,
     Notify,
     Outputs,
     Question,
@@ -125,6 +126,8 @@ class EngineProcess:
         self.exit_cause: str | None = None
         """How it ended when it died unasked: ``SIGILL (illegal instruction)``, …"""
         first = self._first_message()
+        self._reader = MessageReader(self._conn.fileno())
+        """Reads what follows Ready (which ``Connection`` read: it reads no further)."""
         info = first.info
         self.pid = info.pid
         self.parallel = info.parallel
@@ -208,22 +211,22 @@ class EngineProcess:
                 if not self._conn.poll(HEARTBEAT_S):
                     self._watch()
                     continue
-                if not self._handle(receive_message(self._conn)):
+                if not all(self._handle(m) for m in self._reader.read()):
                     break
             except (EOFError, OSError):
                 break
         self._ended()
 
     def pump(self) -> None:
-        """Handle one message from the child (where ``readable`` calls it: the pipe is
-        readable). When the pipe closes, reading stops and the end is handled on a
-        thread of its own (it waits for the child to exit)."""
+        """Handle the messages that have come from the child (where ``readable`` calls
+        it: the pipe is readable). When the pipe closes, reading stops and the end is
+        handled on a thread of its own (it waits for the child to exit)."""
         try:
-            if self._handle(receive_message(self._conn)):
+            if all(self._handle(m) for m in self._reader.read()):
                 return
         except (EOFError, OSError):
             pass
-        except Exception:  # a bug costs this message, never the event loop
+        except Exception:  # a bug costs these messages, never the event loop
             log.exception("engine for %s: a message was not handled", self.label)
             return
         if self._stop_reading is not None:
