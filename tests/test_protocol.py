@@ -414,3 +414,44 @@ def test_an_absent_option_without_a_default_decodes_as_none() -> None:
     event = p.decode_event(line)
     assert isinstance(event, p.FleetDescription)
     assert event.snapshot.loaded_models[0].revision is None
+
+
+_TOKEN_TEXT = st.text(st.characters(exclude_categories=["Cs"]), max_size=12)
+
+
+@given(rid=st.from_regex(r"[A-Za-z0-9._:-]{1,64}", fullmatch=True), text=_TOKEN_TEXT,
+       ids=st.lists(st.integers(0, 2**31 - 1), max_size=4), finished=st.booleans())
+def test_the_per_token_line_decodes_as_the_general_decoder_does(
+        rid: str, text: str, ids: list[int], finished: bool) -> None:
+    event = p.Tokens(rid, p.TokenChunk(text, tuple(ids)), finished)
+    line = p.encode(event)
+    assert p.decode_event(line) == event
+    # The same event written another way (spaces, \u escapes, a field twice) is not
+    # what the short way takes: the general decoder reads it, or refuses it, as before.
+    spaced = json.dumps(json.loads(line), ensure_ascii=True).encode()
+    assert p.decode_event(spaced) == event
+    twice = line.replace(b'"finished":', b'"finished":true,"finished":', 1)
+    with pytest.raises(ProtocolError, match="duplicate field `finished`"):
+        p.decode_event(twice)
+
+
+@pytest.mark.parametrize("line, message", [
+    (b'{"Tokens":{"request_id":"r","chunk":{"text":"a","ids":[1]},"finished":false}} x',
+     "not JSON"),
+    (b'{"Tokens":{"request_id":"r","chunk":{"text":"a","ids":[-1]},"finished":false}}',
+     "token id"),
+    (b'{"Tokens":{"request_id":"r","chunk":{"text":"a","ids":[1.0]},"finished":false}}',
+     "expected an integer"),
+    (b'{"Tokens":{"request_id":"r r","chunk":{"text":"a","ids":[1]},"finished":false}}',
+     "request_id"),
+    (b'{"Tokens":{"request_id":"r","chunk":{"text":"a","ids":[1]},"finished":0}}',
+     "expected a boolean"),
+])
+def test_a_bad_per_token_line_is_refused_as_any_line_is(line: bytes, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        p.decode_event(line)
+
+
+def test_a_per_token_line_with_a_field_from_a_newer_daemon_still_decodes() -> None:
+    line = b'{"Tokens":{"request_id":"r","chunk":{"text":"a","ids":[1],"x":1},"finished":false}}'
+    assert p.decode_event(line) == p.Tokens("r", p.TokenChunk("a", (1,)), False)
