@@ -2,9 +2,10 @@
 
 Starts its own daemon with --http on the default chat model (or --model) and, with
 --llama-server, a llama-server with -np K on the same GGUF and threads. Rounds alternate:
-K concurrent streaming chat completions of N greedy tokens through our HTTP, then the
-same through llama-server. Prints aggregate tok/s per side and the ratio (per round,
-median, best). Then single-stream time to first token through our HTTP vs our socket,
+K concurrent streaming chat completions of N greedy tokens through our HTTP, the same
+requests through our socket protocol, then through llama-server. Prints aggregate tok/s
+per side and the ratios (per round, median, best): HTTP against llama-server's, and
+HTTP against our socket path. Then single-stream time to first token through our HTTP vs our socket,
 alternating, p50 of each.
 
     .venv/bin/python bench/http.py -k 4 -n 128 --rounds 5 [--llama-server PATH] [--model PATH]
@@ -95,18 +96,45 @@ async def concurrent(port: int, k: int, n: int) -> Run:
     return Run(sum(c for c, _ in out), time.perf_counter() - start, [t for _, t in out])
 
 
+async def socket_chat(client: object, i: int, n: int, out: list[tuple[int, float]]) -> None:
+    """The same chat request through our own protocol client on the daemon's socket."""
+    start = time.perf_counter()
+    first: float | None = None
+    count = 0
+    async for ev in client.generate(  # type: ignore[attr-defined]
+            "bench", messages=(Message(Role.USER, question(i)),), max_tokens=n,
+            temperature=0.0):
+        if isinstance(ev, Tokens) and ev.chunk.ids:
+            first = first or time.perf_counter() - start
+            count += len(ev.chunk.ids)
+    out.append((count, first or 0.0))
+
+
+async def socket_concurrent(client: object, k: int, n: int) -> Run:
+    out: list[tuple[int, float]] = []
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(k):
+            tg.start_soon(socket_chat, client, i, n, out)
+    return Run(sum(c for c, _ in out), time.perf_counter() - start, [t for _, t in out])
+
+
 def side_by_side(ours: int, theirs: int | None, k: int, n: int, rounds: int
-                 ) -> tuple[list[Run], list[Run]]:
-    async def go() -> tuple[list[Run], list[Run]]:
-        await concurrent(ours, k, 8)  # warm-up: load, first allocations
-        if theirs is not None:
-            await concurrent(theirs, k, 8)
-        a, b = [], []
-        for _ in range(rounds):
-            a.append(await concurrent(ours, k, n))
+                 ) -> tuple[list[Run], list[Run], list[Run]]:
+    """Rounds of: our HTTP, our socket (the same requests), llama-server's HTTP."""
+    async def go() -> tuple[list[Run], list[Run], list[Run]]:
+        async with connect() as client:
+            await concurrent(ours, k, 8)  # warm-up: load, first allocations
+            await socket_concurrent(client, k, 8)
             if theirs is not None:
-                b.append(await concurrent(theirs, k, n))
-        return a, b
+                await concurrent(theirs, k, 8)
+            a, s, b = [], [], []
+            for _ in range(rounds):
+                a.append(await concurrent(ours, k, n))
+                s.append(await socket_concurrent(client, k, n))
+                if theirs is not None:
+                    b.append(await concurrent(theirs, k, n))
+            return a, s, b
 
     return anyio.run(go)
 
@@ -172,13 +200,17 @@ def main() -> None:
             if args.llama_server:
                 theirs = stack.enter_context(llama_server(args.llama_server, model, args.k,
                                                           threads))
-            a, b = side_by_side(ours, theirs, args.k, args.n, args.rounds)
+            a, sock_runs, b = side_by_side(ours, theirs, args.k, args.n, args.rounds)
         http, sock = ttft_http_vs_socket(ours, args.ttft_samples)
     print(f"model {model.name}, {args.k} streaming chat completions x {args.n} tokens, "
           f"{threads} threads, {args.rounds} alternating rounds, our prompt lookup "
           f"{'on' if args.lookup else 'off (as llama-server)'}")
     best = max(a, key=lambda r: r.rate)
     print(best.line("everycycle"))
+    print(max(sock_runs, key=lambda r: r.rate).line("our socket"))
+    over = [x.rate / y.rate for x, y in zip(a, sock_runs, strict=True)]
+    print(f"ratio our HTTP/our socket (the same chat requests): per round "
+          f"{' '.join(f'{r:.3f}' for r in over)}, median {statistics.median(over):.3f}")
     if b:
         best_b = max(b, key=lambda r: r.rate)
         print(best_b.line("llama-server"))

@@ -2,7 +2,9 @@
 
 Starts its own daemon (and, with --llama-server, a llama-server with -np K) on the same
 GGUF and threads, runs K concurrent greedy streams of N tokens on each, and prints
-aggregate decode tok/s, time to first token p50/p95, and the ratio. Also measures the
+aggregate decode tok/s, time to first token p50/p95, and the ratio; our side twice,
+through our client library and through a raw JSON-lines client (read as the
+llama-server side is read). Also measures the
 daemon's single-stream TTFT against the embedded path, and what a follow-up prompt
 that extends a previous one costs to prefill.
 
@@ -12,6 +14,7 @@ that extends a previous one costs to prefill.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import math
@@ -92,6 +95,39 @@ async def concurrent(stream: Stream, target: Any, k: int, n: int) -> Run:
 
 async def everycycle_load(client: BaseClient, k: int, n: int) -> Run:
     return await concurrent(one_stream, client, k, n)
+
+
+async def raw_stream(sock: Path, i: int, n: int, out: list[tuple[int, float]]) -> None:
+    """One stream as a client of our own would read it that is not our client library:
+    a line of JSON out, lines of JSON in, ``json.loads`` each (as ``server_stream`` reads
+    llama-server, and on the same kind of asyncio stream)."""
+    body = {"Generate": {"request_id": f"raw-{i}", "model": "bench", "prompt": prompt(i),
+                         "max_tokens": n, "temperature": 0.0, "format": "raw"}}
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_unix_connection(str(sock))
+    first: float | None = None
+    count = 0
+    try:
+        writer.write(json.dumps(body).encode() + b"\n")
+        while line := await reader.readline():
+            ev = json.loads(line)
+            tokens = ev.get("Tokens")
+            if tokens is None:
+                if "Done" in ev or "Error" in ev:
+                    break
+                continue
+            if tokens["chunk"]["ids"] and first is None:
+                first = time.perf_counter() - start
+            count += len(tokens["chunk"]["ids"])
+            if tokens["finished"]:
+                break
+    finally:
+        writer.close()
+    out.append((count, first or 0.0))
+
+
+async def raw_load(sock: Path, k: int, n: int) -> Run:
+    return await concurrent(raw_stream, sock, k, n)
 
 
 # ----------------------------------------------------------------- llama-server
@@ -197,21 +233,24 @@ def greedy_stream(c: Any, model: str, prompt: str, n: int, **options: Any
 
 
 def side_by_side(sock: Path, port: int | None, k: int, n: int, rounds: int
-                 ) -> tuple[list[Run], list[Run]]:
-    """Alternate rounds: everycycle, then llama-server (if any), ``rounds`` times."""
+                 ) -> tuple[list[Run], list[Run], list[Run]]:
+    """Alternate rounds: everycycle through our client, through a raw socket client,
+    then llama-server (if any), ``rounds`` times."""
 
-    async def go() -> tuple[list[Run], list[Run]]:
+    async def go() -> tuple[list[Run], list[Run], list[Run]]:
         async with connect(sock) as client:
             await client.load("bench")
             await everycycle_load(client, k, min(n, 8))  # warm-up
+            await raw_load(sock, k, min(n, 8))
             if port is not None:
                 await server_load(port, k, min(n, 8))
-            ours, theirs = [], []
+            ours, raw, theirs = [], [], []
             for _ in range(rounds):
                 ours.append(await everycycle_load(client, k, n))
+                raw.append(await raw_load(sock, k, n))
                 if port is not None:
                     theirs.append(await server_load(port, k, n))
-            return ours, theirs
+            return ours, raw, theirs
 
     return anyio.run(go)
 
@@ -235,7 +274,11 @@ def ttft_pair(sock: Path, models: Path, n_samples: int) -> tuple[list[float], li
             await first(local, 0)
             via_daemon, in_process = [], []
             for i in range(n_samples):
+                # (A pause between: each side's engine spins its OpenMP threads for a
+                # few ms after its last step, which would take a core from the other.)
+                await anyio.sleep(0.05)
                 via_daemon.append(await first(daemon, i))
+                await anyio.sleep(0.05)
                 in_process.append(await first(local, i))
             return via_daemon, in_process
 
@@ -313,7 +356,7 @@ def bench_model(model: Path, args: argparse.Namespace) -> None:
                 port = stack.enter_context(llama_server(
                     args.llama_server, model, args.k, args.server_threads or threads,
                     extra=("-ngl", str(args.ngl))))
-            ours, theirs = side_by_side(sock, port, args.k, args.n, args.rounds)
+            ours, raw, theirs = side_by_side(sock, port, args.k, args.n, args.rounds)
         fresh, extended, other = prefix_reuse(sock)
         via_daemon, in_process = ttft_pair(sock, models, args.ttft_samples)
     finally:
@@ -326,13 +369,16 @@ def bench_model(model: Path, args: argparse.Namespace) -> None:
           f"{'on' if cpukernels.decide(paths.state_dir()).extra else 'off (both sides)'}")
     best = max(ours, key=lambda r: r.rate)
     print(best.line("everycycle"))
+    best_raw = max(raw, key=lambda r: r.rate)
+    print(best_raw.line("raw client"))
     if theirs:
         best_theirs = max(theirs, key=lambda r: r.rate)
         print(best_theirs.line("llama-server"))
-        ratios = sorted(o.rate / t.rate for o, t in zip(ours, theirs, strict=True))
-        print(f"ratio everycycle/llama-server: best {best.rate / best_theirs.rate:.3f}, "
-              f"per round {' '.join(f'{r:.3f}' for r in ratios)}, "
-              f"median {statistics.median(ratios):.3f}")
+        for name, runs, top in (("everycycle", ours, best), ("raw client", raw, best_raw)):
+            ratios = sorted(o.rate / t.rate for o, t in zip(runs, theirs, strict=True))
+            print(f"ratio {name}/llama-server: best {top.rate / best_theirs.rate:.3f}, "
+                  f"per round {' '.join(f'{r:.3f}' for r in ratios)}, "
+                  f"median {statistics.median(ratios):.3f}")
     d50, e50 = statistics.median(via_daemon) * 1000, statistics.median(in_process) * 1000
     print(f"single-stream TTFT p50: daemon {d50:.1f} ms, embedded {e50:.1f} ms, "
           f"difference {d50 - e50:+.1f} ms")
