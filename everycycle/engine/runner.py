@@ -35,6 +35,7 @@ from . import kvdisk
 from .contract import LoadOptions, Notify
 from .jobs import EMBED_MAX_TOKENS, Job, Output
 from .llamaload import create_context, devices_for, load_model
+from .logits import RowLogits
 from .lookup import History, PromptLookup, StepCost
 from .sampling import Samplers
 from .slots import Slot
@@ -140,6 +141,7 @@ class Runner(EngineThread):
                 raise
         self._n_swa = int(L.llama_model_n_swa(model))
         self._ctx = ctx
+        self._logits = RowLogits(L, ctx, self._n_vocab)
         self._mem = L.llama_get_memory(ctx)
         self.n_ctx_slot = L.llama_n_ctx(ctx) // parallel
         cache_dir, limit = kv_disk

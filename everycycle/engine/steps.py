@@ -24,6 +24,7 @@ from ..errors import EverycycleError, InternalError, InvalidRequestError
 from . import kvdisk
 from .contract import Notify
 from .jobs import EMBED_MAX_TOKENS, Job, Logprob, Output, common_prefix
+from .logits import RowLogits
 from .lookup import History, PromptLookup, StepCost, accepted_prefix, expected_accepted
 from .probes import batch_probe, put
 from .sampling import Samplers
@@ -54,6 +55,7 @@ class EngineThread:
     _batch: Any
     _n_batch: int
     _n_vocab: int
+    _logits: RowLogits
     _n_swa: int
     _threads: int
     _samplers: Samplers
@@ -228,8 +230,7 @@ class EngineThread:
                 self._verify(s, row, out)
                 continue
             if s.sampler is None:
-                logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, row),
-                                               shape=(self._n_vocab,))
+                logits = self._logits(row)
                 tok = int(logits.argmax())
                 if s.grammar is not None:
                     try:
@@ -238,8 +239,7 @@ class EngineThread:
                         self._finish(s, out, "error", exc)
                         continue
             elif s.grammar is not None:
-                logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, row),
-                                               shape=(self._n_vocab,))
+                logits = self._logits(row)
                 try:
                     tok = self._samplers.sample_constrained(s.sampler, s.grammar, logits)
                 except InvalidRequestError as exc:
@@ -254,8 +254,7 @@ class EngineThread:
     def _logprob(self, row: int, tok: int, top: int) -> Logprob:
         """``tok``'s log-probability under the model's own distribution at ``row`` (its
         logits, before any sampling setting), and the ``top`` likeliest tokens'."""
-        logits = np.ctypeslib.as_array(self._L.llama_get_logits_ith(self._ctx, row),
-                                       shape=(self._n_vocab,)).astype(np.float64)
+        logits = self._logits(row).astype(np.float64)
         peak = logits.max()
         lse = peak + np.log(np.exp(logits - peak).sum())
         best: list[tuple[str, float]] = []
@@ -425,8 +424,7 @@ class EngineThread:
         k = len(draft)
         start = s.n_past - k - 1  # the position of the slot's own row (its last token)
         rows = [row, *range(s.draft_row, s.draft_row + k)]
-        taken = accepted_prefix(draft, lambda i: int(np.ctypeslib.as_array(
-            L.llama_get_logits_ith(self._ctx, rows[i]), shape=(self._n_vocab,)).argmax()))
+        taken = accepted_prefix(draft, lambda i: int(self._logits(rows[i]).argmax()))
         accepted = len(taken) - 1  # draft tokens confirmed
         if accepted < k:
             L.llama_memory_seq_rm(self._mem, s.seq, start + 1 + accepted, -1)
