@@ -186,7 +186,7 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="ech", dir="/tmp"))
     os.environ["EVERYCYCLE_HOME"] = str(home)
     models = home / "models.toml"
-    models.write_text(f'[models.bench]\npath = "{model}"\ncontext = 4096\n'
+    models.write_text(f'[models.bench]\npath = "{model.resolve()}"\ncontext = 4096\n'
                       f"parallel = {max(args.k, 1)}\n"
                       + ("" if args.lookup else "speculative = false\n"))
     with daemon_process("--models", str(models), "--http", "127.0.0.1:0"):

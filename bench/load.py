@@ -335,7 +335,7 @@ def bench_model(model: Path, args: argparse.Namespace) -> None:
     threads = os.cpu_count() or 1
     home = Path(tempfile.mkdtemp(prefix="ecb", dir="/tmp"))
     models = home / "models.toml"
-    models.write_text(f'[models.bench]\npath = "{model}"\ncontext = 4096\n'
+    models.write_text(f'[models.bench]\npath = "{model.resolve()}"\ncontext = 4096\n'
                       f"parallel = {max(args.k, 1)}\n"
                       + (f"threads = {args.threads}\n" if args.threads else "")
                       + ("speculative = false\n" if args.no_lookup else ""))
