@@ -88,12 +88,7 @@ async def sse_chat(port: int, i: int, n: int, out: list[tuple[int, float]]) -> N
 
 
 async def concurrent(port: int, k: int, n: int) -> Run:
-    out: list[tuple[int, float]] = []
-    start = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        for i in range(k):
-            tg.start_soon(sse_chat, port, i, n, out)
-    return Run(sum(c for c, _ in out), time.perf_counter() - start, [t for _, t in out])
+    return await _load.concurrent(sse_chat, port, k, n)
 
 
 async def socket_chat(client: object, i: int, n: int, out: list[tuple[int, float]]) -> None:
@@ -111,12 +106,7 @@ async def socket_chat(client: object, i: int, n: int, out: list[tuple[int, float
 
 
 async def socket_concurrent(client: object, k: int, n: int) -> Run:
-    out: list[tuple[int, float]] = []
-    start = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        for i in range(k):
-            tg.start_soon(socket_chat, client, i, n, out)
-    return Run(sum(c for c, _ in out), time.perf_counter() - start, [t for _, t in out])
+    return await _load.concurrent(socket_chat, client, k, n)
 
 
 def side_by_side(ours: int, theirs: int | None, k: int, n: int, rounds: int
