@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from everycycle import protocol as p
 from everycycle.errors import ErrorKind, LineTooLongError, ProtocolError
+from everycycle.protocol import codec
 
 GOLDEN = Path(__file__).parent / "data" / "events.golden.jsonl"
 GOLDEN_LINES = GOLDEN.read_bytes().splitlines(keepends=True)
@@ -426,9 +427,11 @@ def test_the_per_token_line_decodes_as_the_general_decoder_does(
     event = p.Tokens(rid, p.TokenChunk(text, tuple(ids)), finished)
     line = p.encode(event)
     assert p.decode_event(line) == event
+    assert codec._plain_tokens(line) == event  # (the short way takes what encode writes)
     # The same event written another way (spaces, \u escapes, a field twice) is not
     # what the short way takes: the general decoder reads it, or refuses it, as before.
     spaced = json.dumps(json.loads(line), ensure_ascii=True).encode()
+    assert codec._plain_tokens(spaced) is None
     assert p.decode_event(spaced) == event
     twice = line.replace(b'"finished":', b'"finished":true,"finished":', 1)
     with pytest.raises(ProtocolError, match="duplicate field `finished`"):

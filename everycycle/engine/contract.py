@@ -4,7 +4,8 @@ messages that carry it to an engine process and back.
 Two classes satisfy ``Engine``: ``Runner`` (llama.cpp in this process: inside an
 engine process, and in embedded mode) and ``EngineProcess`` (the daemon's proxy for a
 Runner in a child process of its own). The supervisor depends on this Protocol only.
-Messages are NamedTuples: typed, and as cheap to pickle as the tuples they replace.
+Messages are NamedTuples, typed; a step's ``Outputs``, the per-token message, crosses as
+plain tuples (``send_message``, ``MessageReader``).
 """
 
 from __future__ import annotations

@@ -399,7 +399,7 @@ def decode_request(line: bytes | str) -> Request:
 
 def decode_event(line: bytes | str) -> ServerEvent:
     """Decode one daemon line. Raises ProtocolError."""
-    if type(line) is bytes and line.startswith(_TOKENS_HEAD):
+    if type(line) is bytes and line.startswith(_TOKENS_HEAD) and len(line) <= MAX_LINE_BYTES:
         tokens = _plain_tokens(line)
         if tokens is not None:
             return tokens
@@ -423,12 +423,11 @@ def _plain_tokens(line: bytes) -> Tokens | None:
         chunk = payload["chunk"]
         event = Tokens(payload["request_id"], TokenChunk(chunk["text"], tuple(chunk["ids"])),
                        payload["finished"])
-        return event if _tokens_line(event) == line.rstrip(b"\n") + b"\n" else None
+        return event if encode(event) == line.rstrip(b"\n") + b"\n" else None
     except Exception:  # noqa: BLE001 - anything odd: the general way says what
         return None
 
 
-_tokens_line = _line_encoder(Tokens)
 _scan: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(
     json.JSONDecoder())  # type: ignore[arg-type]  # (typeshed has the class as its own argument)
 """The C scanner alone (json.loads' detection of a bytes line's encoding is Python)."""
