@@ -71,6 +71,23 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf")
 
 
+@pytest.fixture(scope="session")
+def tiny_batches_exact(tiny_gguf: Path) -> bool:
+    """The engine's own load-time verdict (``batch_probe``) on the tiny GGUF: whether a
+    multi-row batch gives bit-identical logits to rows decoded one at a time on this
+    CPU. llama.cpp does not promise it, so a test that compares a batched or cached
+    computation with another for equality relies on this verdict and says so."""
+    from enginehelp import Collector
+
+    from everycycle.engine.runner import Runner
+
+    runner = Runner(tiny_gguf, context=256, parallel=1, notify=Collector())
+    try:
+        return runner.lookup_exact
+    finally:
+        runner.close()
+
+
 @pytest.fixture
 def models_file(tmp_path: Path, tiny_gguf: Path) -> Path:
     """A models.toml with the tiny model as default: one slot, and a four-slot copy."""

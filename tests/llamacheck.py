@@ -1,14 +1,17 @@
-"""llama.cpp's own GBNF parser and grammar sampler, on SmolLM2's vocabulary (no weights):
-does a grammar compile, and does it accept a text token by token, then end-of-text."""
+"""The constraint engine's own matcher (llguidance, as the engine builds it) on SmolLM2's
+vocabulary (no weights): does a grammar compile, and does it accept a text token by
+token, then end-of-text."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 from typing import Any
 
 from templatehelp import SMOLLM2
+
+from everycycle.engine.constraint import Constraints
+from everycycle.errors import InvalidRequestError
 
 
 class Vocab:
@@ -23,9 +26,8 @@ class Vocab:
         assert self.model, path
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.eos = int(llama_cpp.llama_vocab_eos(self.vocab))
-        self._one: Any = (llama_cpp.llama_token_data * 1)()
-        self._arr = llama_cpp.llama_token_data_array(data=self._one, size=1, selected=-1,
-                                                     sorted=False)
+        self.constraints = Constraints(llama_cpp, self.vocab,
+                                       llama_cpp.llama_vocab_n_tokens(self.vocab))
 
     def tokens(self, text: str) -> list[int]:
         raw = text.encode()
@@ -34,40 +36,22 @@ class Vocab:
         assert n >= 0
         return list(buf[:n])
 
-    def sampler(self, gbnf: str, patterns: list[str] | None = None) -> Any:
-        if patterns is None:
-            return self.L.llama_sampler_init_grammar(self.vocab, gbnf.encode(), b"root")
-        arr = (ctypes.c_char_p * len(patterns))(*[p.encode() for p in patterns])
-        return self.L.llama_sampler_init_grammar_lazy_patterns(
-            self.vocab, gbnf.encode(), b"root", arr, len(patterns), None, 0)
-
-    def compiles(self, gbnf: str) -> bool:
-        s = self.sampler(gbnf)
-        if not s:
+    def compiles(self, grammar: str) -> bool:
+        try:
+            self.constraints.check(grammar)
+        except InvalidRequestError:
             return False
-        self.L.llama_sampler_free(s)
         return True
 
-    def _allows(self, sampler: Any, tok: int) -> bool:
-        self._one[0].id, self._one[0].logit, self._one[0].p = tok, 0.0, 0.0
-        self._arr.size, self._arr.selected, self._arr.sorted = 1, -1, False
-        self.L.llama_sampler_apply(sampler, ctypes.byref(self._arr))
-        return bool(self._one[0].logit > -1e30)
-
-    def accepts(self, gbnf: str, text: str, patterns: list[str] | None = None) -> bool:
-        """Whether the grammar lets ``text`` through and then allows end-of-text. With
-        ``patterns`` (lazy), only use texts whose constrained part is well-formed:
-        llama.cpp aborts the process when a trigger feeds it text it refuses."""
-        s = self.sampler(gbnf, patterns)
-        assert s, "grammar does not compile"
-        try:
-            for tok in self.tokens(text):
-                if not self._allows(s, tok):
-                    return False
-                self.L.llama_sampler_accept(s, tok)
-            return self._allows(s, self.eos)
-        finally:
-            self.L.llama_sampler_free(s)
+    def accepts(self, grammar: str, text: str) -> bool:
+        """Whether the grammar lets ``text`` through, token by token, and then allows
+        end-of-text."""
+        matcher = self.constraints.matcher(grammar)
+        for tok in self.tokens(text):
+            if not matcher.allows(tok):
+                return False
+            matcher.accept(tok)
+        return matcher.allows(self.eos)
 
 
 @functools.cache

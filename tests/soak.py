@@ -106,7 +106,7 @@ def _mid_stream_disconnect(sock: Path, http: tuple[str, int]) -> None:
 def _dead_end_grammar(sock: Path, http: tuple[str, int]) -> None:
     with SyncClient(sock) as c:
         list(c.generate(NORMAL_MODEL, "go", max_tokens=16, temperature=0.8,
-                        grammar="root ::= [\\x00]+"))
+                        grammar="root ::= x\nx ::= root"))
 
 
 def _http_dead_end(sock: Path, http: tuple[str, int]) -> None:

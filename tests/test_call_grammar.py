@@ -1,6 +1,7 @@
-"""everycycle.chatfmt.tools.call_grammar, checked by llama.cpp itself: its GBNF parser compiles
-each grammar, and its grammar sampler (on SmolLM2's vocabulary, no weights) accepts the
-calls each format's model would write, token by token, and refuses malformed ones."""
+"""everycycle.chatfmt.tools.call_grammar, checked by the constraint engine itself: llguidance
+compiles each grammar, and its matcher (on SmolLM2's vocabulary, no weights, built as the
+engine builds it) accepts the calls each format's model would write, token by token, and
+refuses malformed ones."""
 
 from __future__ import annotations
 
@@ -85,11 +86,10 @@ def bad_outputs(fmt: ToolFormat) -> list[str]:
 
 @pytest.mark.parametrize("fmt", list(ToolFormat))
 @pytest.mark.parametrize(("forced", "parallel"), list(itertools.product([False, True], repeat=2)))
-def test_grammar_compiles_in_llama_cpp(vocab: Any, fmt: ToolFormat, forced: bool,
-                                       parallel: bool) -> None:
-    gbnf = tc.call_grammar(fmt, TOOLS, forced=forced, parallel=parallel)
-    assert gbnf.startswith("root ::=") or "\nroot ::=" in gbnf
-    assert vocab.compiles(gbnf)
+def test_grammar_compiles_for_the_vocabulary(vocab: Any, fmt: ToolFormat, forced: bool,
+                                            parallel: bool) -> None:
+    grammar = tc.call_grammar(fmt, TOOLS, forced=forced, parallel=parallel)
+    assert vocab.compiles(grammar)
 
 
 @pytest.mark.parametrize("fmt", list(ToolFormat))
@@ -104,10 +104,14 @@ def test_grammar_accepts_well_formed_calls_which_parse(vocab: Any, fmt: ToolForm
 
 
 @pytest.mark.parametrize("fmt", list(ToolFormat))
-def test_grammar_refuses_malformed_calls(vocab: Any, fmt: ToolFormat) -> None:
-    gbnf = tc.call_grammar(fmt, TOOLS, forced=False)
+@pytest.mark.parametrize("forced", [False, True])
+def test_grammar_refuses_malformed_calls(vocab: Any, fmt: ToolFormat, forced: bool) -> None:
+    grammar = tc.call_grammar(fmt, TOOLS, forced=forced)
     for text in bad_outputs(fmt):
-        assert not vocab.accepts(gbnf, text), text
+        if text == "Just text." and not forced and fmt is not G:
+            assert vocab.accepts(grammar, text)  # free text, until a call begins
+        else:
+            assert not vocab.accepts(grammar, text), text
 
 
 def test_forced_generic_refuses_a_plain_response(vocab: Any) -> None:
@@ -140,16 +144,19 @@ def test_not_parallel_allows_one_call(vocab: Any, fmt: ToolFormat) -> None:
     assert not vocab.accepts(gbnf, outputs[-1] if fmt is not L else outputs[2])
 
 
-def test_lazy_patterns_start_the_grammar_at_the_trigger(vocab: Any) -> None:
+def test_lazy_grammars_start_at_the_trigger(vocab: Any) -> None:
     hermes = tc.call_grammar(H, TOOLS, forced=False)
     text = "Let me look.\n<tool_call>\n" + WEATHER % "arguments" + "\n</tool_call>"
-    assert vocab.accepts(hermes, text, tc.trigger_patterns(H))
-    assert vocab.accepts(hermes, "No call <tool here.", tc.trigger_patterns(H))
+    assert vocab.accepts(hermes, text)
+    assert vocab.accepts(hermes, "No call <tool here.")
+    assert not vocab.accepts(hermes, "Let me look.<tool_call>not a call")
     llama = tc.call_grammar(L, TOOLS, forced=False)
-    assert vocab.accepts(llama, " " + ADD % "parameters", tc.trigger_patterns(L))
-    assert vocab.accepts(llama, "Sure.<|python_tag|>" + NOW % "parameters",
-                         tc.trigger_patterns(L))
-    assert vocab.accepts(llama, 'A JSON answer later: {"name": 1}', tc.trigger_patterns(L))
+    assert vocab.accepts(llama, " " + ADD % "parameters")
+    assert vocab.accepts(llama, "Sure.<|python_tag|>" + NOW % "parameters")
+    assert vocab.accepts(llama, 'A JSON answer later: {"name": 1}')
+    assert not vocab.accepts(llama, '{"name": 1}')  # at the start, it must be a call
+    mistral = tc.call_grammar(M, TOOLS, forced=False)
+    assert vocab.accepts(mistral, "Plain words, [TOOL_ a near miss.")
 
 
 def test_defs_of_several_tools_do_not_collide(vocab: Any) -> None:
@@ -176,18 +183,31 @@ def test_definitions_and_nested_refs_are_rewritten(vocab: Any) -> None:
         "properties": {"p": {"$ref": "#/definitions/P"},
                        "r": {"$ref": "#/properties/p"}}})
     gbnf = tc.call_grammar(H, [tool], forced=True)
-    assert "t0-P ::=" in gbnf and "t0-params-properties-p" not in gbnf
     call = '<tool_call>{"name": "t", "arguments": %s}</tool_call>'
     assert vocab.accepts(gbnf, call % '{"p": {"q": true}, "r": {"q": false}}')
     assert not vocab.accepts(gbnf, call % '{"p": {"q": 1}}')
 
 
-def test_numeric_bounds_are_dropped_not_refused(vocab: Any) -> None:
+def test_numeric_bounds_are_enforced(vocab: Any) -> None:
     tools = [fn("n", {"type": "object", "properties": {
         "x": {"type": "integer", "minimum": 1, "maximum": 9},
         "y": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}}}})]
     gbnf = tc.call_grammar(H, tools, forced=True)
-    assert vocab.accepts(gbnf, '<tool_call>{"name": "n", "arguments": {"x": 50}}</tool_call>')
+    call = '<tool_call>{"name": "n", "arguments": %s}</tool_call>'
+    assert vocab.accepts(gbnf, call % '{"x": 5, "y": [0.5, 3]}')
+    assert not vocab.accepts(gbnf, call % '{"x": 50}')
+    assert not vocab.accepts(gbnf, call % '{"x": 5, "y": [0]}')
+
+
+def test_an_untyped_property_is_any_value(vocab: Any) -> None:
+    """Claude Code's tools have a property with a description and no type: any JSON."""
+    tools = [fn("script", {"type": "object", "properties": {
+        "input": {"description": "Optional input value exposed to the script"}}})]
+    gbnf = tc.call_grammar(H, tools, forced=True)
+    call = '<tool_call>{"name": "script", "arguments": {"input": %s}}</tool_call>'
+    for value in ('1', '"text"', '[1, {"a": null}]', 'true', '{"k": [2.5]}'):
+        assert vocab.accepts(gbnf, call % value), value
+    assert not vocab.accepts(gbnf, call % "undefined")
 
 
 def test_a_property_named_like_a_bound() -> None:
@@ -200,6 +220,9 @@ def test_grammar_errors() -> None:
         tc.call_grammar(H, TOOLS, forced=True, name="missing")
     with pytest.raises(InvalidRequestError, match="tools is empty"):
         tc.call_grammar(H, [], forced=False)
-    with pytest.raises(InvalidRequestError, match="json_schema"):
+    with pytest.raises(InvalidRequestError, match="tools: .*https://example.com/s.json"):
         tc.call_grammar(H, [fn("x", {"type": "object", "properties": {
             "y": {"$ref": "https://example.com/s.json"}}})], forced=True)
+    with pytest.raises(InvalidRequestError, match="uniqueItems"):
+        tc.call_grammar(H, [fn("x", {"type": "object", "properties": {
+            "y": {"type": "array", "uniqueItems": True}}})], forced=True)

@@ -115,6 +115,8 @@ def test_chat_format_applies_the_gguf_template(runner: Runner) -> None:
 
 
 def test_batched_greedy_output_equals_output_alone(runner: Runner, collector: Collector) -> None:
+    if not runner.lookup_exact:  # the engine's own probe: batches differ in the last bits
+        pytest.skip("batched logits are not bit-exact on this CPU (the load-time probe)")
     prompts = ["hello", "world", "the a", "ing é", "✓✓"]
     alone = [run(runner, collector, f"alone{i}", p, max_tokens=20, sampling=GREEDY)
              for i, p in enumerate(prompts)]
@@ -207,33 +209,40 @@ def test_cancelling_one_slot_leaves_the_others_untouched(
         runner.submit(job)
     runner.cancel(victim, "test")
     assert collector.wait("victim")[-1].reason == "cancelled"
-    assert [collector.text(f"mix{i}") for i in range(len(prompts))] == alone
+    mixed = [collector.text(f"mix{i}") for i in range(len(prompts))]
+    assert all(mixed)  # each one ran to its end
+    if runner.lookup_exact:  # the engine's probe: batches are bit-exact on this CPU
+        assert mixed == alone
 
 
-class _AlwaysMaskRunner(Runner):
-    """Greedy under a grammar the slow way: the whole vocabulary masked every token."""
+def test_greedy_under_a_grammar_equals_masking_every_token(runner: Runner) -> None:
+    """The fast path (the argmax, masked only when the matcher refuses it) picks what
+    masking the whole vocabulary every token picks, over random logits."""
+    import numpy as np
 
-    def _grammar_allows(self, grammar: object, tok: int) -> bool:
-        return False
+    from everycycle.chatfmt import constraint
 
-
-def test_lazy_greedy_under_a_grammar_equals_masking_every_token(tiny_gguf: Path) -> None:
-    from everycycle.chatfmt.grammar import schema_to_gbnf
-
-    grammar = schema_to_gbnf('{"type": "object", "properties": {"a": {"type": "string"}, '
-                             '"b": {"type": "array", "items": {"type": "integer"}}}}')
-    outputs = []
-    for cls in (Runner, _AlwaysMaskRunner):
-        collector = Collector()
-        runner = cls(tiny_gguf, context=512, parallel=1, notify=collector)
-        try:
-            runner.submit(Job(JobSpec(tokens=runner.tokenize("hello world", Format.RAW),
-                                      max_tokens=80,
-                                      sampling=Sampling.of(temperature=0.0, grammar=grammar)), tag="g"))
-            outputs.append([i for out in collector.wait("g") for i in out.ids])
-        finally:
-            runner.close()
-    assert outputs[0] == outputs[1] and len(outputs[0]) > 5
+    grammar = constraint.json_schema('{"type": "object", "properties": {"a": {"type": '
+                                     '"string"}, "b": {"type": "array", "items": '
+                                     '{"type": "integer"}}}}')
+    constraints = runner._constraints
+    fast, slow = constraints.matcher(grammar), constraints.matcher(grammar)
+    rng = np.random.default_rng(7)
+    fast_path = 0
+    for step in range(80):
+        logits = rng.normal(size=runner._n_vocab).astype(np.float32)
+        if step % 2:  # every other step, an allowed token on top: the fast path's case
+            allowed = np.flatnonzero(np.isfinite(slow.mask(logits)))
+            logits[rng.choice(allowed)] = 10.0
+        top = int(logits.argmax())
+        fast_path += fast.allows(top)
+        tok = fast.greedy(logits, top)
+        masked = int(slow.mask(logits).argmax())
+        slow.accept(masked)
+        assert tok == masked
+        if runner.vocab.is_eog(tok):
+            break
+    assert fast_path > 0  # (the argmax was taken as it was at least once)
 
 
 class _Watched(Runner):
@@ -288,9 +297,11 @@ def test_a_load_on_another_thread_does_not_stall_grammar_checks(
 
         def check() -> None:
             try:
-                runner.check_grammar('root ::= "yes" | "no"')
+                from everycycle.chatfmt import constraint
+
+                runner.check_grammar(constraint.gbnf('root ::= "yes" | "no"'))
                 with pytest.raises(InvalidRequestError, match="grammar"):
-                    runner.check_grammar("root ::= (")
+                    runner.check_grammar("start: (")
             except Exception as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
             checked.set()

@@ -1,13 +1,17 @@
 """Cached prefixes survive unloads and restarts (engine/kvdisk.py): a conversation whose
 model was unloaded, or whose daemon was stopped, is restored instead of prefilled, gives
-the same greedy answer as a fresh prefill, and a changed GGUF never restores. Real
-daemon, real engine processes, real llama.cpp state files."""
+the same greedy answer the slot would have given had it kept the prefix, and a changed
+GGUF never restores. Real daemon, real engine processes, real llama.cpp state files.
+
+No test here compares a reused prefix with a cold prefill for equality: the prefix holds
+the answer's tokens as they were decoded one at a time, a cold prefill computes them in
+a batch, and llama.cpp does not promise bit-identical logits across batch sizes (on an
+Intel AVX-512 CPU the two answers differ; shared/DESIGN.md, "Prompt cache")."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -22,22 +26,18 @@ pytestmark = pytest.mark.anyio
 
 
 async def turn(model: str, messages: tuple[Message, ...], n: int = 12
-               ) -> tuple[str, Usage, float]:
-    """(the greedy answer, its usage, seconds to its first token)."""
+               ) -> tuple[str, Usage]:
+    """(the greedy answer, its usage)."""
     async with connect() as c:
-        started = time.monotonic()
-        first: float | None = None
         text, usage = "", None
         async for e in c.generate(model, messages=messages, max_tokens=n, temperature=0.0,
                                   usage=True):
-            if isinstance(e, Tokens) and first is None and (e.chunk.ids or e.finished):
-                first = time.monotonic() - started
             if isinstance(e, Tokens):
                 text += e.chunk.text
             elif isinstance(e, Usage):
                 usage = e
-    assert usage is not None and first is not None
-    return text, usage, first
+    assert usage is not None
+    return text, usage
 
 
 def conversation(topic: str) -> tuple[Message, ...]:
@@ -50,37 +50,39 @@ def conversation(topic: str) -> tuple[Message, ...]:
 def registry(tmp_path: Path, gguf: Path, context: int = 4096) -> Path:
     f = tmp_path / "kv.toml"
     f.write_text(f'[models.m]\npath = "{gguf}"\ncontext = {context}\nparallel = 2\n'
-                 f'[models.fresh]\npath = "{gguf}"\ncontext = {context}\nparallel = 2\n'
+                 f'[models.kept]\npath = "{gguf}"\ncontext = {context}\nparallel = 2\n'
                  "kv_cache_disk = 0\n")
     return f
 
 
 @pytest.mark.shipped
-@pytest.mark.timeout(600)  # (three prefills of 1,700 tokens on SmolLM2, one of them cold)
+@pytest.mark.timeout(600)  # (two cold prefills of 1,700 tokens on SmolLM2)
 async def test_an_evicted_conversation_is_restored_not_prefilled(tmp_path: Path) -> None:
     gguf = local_file(load_registry().get("smollm2-135m"))
     first = conversation("rivers")
     async with running_daemon(registry(tmp_path, gguf)) as d:
-        answer, usage, _ = await turn("m", first)
-        assert usage.prompt_tokens >= 1500, usage
+        answer, usage = await turn("m", first)
+        # "kept": the same weights, the same first turn, its prefix left in its slot
+        # (no disk store): the batch history a restore must reproduce exactly.
+        kept_answer, _ = await turn("kept", first)
+        assert kept_answer == answer  # (two cold prefills of the same prompt)
         follow = (*first, Message(Role.ASSISTANT, answer),
                   Message(Role.USER, "And in one word?"))
         async with connect() as c:
             await c.unload("m")  # its slots' prefixes go to disk
             await c.load("m")
-            await c.load("fresh")
         restored = await turn("m", follow)
-        fresh = await turn("fresh", follow)  # the same weights, nothing saved: prefilled
+        kept = await turn("kept", follow)  # reused from the resident slot
+        # prefilled: only what follows the restored prefix (timings are bench/'s business)
         assert restored[1].cached_tokens >= usage.prompt_tokens - 1
-        assert fresh[1].cached_tokens == 0
-        assert restored[0] == fresh[0]  # exact: the greedy answer of a fresh prefill
-        assert restored[2] <= 0.2 * fresh[2], (restored[2], fresh[2])
+        assert kept[1].cached_tokens == restored[1].cached_tokens
+        assert restored[0] == kept[0]  # exact: what the slot gives when it keeps the prefix
         assert d.supervisor.residency.models["m"].engine.dead is None
     # after `stop` and a new daemon: the same
     again_follow = (*follow, Message(Role.ASSISTANT, restored[0]),
                     Message(Role.USER, "Thanks."))
     async with running_daemon(registry(tmp_path, gguf)):
-        _, again, _ = await turn("m", again_follow)
+        _, again = await turn("m", again_follow)
         assert again.cached_tokens >= restored[1].prompt_tokens - 1, again
     saved = list((paths.cache_dir() / "kv").glob("*/*.kv"))
     assert saved and sum(f.stat().st_size for f in saved) <= 2048 << 20
@@ -91,12 +93,12 @@ async def test_a_changed_gguf_never_restores(tmp_path: Path, tiny_gguf: Path) ->
     shutil.copy(tiny_gguf, gguf)
     talk = (Message(Role.USER, "hello world " * 60),)
     async with running_daemon(registry(tmp_path, gguf, context=1024)):
-        _, cold, _ = await turn("m", talk)
+        _, cold = await turn("m", talk)
     async with running_daemon(registry(tmp_path, gguf, context=1024)):
-        _, warm, _ = await turn("m", talk)
+        _, warm = await turn("m", talk)
         assert warm.cached_tokens == cold.prompt_tokens - 1  # restored from disk
     st = gguf.stat()
     os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # "a new file"
     async with running_daemon(registry(tmp_path, gguf, context=1024)):
-        _, changed, _ = await turn("m", talk)
+        _, changed = await turn("m", talk)
         assert changed.cached_tokens == 0

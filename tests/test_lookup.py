@@ -266,12 +266,19 @@ class Collect:
 
 
 @pytest.fixture
-def make_pair(tiny_gguf: Path) -> Iterator[Callable[[], tuple[Runner, Runner, Collect, Collect]]]:
+def make_pair(tiny_gguf: Path, tiny_batches_exact: bool
+              ) -> Iterator[Callable[[], tuple[Runner, Runner, Collect, Collect]]]:
     """Fresh runners, lookup off and the oracle drafter on: the same history each.
 
     (llama.cpp's float results depend a little on how a prompt was split between the
-    cache and the batch, so the two runners must have served exactly the same jobs.)
+    cache and the batch, so the two runners must have served exactly the same jobs.
+    Lookup's output equals plain greedy decoding only where a draft's batch rows are
+    bit-exact: these tests rely on the engine's own probe saying so on this CPU, as the
+    engine does before it turns lookup on.)
     """
+    if not tiny_batches_exact:
+        pytest.skip("batched logits are not bit-exact on this CPU (the load-time probe): "
+                    "lookup is off by default here and promises no identical output")
     made: list[Runner] = []
 
     def make() -> tuple[Runner, Runner, Collect, Collect]:
@@ -332,7 +339,8 @@ def test_a_request_asked_again_drafts_its_earlier_answer(tiny_gguf: Path, prompt
         assert before == (0, 0)  # this random model's text never repeats itself
         again = got.run(runner, Job(JobSpec(tokens=tokens, max_tokens=80,
                                             sampling=GREEDY, lookup=True)))
-        assert again == first
+        if runner.lookup_exact:  # the engine's probe: draft rows are bit-exact here
+            assert again == first
         # Drafted from the first answer: most of its 79 tokens after the first.
         assert runner.lookup_accepted >= 60
         assert runner.lookup_accepted >= 0.9 * runner.lookup_drafted
@@ -490,10 +498,11 @@ def test_the_default_model_drafts_a_story_that_repeats_itself() -> None:
             tokens = r.tokenize("Write a short story about a robot who learns to paint.")
             outs.append(got.run(r, Job(JobSpec(tokens=tokens, max_tokens=200,
                                                sampling=GREEDY, lookup=lookup))))
-            drafted, accepted = r.lookup_drafted, r.lookup_accepted
+            drafted, accepted, exact = r.lookup_drafted, r.lookup_accepted, r.lookup_exact
         finally:
             r.close()
-    assert outs[0] == outs[1]
+    if exact:  # the engine's probe says this CPU's batches are bit-exact for SmolLM2
+        assert outs[0] == outs[1]
     # How long the drafts are follows this machine's measured step times, so the share
     # accepted varies from run to run (77–95% seen); most must be.
     assert drafted > 0 and accepted > drafted / 2

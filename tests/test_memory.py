@@ -54,7 +54,15 @@ def test_sliding_window_prefix_reuse_equals_a_fresh_start(swa_gguf: Path) -> Non
         answer = generate(runner, collector, first, "first")
         # a follow-up that extends everything cached: the window is all there, reuse it
         follow = first + answer + runner.tokenize(" again", None)[1:]
-        assert generate(runner, collector, follow, "follow") == fresh(swa_gguf, follow)
+        job = Job(JobSpec(tokens=follow, max_tokens=24, sampling=GREEDY), tag="follow")
+        runner.submit(job)
+        reused = [i for out in collector.wait("follow") for i in out.ids]
+        assert job.n_reused >= len(first)  # the window was all there: reused
+        # The reused cells hold the answer decoded one token at a time, a fresh start
+        # prefills it in a batch: equal only where the engine's probe says batches are
+        # bit-exact on this CPU.
+        if runner.lookup_exact:
+            assert reused == fresh(swa_gguf, follow)
         # a prompt sharing only an early prefix: its window was evicted, start over
         early = first[:300] + runner.tokenize(" world world", None)[1:]
         assert generate(runner, collector, early, "early") == fresh(swa_gguf, early)

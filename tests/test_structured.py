@@ -92,7 +92,8 @@ async def test_a_gbnf_grammar_is_always_obeyed_greedy_and_sampled(models_file: P
         assert ARITHMETIC_RE.fullmatch(text), text
 
 
-async def test_constrained_and_free_slots_share_a_batch(models_file: Path) -> None:
+async def test_constrained_and_free_slots_share_a_batch(models_file: Path,
+                                                       tiny_batches_exact: bool) -> None:
     async with running_daemon(models_file), connect() as client:
         alone = [e async for e in client.generate("tiny4", "free one", max_tokens=30,
                                                   temperature=0.0)]
@@ -116,18 +117,22 @@ async def test_constrained_and_free_slots_share_a_batch(models_file: Path) -> No
                 tg.start_soon(constrained)
                 tg.start_soon(free)
     expected = "".join(e.chunk.text for e in alone if isinstance(e, Tokens))
-    assert results["f0"] == results["f1"] == expected
+    assert results["f0"] and results["f1"]
+    if tiny_batches_exact:  # the engine's probe: batched rows are bit-exact on this CPU
+        assert results["f0"] == results["f1"] == expected
     assert ARITHMETIC_RE.fullmatch(results["c0"]) and results["c0"] == results["c1"]
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("grammar", "root ::= foo", "Undefined rule identifier 'foo'"),
-    ("grammar", 'root ::= "a" | [b-', "grammar: parse: error parsing grammar"),
-    ("json_schema", '{"type": "strang"}', "json_schema: Unrecognized schema"),
+    ("grammar", "root ::= foo", "grammar: Rule 'foo' not found"),
+    ("grammar", 'root ::= "a" | [b-', "grammar: Unexpected end of input at line 1"),
+    ("json_schema", '{"type": "strang"}', "json_schema: Invalid type: strang"),
     ("json_schema", '{"type": "object", "properties": {"a": {"$ref": "#/definitions/x"}}}',
-     "json_schema: Error resolving ref"),
-    ("json_schema", '{"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}}',
-     "json_schema.properties.n.maximum: numeric bounds cannot be enforced"),
+     "json_schema: Pointer '/definitions/x' does not exist"),
+    ("json_schema", '{"type": "array", "uniqueItems": true}',
+     'json_schema: Unimplemented keys: ["uniqueItems"]'),
+    ("json_schema", ('{"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, '
+                    '"$ref": "#/$defs/a"}'), "grammar: it matches no text at all"),
 ])
 async def test_broken_schemas_and_grammars_are_invalid_before_queueing(
     models_file: Path, field: str, value: str, match: str
@@ -167,8 +172,8 @@ def test_run_with_a_schema_file_and_a_grammar_file(models_file: Path, tmp_path: 
     out = subprocess.run([*EC, "run", "--no-daemon", "--models", str(models_file), "--grammar",
                           str(bad), "x"], capture_output=True, text=True, timeout=120,
                          check=False)
-    assert out.returncode == 2 and "Undefined rule identifier 'foo'" in out.stderr
-    assert out.stderr.count("\n") == 1, out.stderr  # llama.cpp's own print is not shown
+    assert out.returncode == 2 and "grammar: Rule 'foo' not found" in out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr  # one line, no traceback
 
 
 def test_response_format_over_http(
@@ -188,7 +193,7 @@ def test_response_format_over_http(
         model="tiny4", messages=[{"role": "user", "content": "an object"}], max_tokens=300,
         temperature=0, response_format={"type": "json_object"})
     assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
-    with pytest.raises(openai.BadRequestError, match="Unrecognized schema"):
+    with pytest.raises(openai.BadRequestError, match="Invalid type: strang"):
         client.chat.completions.create(
             model="tiny4", messages=[{"role": "user", "content": "x"}],
             response_format={"type": "json_schema",

@@ -95,7 +95,7 @@ class FakeEngine:
         text = "".join(m.content for m in messages)
         return self.tokenize(text), ChatPrompt(text)
 
-    def check_grammar(self, gbnf: str, triggers: tuple[str, ...] = ()) -> None:
+    def check_grammar(self, grammar: str) -> None:
         pass
 
     def rss(self) -> int | None:

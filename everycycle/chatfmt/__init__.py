@@ -13,6 +13,6 @@ tools.py           tool-call formats (Hermes, Llama 3, Mistral, ...), their syst
 toolparse.py       tool calls parsed out of the output, whole or streamed
 jsonscan.py        JSON read as it streams in (where a value ends, a string's text so far)
 reasoning.py       thinking markers found in templates, and thinking split from the answer
-grammar.py         JSON Schema to GBNF (llama-cpp-python's converter module, loaded alone
-                   without the llama_cpp bindings), and a grammar's size limits
+constraint.py      structured output: a JSON Schema, GBNF or Lark text to llguidance's
+                   grammar (compiled without a vocabulary; what is refused, and why)
 """

@@ -21,16 +21,14 @@ content and a recognised call, and between calls, is dropped.
 
 from __future__ import annotations
 
-import copy
 import enum
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidRequestError
-from .grammar import COUNTS, MAX_EXPANDED, check_size, schema_to_gbnf
+from .constraint import JSON_OPTIONS, count_nodes, lark
 
 
 class ToolFormat(enum.Enum):
@@ -71,31 +69,19 @@ _TRIGGERS: dict[ToolFormat, list[str]] = {
     ToolFormat.MISTRAL: [MISTRAL_OPEN],
     ToolFormat.GENERIC: [],
 }
-LLAMA3_START = r'^\s*(\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name"\s*:)[\s\S]*$'
-"""LLAMA3's bare call, which only counts at the start of the output (anchored)."""
+MARKERS = (HERMES_OPEN, HERMES_CLOSE, PYTHON_TAG, MISTRAL_OPEN)
+"""The formats' marker words: a vocabulary's token for one of them is matched as its
+text by the constraint engine (so ``"<tool_call>"`` in a grammar matches the token)."""
+LLAMA3_START = r'\s*\{\s*("type"\s*:\s*"function"\s*,\s*)?"name"\s*:'
+"""LLAMA3's bare call, which only counts at the start of the output: once the output
+starts so, it must be a call."""
 
 
 def triggers(fmt: ToolFormat) -> list[str]:
-    """The words after which the output must follow ``call_grammar`` (a lazy grammar
-    that starts at the word). GENERIC has none: its grammar holds from the first token.
-    LLAMA3's bare JSON call at the start of the output is in ``trigger_patterns``."""
+    """The words after which the output must be a call (``call_grammar`` starts there,
+    lazily). GENERIC has none: its grammar holds from the first token. LLAMA3's bare
+    JSON call at the start of the output (``LLAMA3_START``) is one too."""
     return list(_TRIGGERS[fmt])
-
-
-def trigger_patterns(fmt: ToolFormat) -> list[str]:
-    """``triggers`` as llama.cpp's lazy-grammar patterns, plus LLAMA3's start-of-output
-    call: llama.cpp searches the output so far for each pattern (one anchored with
-    ``^...$`` must match all of it) and starts the grammar at the first capture group,
-    or at the match when there is none."""
-    patterns = [re.escape(word) for word in _TRIGGERS[fmt]]
-    if fmt is ToolFormat.LLAMA3:
-        patterns.append(LLAMA3_START)
-    return patterns
-
-
-def constrained_from_start(fmt: ToolFormat, *, forced: bool) -> bool:
-    """Whether the grammar applies from the first token (else lazily, on a trigger)."""
-    return forced or fmt is ToolFormat.GENERIC
 
 
 # -- tools -------------------------------------------------------------------------------
@@ -175,96 +161,44 @@ def add_system_prompt(messages: Sequence[Mapping[str, Any]], text: str) -> list[
 
 # -- grammar -----------------------------------------------------------------------------
 
-_UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else",
-               "propertyNames", "additionalItems", "unevaluatedProperties")
+
+def _lit(text: str) -> str:
+    """``text`` as a Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
 
 
-def _strip_bounds(schema: object) -> object:
-    """``schema`` without numeric bounds, which a grammar cannot hold a model to, nor
-    counts past what a grammar can expand (Claude Code's ``maxLength: 524288``); the
-    client still validates the arguments. Only schema keywords are touched."""
-    if isinstance(schema, list):
-        return [_strip_bounds(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, object] = {}
-    for key, value in schema.items():
-        if key in _UNENFORCED:
-            continue
-        if key in COUNTS and isinstance(value, int | float) and value > MAX_EXPANDED:
-            continue
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {k: _strip_bounds(v) for k, v in value.items()}
-        elif key in _SCHEMA_LISTS or key in _SCHEMA_ONE:
-            out[key] = _strip_bounds(value)
-        else:
-            out[key] = value
-    return out
-
-
-def _hoist(params: dict[str, Any], i: int, defs: dict[str, Any]) -> dict[str, Any]:
-    """``params`` with its ``$defs``/``definitions`` moved into ``defs`` as ``t{i}-name``
-    and its local ``$ref`` s rewritten, so that several tools share one root schema."""
-    params = copy.deepcopy(params)
-    own = f"t{i}-params"
-    local: dict[str, Any] = {}
-    for key in ("$defs", "definitions"):
-        found = params.pop(key, None)
-        if isinstance(found, dict):
-            local.update(found)
-    needs_self = False
-
-    def rewrite(node: object) -> None:
-        nonlocal needs_self
-        if isinstance(node, list):
-            for item in node:
-                rewrite(item)
-        elif isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
-                parts = ref[2:].split("/") if ref != "#" else []
-                if len(parts) >= 2 and parts[0] in ("$defs", "definitions"):
-                    node["$ref"] = "/".join(["#", "$defs", f"t{i}-{parts[1]}", *parts[2:]])
-                else:
-                    needs_self = True
-                    node["$ref"] = "/".join(["#", "$defs", own, *parts])
-            for value in node.values():
-                rewrite(value)
-
-    rewrite(params)
-    rewrite(local)
-    for name, schema in local.items():
-        defs[f"t{i}-{name}"] = schema
-    if needs_self:
-        defs[own] = params
-    return params
-
-
-_RULE_NAME = re.compile(r"^([a-zA-Z0-9-]+) ::=", re.MULTILINE)
-
-
-def _fresh(base: str, taken: set[str]) -> str:
-    name, n = base, 0
-    while name in taken:
-        n += 1
-        name = f"{base}{n}"
-    taken.add(name)
-    return name
+def _call_rules(fmt: ToolFormat, chosen: Sequence[Tool]) -> list[str]:
+    """``call``: one call of one of ``chosen``, as ``fmt`` writes its JSON object (the
+    name first, then the arguments, each tool's own schema on its arguments);
+    ``bare``: the rest of a LLAMA3 call after its ``"name":``."""
+    args_key = "parameters" if fmt is ToolFormat.LLAMA3 else "arguments"
+    rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(chosen)))}",
+             f"bare: {' | '.join(f'bare_{i}' for i in range(len(chosen)))}"]
+    for i, tool in enumerate(chosen):
+        schema = {**tool.parameters, "x-guidance": JSON_OPTIONS}
+        tail = ""
+        if fmt is ToolFormat.MISTRAL:
+            tail = f' WS "," WS {_lit(json.dumps("id"))} WS ":" WS MISTRAL_ID'
+        rules += [
+            f'call_{i}: "{{" WS {_lit(json.dumps("name"))} WS ":" bare_{i}',
+            (f"bare_{i}: WS {_lit(json.dumps(tool.name, ensure_ascii=False))} WS \",\" WS "
+            f"{_lit(json.dumps(args_key))} WS \":\" WS args_{i}{tail} WS \"}}\""),
+            f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}",
+        ]
+    return rules
 
 
 def call_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], *, forced: bool,
                  name: str | None = None, parallel: bool = True) -> str:
-    """A GBNF grammar (root ``root``) for a well-formed call, in ``fmt``, of one of
-    ``tools`` (only the one named ``name`` when given) whose arguments follow that
+    """The constraint (llguidance's grammar) for a well-formed call, in ``fmt``, of one
+    of ``tools`` (only the one named ``name`` when given) whose arguments follow that
     tool's schema; ``parallel`` allows several calls. Unless ``forced`` (or a name is
-    given), GENERIC's grammar also allows ``{"response": "..."}``. For the lazy formats
-    the grammar starts at the trigger word (see ``triggers``).
+    given), the output may be free text, and must be a call from the format's trigger
+    on (``triggers``, LLAMA3's ``LLAMA3_START``); GENERIC then also allows
+    ``{"response": "..."}``.
 
     Raises InvalidRequestError for bad tools, an unknown ``name``, or a schema the
-    converter cannot handle.
+    constraint engine refuses (naming its keyword).
     """
     chosen = normalize_tools(tools)
     if name is not None:
@@ -273,53 +207,33 @@ def call_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], *, forced:
             raise InvalidRequestError(f"tool_choice names {name!r}, which is not in tools")
     if not chosen:
         raise InvalidRequestError("tools is empty: there is nothing to call")
-    args_key = "parameters" if fmt is ToolFormat.LLAMA3 else "arguments"
-    defs: dict[str, Any] = {}
-    alternatives: list[dict[str, Any]] = []
-    for i, tool in enumerate(chosen):
-        stripped = _strip_bounds(tool.parameters)
-        assert isinstance(stripped, dict)
-        params = _hoist(stripped, i, defs)
-        props: dict[str, Any] = {"name": {"const": tool.name}, args_key: params}
-        required = ["name", args_key]
-        if fmt is ToolFormat.MISTRAL:
-            props["id"] = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
-            required.append("id")
-        alternatives.append({"type": "object", "properties": props, "required": required})
-    call: dict[str, Any] = {"oneOf": alternatives}
-    array: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
-    if not parallel:
-        array["maxItems"] = 1
-    body: dict[str, Any]
-    if fmt is ToolFormat.MISTRAL:
-        body = array
-    elif fmt is ToolFormat.GENERIC:
-        calls = {"type": "object", "properties": {"tool_calls": array},
-                 "required": ["tool_calls"]}
-        response = {"type": "object", "properties": {"response": {"type": "string"}},
-                    "required": ["response"]}
-        body = calls if forced or name is not None else {"oneOf": [calls, response]}
-    else:
-        body = call
-    if defs:
-        body = {**body, "$defs": defs}
-    gbnf = schema_to_gbnf(json.dumps(body))
-    if fmt is ToolFormat.GENERIC:
-        return gbnf
-    taken = set(_RULE_NAME.findall(gbnf)) - {"root"}
-    inner, ws, one = _fresh("tool-body", taken), _fresh("tool-ws", taken), ""
-    gbnf = re.sub(r"^root ::=", f"{inner} ::=", gbnf, count=1, flags=re.MULTILINE)
-    rules = [f"{ws} ::= [ \\t\\n]{{0,8}}"]
+    count_nodes([t.parameters for t in chosen], "tools")
+    free = not forced and name is None
     if fmt is ToolFormat.HERMES:
-        one = _fresh("tool-call", taken)
-        rules.append(f'{one} ::= "<tool_call>" {ws} {inner} {ws} "</tool_call>"')
-        more = f" ({ws} {one})*" if parallel else ""
-        rules.insert(0, f"root ::= {one}{more}")
+        close = f"WS call WS {_lit(HERMES_CLOSE)}"
+        more = f" (WS {_lit(HERMES_OPEN)} {close})*" if parallel else ""
+        start = f"lead {close}{more} | TEXT" if free else f"{_lit(HERMES_OPEN)} {close}{more}"
+        rules = [f"lead[lazy]: TEXT {_lit(HERMES_OPEN)}"]
     elif fmt is ToolFormat.LLAMA3:
-        more = f' ({ws} (";" {ws})? {inner})*' if parallel else ""
-        rules.insert(0, f'root ::= ("<|python_tag|>" {ws})? {inner}{more}')
+        more = ' (WS (";" WS)? call)*' if parallel else ""
+        start = (f"py_lead WS call{more} | bare_lead bare{more} | TEXT" if free
+                 else f"({_lit(PYTHON_TAG)} WS)? call{more}")
+        rules = [f"py_lead[lazy]: TEXT {_lit(PYTHON_TAG)}",
+                 f"bare_lead[lazy]: /{LLAMA3_START}/"]
+    elif fmt is ToolFormat.MISTRAL:
+        array = '"[" WS call (WS "," WS call)* WS "]"' if parallel else '"[" WS call WS "]"'
+        start = "lead WS array | TEXT" if free else f"{_lit(MISTRAL_OPEN)} WS array"
+        rules = [f"array: {array}", f"lead[lazy]: TEXT {_lit(MISTRAL_OPEN)}",
+                 'MISTRAL_ID: /"[a-zA-Z0-9]{9}"/']
     else:
-        rules.insert(0, f'root ::= "[TOOL_CALLS]" {ws} {inner}')
-    grammar = "\n".join(rules) + "\n" + gbnf
-    check_size(grammar, "tools")
-    return grammar
+        listed = "call (WS \",\" WS call)*" if parallel else "call"
+        response = {"type": "object", "properties": {"response": {"type": "string"}},
+                    "required": ["response"], "additionalProperties": False,
+                    "x-guidance": JSON_OPTIONS}
+        start = "calls | response" if free else "calls"
+        rules = [(f'calls: "{{" WS {_lit(json.dumps("tool_calls"))} WS ":" WS "[" WS '
+                 f'{listed} WS "]" WS "}}"'),
+                 f"response: %json {json.dumps(response)}"]
+    lines = ["%llguidance {}", f"start: {start}", *rules, *_call_rules(fmt, chosen),
+             r"WS: /[ \t\r\n]{0,20}/", r"TEXT: /(.|\n)*/"]
+    return lark("\n".join(lines), "tools")

@@ -10,17 +10,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from ..chatfmt import constraint
 from ..chatfmt.chat import ChatPrompt
 from ..chatfmt.chatoutput import ChatOutput
-from ..chatfmt.grammar import check_size as check_grammar_size
-from ..chatfmt.grammar import schema_to_gbnf
-from ..chatfmt.tools import (
-    ToolFormat,
-    call_grammar,
-    constrained_from_start,
-    tool_names,
-    trigger_patterns,
-)
+from ..chatfmt.tools import ToolFormat, call_grammar, tool_names
 from ..engine.contract import Engine
 from ..engine.jobs import Job, JobSpec, Sampling
 from ..errors import InvalidRequestError, ProtocolError
@@ -29,11 +22,11 @@ from ..protocol import Embed, Format, Generate, Message, Role, ToolChoice
 from ..protocol.sampling import values_of as sampling_values
 
 
-def sampling(req: Generate, model_defaults: Mapping[str, Any], grammar: str | None = None,
-             triggers: tuple[str, ...] = ()) -> Sampling:
+def sampling(req: Generate, model_defaults: Mapping[str, Any], grammar: str | None = None
+             ) -> Sampling:
     """The request's options, else the model's (models.toml), else llama.cpp's defaults
     (the table's: the engine reads an unset one as its default)."""
-    return Sampling({**model_defaults, **sampling_values(req)}, grammar, triggers)
+    return Sampling({**model_defaults, **sampling_values(req)}, grammar)
 
 
 def _tools(req: Generate) -> list[dict[str, Any]] | None:
@@ -47,18 +40,13 @@ def _tools(req: Generate) -> list[dict[str, Any]] | None:
     return list(tools)
 
 
-def _tool_grammar(req: Generate, prompt: ChatPrompt, tools: list[dict[str, Any]]
-                  ) -> tuple[str, tuple[str, ...]]:
-    """The grammar that holds the model to well-formed calls, and its trigger patterns
-    (lazy under ``auto``: free text stays free until a call begins)."""
+def _tool_grammar(req: Generate, prompt: ChatPrompt, tools: list[dict[str, Any]]) -> str:
+    """The constraint that holds the model to well-formed calls (lazy under ``auto``:
+    free text stays free until a call begins)."""
     assert prompt.tool_format is not None
-    fmt = ToolFormat[prompt.tool_format]
     forced = req.tool_choice is ToolChoice.REQUIRED or req.tool_name is not None
-    grammar = call_grammar(fmt, tools, forced=forced, name=req.tool_name,
-                           parallel=req.parallel_tool_calls is True)
-    if constrained_from_start(fmt, forced=forced):
-        return grammar, ()
-    return grammar, tuple(trigger_patterns(fmt))
+    return call_grammar(ToolFormat[prompt.tool_format], tools, forced=forced,
+                        name=req.tool_name, parallel=req.parallel_tool_calls is True)
 
 
 def _images(spec: ModelSpec, req: Generate) -> tuple[bytes, ...]:
@@ -113,14 +101,15 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
         assert req.prompt is not None
         tokens, prompt = engine.chat_prompt((Message(Role.USER, req.prompt),), None,
                                             req.think, True)
-    grammar = req.grammar
-    triggers: tuple[str, ...] = ()
+    grammar: str | None = None
     if req.json_schema is not None:
-        grammar = schema_to_gbnf(req.json_schema)  # (its size checked)
-    elif grammar is not None or (grammar := _model_grammar(spec, req)) is not None:
-        check_grammar_size(grammar)
+        grammar = constraint.json_schema(req.json_schema)
+    elif req.grammar is not None:
+        grammar = constraint.gbnf(req.grammar)
+    elif (own := _model_grammar(spec, req)) is not None:
+        grammar = constraint.gbnf(own, f"model '{spec.name}' grammar")
     elif tools is not None and prompt is not None:
-        grammar, triggers = _tool_grammar(req, prompt, tools)
+        grammar = _tool_grammar(req, prompt, tools)
     names = tool_names(tools) if tools is not None else None
     output = (ChatOutput(prompt, names) if prompt is not None
               and ChatOutput.needed(prompt, names) else None)
@@ -131,10 +120,10 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
     images = _images(spec, req)
     job = Job(JobSpec(
         tokens=tokens, max_tokens=req.max_tokens or engine.n_ctx_slot,
-        sampling=sampling(req, spec.sampling, grammar, triggers), stop=req.stop or (),
+        sampling=sampling(req, spec.sampling, grammar), stop=req.stop or (),
         lookup=lookup and not images, special=output is not None, logprobs=req.logprobs,
         images=images, text=prompt.text if images and prompt is not None else None), tag=tag)
     job.spec.check_fits(engine.n_ctx_slot)
     if grammar is not None:
-        engine.check_grammar(grammar, triggers)  # compiled once: the engine keeps it
+        engine.check_grammar(grammar)  # compiled once, for its vocabulary: the engine keeps it
     return job, output

@@ -10,7 +10,9 @@ child.py      the engine process itself: a Runner served over the pipe
 runner.py     a loaded model and its any-thread API (``Runner``)
 steps.py      the engine thread's decode loop: admit, build the batch, decode, sample
 slots.py      one decoding slot: its sequence in the KV cache, its job, the text it owes
-sampling.py   llama.cpp's sampler chains for a job, grammars (lazy ones too)
+sampling.py   llama.cpp's sampler chains for a job
+constraint.py constrained decoding: llguidance's tokenizer for the vocabulary, a
+              matcher per slot (the mask before the chain)
 lookup.py     prompt-lookup drafts and the step cost by row count (no llama.cpp)
 probes.py     the load-time batch probe (exactness, step timings), and the CPU-kernel
               probe's child (``python -m everycycle.engine.probes``)

@@ -19,6 +19,7 @@ from .contract import (
     HEARTBEAT_S,
     Call,
     CancelJob,
+    CheckGrammar,
     Closed,
     CloseEngine,
     EngineInfo,
@@ -103,6 +104,15 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
                 send(Heartbeat(runner.steps))
 
     threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+    def answer(message: Call) -> None:
+        assert runner is not None
+        try:
+            value = message.question.answer(runner)
+            send(Returned(message.cid, value, None))
+        except Exception as exc:  # noqa: BLE001 - the caller's error
+            with contextlib.suppress(OSError, ValueError):
+                send(Returned(message.cid, None, WireError.of(exc)))
     while True:
         try:
             message = receive_message(conn)
@@ -124,12 +134,14 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
         elif isinstance(message, CancelJob):
             if message.jid in jobs:
                 runner.cancel(jobs[message.jid], message.reason)
+        elif isinstance(message, Call) and isinstance(message.question, CheckGrammar):
+            # On a thread of its own: compiling a grammar may take a while, and the
+            # pipe keeps taking submits and cancels meanwhile (the Runner's API is
+            # any-thread; the caller waits for its own answer, by its cid).
+            threading.Thread(target=answer, args=(message,), name="engine grammar",
+                             daemon=True).start()
         elif isinstance(message, Call):
-            try:
-                value = message.question.answer(runner)
-                send(Returned(message.cid, value, None))
-            except Exception as exc:  # noqa: BLE001 - the caller's error
-                send(Returned(message.cid, None, WireError.of(exc)))
+            answer(message)
         elif isinstance(message, CloseEngine):
             break
     stop.set()

@@ -71,8 +71,10 @@ class Engine(Protocol):
         what the output will hold (``as_prompt``: one plain prompt, sent as is where the
         model has no template). Raises InvalidRequestError when it cannot render."""
 
-    def check_grammar(self, gbnf: str, triggers: tuple[str, ...] = ()) -> None:
-        """Raise InvalidRequestError, saying where, for a grammar llama.cpp refuses."""
+    def check_grammar(self, grammar: str) -> None:
+        """Compile ``grammar`` (llguidance's) for this model's vocabulary, off the decode
+        loop, and keep it for the job that asked. Raises InvalidRequestError saying what
+        is wrong."""
 
     def rss(self) -> int | None:
         """The engine process's resident memory in bytes (None: unknown, or in-process)."""
@@ -245,11 +247,10 @@ class RenderChat(NamedTuple):
 class CheckGrammar(NamedTuple):
     """``Engine.check_grammar``: answered by None, or its error."""
 
-    gbnf: str
-    triggers: tuple[str, ...] = ()
+    grammar: str
 
     def answer(self, engine: Engine) -> None:
-        engine.check_grammar(self.gbnf, self.triggers)
+        engine.check_grammar(self.grammar)
 
 
 Question = Tokenize | RenderChat | CheckGrammar

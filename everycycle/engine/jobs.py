@@ -25,21 +25,18 @@ class Sampling:
 
     values: Mapping[str, object] = field(default_factory=dict)
     grammar: str | None = None
-    """A GBNF grammar (root rule ``root``) every output must follow."""
-    grammar_triggers: tuple[str, ...] = ()
-    """With these patterns, the grammar is lazy: it holds from the first match on
-    (llama.cpp's trigger patterns; the tool-call markers of ``auto`` tool choice)."""
+    """The constraint every output must follow: llguidance's serialized grammar
+    (``chatfmt.constraint``: a JSON Schema, GBNF, or a tool format's calls, which may
+    start lazily at a trigger word)."""
 
     @classmethod
-    def of(cls, grammar: str | None = None, grammar_triggers: tuple[str, ...] = (),
-           **values: object) -> Sampling:
+    def of(cls, grammar: str | None = None, **values: object) -> Sampling:
         """Sampling with these parameters set, by name (``Sampling.of(temperature=0)``);
         a None value is unset."""
         unknown = set(values) - set(BY_NAME)
         if unknown:
             raise TypeError(f"no sampling parameter {', '.join(sorted(unknown))}")
-        return cls({k: v for k, v in values.items() if v is not None}, grammar,
-                   grammar_triggers)
+        return cls({k: v for k, v in values.items() if v is not None}, grammar)
 
     def __getitem__(self, param: Param[V]) -> V:
         return cast(V, self.values.get(param.name, param.default))

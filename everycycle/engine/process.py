@@ -386,8 +386,8 @@ class EngineProcess:
             RenderChat(tuple(messages), tools, think, as_prompt))
         return result
 
-    def check_grammar(self, gbnf: str, triggers: tuple[str, ...] = ()) -> None:
-        self._call(CheckGrammar(gbnf, triggers))
+    def check_grammar(self, grammar: str) -> None:
+        self._call(CheckGrammar(grammar))
 
     def rss(self) -> int | None:
         """The child's resident memory (Linux: /proc; elsewhere unknown)."""

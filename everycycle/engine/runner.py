@@ -32,6 +32,7 @@ from ..errors import InternalError
 from ..hardware import cpukernels
 from ..protocol import Format, Message, Role
 from . import kvdisk
+from .constraint import Constraints
 from .contract import LoadOptions, Notify
 from .jobs import EMBED_MAX_TOKENS, Job, Output
 from .llamaload import create_context, devices_for, load_model
@@ -115,6 +116,7 @@ class Runner(EngineThread):
         self.vocab = Vocab(L, model)
         self._n_vocab = self.vocab.n_vocab
         self._samplers = Samplers(L, self.vocab.handle, self._n_vocab)
+        self._constraints = Constraints(L, self.vocab.handle, self._n_vocab)
         threads = n_threads or max(1, os.cpu_count() or 1)
         self._threads = threads
         self._embedder: Any = None
@@ -246,15 +248,15 @@ class Runner(EngineThread):
             self._check_alive()
             return b"".join(self.vocab.piece(t) for t in ids).decode("utf-8", "replace")
 
-    def check_grammar(self, gbnf: str, triggers: tuple[str, ...] = ()) -> None:
-        """Compile ``gbnf`` (lazy from ``triggers``, when given) to refuse a broken
-        grammar before anything is queued; the job that asked gets it.
+    def check_grammar(self, grammar: str) -> None:
+        """Compile ``grammar`` (llguidance's) for this vocabulary to refuse a broken one
+        before anything is queued; the job that asked gets it.
 
-        Safe from any thread. Raises InvalidRequestError saying where it is broken.
+        Safe from any thread. Raises InvalidRequestError saying what is wrong.
         """
         with self._life:
             self._check_alive()
-            self._samplers.check_grammar(gbnf, triggers)
+            self._constraints.check(grammar)
 
     def rss(self) -> int | None:
         return None
@@ -296,6 +298,7 @@ class Runner(EngineThread):
             if self._vision is not None:
                 self._vision.close()
             self._samplers.close()
+            self._constraints.close()
             if self._kvdisk is not None:  # (on the engine thread's behalf: it has ended)
                 for slot in self._slots:
                     if len(slot.cached) >= kvdisk.MIN_TOKENS:

@@ -1,33 +1,19 @@
-"""Sampling: llama.cpp's sampler chain for a job's settings, and grammars (GBNF).
-
-Greedy decoding under a grammar takes the argmax and masks the whole vocabulary only
-when the grammar refuses that token, as llama-server does.
-"""
+"""Sampling: llama.cpp's sampler chain for a job's settings; under a constraint, the
+chain runs on logits its matcher has masked (``constraint.py``)."""
 
 from __future__ import annotations
 
 import ctypes
-import threading
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidRequestError
 from ..protocol import sampling as P
+from .constraint import Matcher
 from .jobs import Sampling
-from .llamalog import log_capture, stderr_text
 
 DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
-
-
-class _OneCandidate:
-    """A one-token llama_token_data_array, to ask a grammar about one token."""
-
-    def __init__(self, L: Any) -> None:
-        self.data = (L.llama_token_data * 1)()
-        self.array = L.llama_token_data_array(data=self.data, size=1, selected=-1,
-                                              sorted=False)
 
 
 class Samplers:
@@ -37,19 +23,12 @@ class Samplers:
         self._L = L
         self._vocab = vocab
         self._n_vocab = n_vocab
-        # Reused by greedy decoding under a grammar (engine thread only).
+        # The candidate array of constrained sampling (engine thread only).
         self._all = np.zeros(n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
         self._ids = np.arange(n_vocab, dtype=np.int32)
-        self._one = _OneCandidate(L)
-        self._checked: OrderedDict[tuple[str, tuple[str, ...]], Any] = OrderedDict()
-        """Grammars compiled by ``check`` and not used yet: a job takes its own."""
-        self._lock = threading.Lock()
-
-    CHECKED_KEEP = 8
-    """Compiled grammars kept between admission and a slot (more are compiled again)."""
 
     def chain(self, s: Sampling, n_ctx: int) -> Any:
-        """llama.cpp's sampler chain for ``s`` (its grammar aside: see ``grammar``), in
+        """llama.cpp's sampler chain for ``s`` (a constraint aside: see ``sample_constrained``), in
         llama-server's order; None for plain greedy decoding. ``n_ctx`` is what a
         ``-1`` look-back means.
 
@@ -65,7 +44,7 @@ class Samplers:
         def add(sampler: Any) -> None:
             L.llama_sampler_chain_add(chain, sampler)
 
-        # (A grammar is never in the chain: sample_constrained holds each token to it.)
+        # (A grammar is never in the chain: sample_constrained masks the logits first.)
         seed = DEFAULT_SEED if s[P.SEED] is None else s[P.SEED]
         if biases := s[P.LOGIT_BIAS]:
             array = (L.llama_logit_bias * len(biases))(*[(b.token, b.bias) for b in biases])
@@ -118,98 +97,22 @@ class Samplers:
                 raise InvalidRequestError(f"logit_bias: token {b.token} is not in this "
                                           f"model's vocabulary of {self._n_vocab}")
 
-    def grammar(self, gbnf: str, triggers: tuple[str, ...] = ()) -> Any:
-        """llama.cpp's grammar sampler for ``gbnf`` (root rule ``root``), lazy from the
-        first match of one of ``triggers`` when given: the one ``check`` compiled when
-        it did, else a new one.
-
-        Raises InvalidRequestError with llama.cpp's own parse error, which says where.
-        """
-        with self._lock:
-            ready = self._checked.pop((gbnf, triggers), None)
-        return ready if ready is not None else self._compile(gbnf, triggers)
-
-    def _compile(self, gbnf: str, triggers: tuple[str, ...]) -> Any:
-        L = self._L
-        with log_capture() as captured, stderr_text() as printed:
-            if triggers:
-                patterns = (ctypes.c_char_p * len(triggers))(*[t.encode() for t in triggers])
-                sampler = L.llama_sampler_init_grammar_lazy_patterns(
-                    self._vocab, gbnf.encode("utf-8"), b"root", patterns, len(triggers),
-                    None, 0)
-            else:
-                sampler = L.llama_sampler_init_grammar(self._vocab, gbnf.encode("utf-8"),
-                                                       b"root")
-        if not sampler:
-            # llama.cpp prints where the parse failed straight to stderr, then logs a
-            # generic error; the first says where.
-            where = [ln.strip() for ln in printed.text.splitlines() if "error" in ln]
-            detail = "; ".join(where or captured.errors) or "llama.cpp could not parse it"
-            raise InvalidRequestError(f"grammar: {detail}")
-        return sampler
-
-    def check_grammar(self, gbnf: str, triggers: tuple[str, ...] = ()) -> None:
-        """Compile ``gbnf`` (raising InvalidRequestError saying where it is broken) and
-        keep it for the job that asked, so that it is compiled once."""
-        sampler = self._compile(gbnf, triggers)
-        key = (gbnf, triggers)
-        with self._lock:
-            old = self._checked.pop(key, None)
-            self._checked[key] = sampler
-            spill = [old] if old is not None else []
-            while len(self._checked) > self.CHECKED_KEEP:
-                spill.append(self._checked.popitem(last=False)[1])
-        for extra in spill:
-            self._L.llama_sampler_free(extra)
-
     def close(self) -> None:
-        """Free the grammars compiled and not taken."""
-        with self._lock:
-            spill, self._checked = list(self._checked.values()), OrderedDict()
-        for sampler in spill:
-            self._L.llama_sampler_free(sampler)
+        """Nothing held between jobs (kept for the Runner's close)."""
 
     def free(self, sampler: Any) -> None:
         if sampler is not None:
             self._L.llama_sampler_free(sampler)
 
-    def grammar_greedy(self, grammar: Any, logits: np.ndarray, tok: int) -> int:
-        """The argmax among the tokens ``grammar`` allows (``tok``, the plain argmax, when
-        it allows that one), accepted into the grammar's state. Engine thread only."""
+    def sample_constrained(self, chain: Any, matcher: Matcher, logits: np.ndarray) -> int:
+        """Sample with ``chain`` from ``logits`` masked by ``matcher`` (every token its
+        grammar refuses at -inf, before the chain runs), consumed by both. Raises
+        InvalidRequestError when the grammar allows no token. Engine thread only."""
         L = self._L
-        if not self.allows(grammar, tok):
-            every = self._all
-            arr = self._candidates(logits)
-            L.llama_sampler_apply(grammar, ctypes.byref(arr))
-            best = int(every["logit"].argmax())
-            if not np.isfinite(every["logit"][best]):
-                # Accepting a token the grammar refuses aborts the process: end the job.
-                raise InvalidRequestError("the grammar allows no next token")
-            tok = int(every["id"][best])
-        L.llama_sampler_accept(grammar, tok)
-        return tok
-
-    def sample_constrained(self, chain: Any, grammar: Any, logits: np.ndarray) -> int:
-        """Sample with ``chain`` (no grammar in it), then hold the token to ``grammar``:
-        kept if allowed, else resampled from the grammar-masked distribution — as
-        llama-server samples. Accepted into both. Raises InvalidRequestError when the
-        grammar allows no token at all: accepting one it refuses would abort the
-        process (llama.cpp throws from C++). Engine thread only."""
-        L = self._L
-        arr = self._candidates(logits)
+        arr = self._candidates(matcher.mask(logits))
         L.llama_sampler_apply(chain, ctypes.byref(arr))
         tok = int(arr.data[arr.selected].id)
-        if not self.allows(grammar, tok):
-            arr = self._candidates(logits)
-            L.llama_sampler_apply(grammar, ctypes.byref(arr))
-            if not np.isfinite(self._all["logit"]).any():
-                raise InvalidRequestError("the grammar allows no next token: the output so "
-                                          "far has no continuation under its rules")
-            L.llama_sampler_apply(chain, ctypes.byref(arr))
-            tok = int(arr.data[arr.selected].id)
-            if not self.allows(grammar, tok):  # (a sampler that ignores the mask)
-                raise InvalidRequestError("the grammar allows no next token")
-        L.llama_sampler_accept(grammar, tok)
+        matcher.accept(tok)
         L.llama_sampler_accept(chain, tok)
         return tok
 
@@ -222,11 +125,3 @@ class Samplers:
         return self._L.llama_token_data_array(
             data=every.ctypes.data_as(ctypes.POINTER(self._L.llama_token_data)),
             size=self._n_vocab, selected=-1, sorted=False)
-
-    def allows(self, grammar: Any, tok: int) -> bool:
-        """Whether ``grammar``, in its current state, allows ``tok`` next."""
-        one = self._one
-        one.data[0].id, one.data[0].logit, one.data[0].p = tok, 0.0, 0.0
-        one.array.size, one.array.selected, one.array.sorted = 1, -1, False
-        self._L.llama_sampler_apply(grammar, ctypes.byref(one.array))
-        return bool(np.isfinite(one.data[0].logit))

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .constraint import Matcher
 from .jobs import Job, Logprob, common_prefix, stop_split
 from .lookup import PromptLookup
 
@@ -18,8 +19,8 @@ class Slot:
     cached: list[int] = field(default_factory=list)
     job: Job | None = None
     sampler: Any = None
-    grammar: Any = None
-    """Greedy decoding under a grammar: the grammar sampler, consulted lazily."""
+    grammar: Matcher | None = None
+    """Under a constraint: the job's matcher (``constraint.py``)."""
     todo: list[int] = field(default_factory=list)
     n_past: int = 0
     last: int = -1

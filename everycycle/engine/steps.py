@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import EverycycleError, InternalError, InvalidRequestError
 from . import kvdisk
+from .constraint import Constraints
 from .contract import Notify
 from .jobs import EMBED_MAX_TOKENS, Job, Logprob, Output, common_prefix
 from .logits import RowLogits
@@ -59,6 +60,7 @@ class EngineThread:
     _n_swa: int
     _threads: int
     _samplers: Samplers
+    _constraints: Constraints
     _slots: list[Slot]
     _pending: deque[Job]
     _cond: threading.Condition
@@ -171,7 +173,7 @@ class EngineThread:
                     kept.append(job)
             self._pending = kept
             while self._pending and any(s.job is None for s in self._slots):
-                self._start(self._pending.popleft())
+                self._start(self._pending.popleft(), out)
             return embeds
 
     def _build(self, active: list[Slot]) -> tuple[int, list[tuple[Slot, int]], bool]:
@@ -234,7 +236,7 @@ class EngineThread:
                 tok = int(logits.argmax())
                 if s.grammar is not None:
                     try:
-                        tok = self._samplers.grammar_greedy(s.grammar, logits, tok)
+                        tok = s.grammar.greedy(logits, tok)
                     except InvalidRequestError as exc:
                         self._finish(s, out, "error", exc)
                         continue
@@ -267,9 +269,18 @@ class EngineThread:
     def _text(self, tok: int) -> str:
         return self.vocab.piece(tok, True).decode("utf-8", "replace")
 
-    def _start(self, job: Job) -> None:
+    def _start(self, job: Job, out: list[tuple[Job, Output]]) -> None:
         """Put ``job`` in the free slot whose cached tokens share the longest prefix."""
         L = self._L
+        matcher = None
+        if job.spec.sampling.grammar is not None:
+            # Its own matcher: the grammar was compiled when the job was checked, off
+            # this thread, and a copy costs microseconds.
+            try:
+                matcher = self._constraints.matcher(job.spec.sampling.grammar)
+            except InvalidRequestError as exc:
+                out.append((job, Output("", (), True, "error", exc)))
+                return
         slot, reuse = best_slot([s for s in self._slots if s.job is None], job.spec.tokens)
         if self._kvdisk is not None and not job.spec.images:
             reuse = self._restore(slot, job, reuse)
@@ -287,11 +298,7 @@ class EngineThread:
             del slot.cached[reuse:]
         slot.job = job
         greedy = job.spec.sampling.plain_greedy
-        # Under a grammar, as llama-server does it: the argmax (or a sample), and the
-        # whole vocabulary masked only when the grammar refuses that token.
-        slot.grammar = (self._samplers.grammar(job.spec.sampling.grammar,
-                                               job.spec.sampling.grammar_triggers)
-                        if job.spec.sampling.grammar is not None else None)
+        slot.grammar = matcher
         slot.sampler = self._samplers.chain(job.spec.sampling, self.n_ctx_slot)  # None: plain greedy
         slot.lookup = (self.lookup_type(job.spec.tokens, self._history)
                        if job.spec.lookup and greedy and job.spec.sampling.grammar is None else None)
@@ -367,8 +374,7 @@ class EngineThread:
         out.append((job, Output(text, tuple(ids), True, reason, error,
                                 logprobs=slot.take_logprobs() if ids else None)))
         slot.held_logprobs = []
-        for sampler in (slot.sampler, slot.grammar):
-            self._samplers.free(sampler)
+        self._samplers.free(slot.sampler)
         slot.sampler = slot.grammar = None
         slot.job = None
         slot.todo = []

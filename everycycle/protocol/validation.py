@@ -87,6 +87,8 @@ def parse_json(what: str, text: str, kind: type, shape: str, *, are: bool = Fals
         value = json.loads(text)
     except ValueError as exc:
         raise ProtocolError(f"{what} {'are' if are else 'is'} not JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(f"{what}: nested too deeply") from None
     if not isinstance(value, kind):
         raise ProtocolError(f"{what} must be {shape}")
     return value

@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.requests import Request as HttpRequest
 
-from ...chatfmt.grammar import JSON_OBJECT_SCHEMA
+from ...chatfmt.constraint import JSON_OBJECT_SCHEMA
 from ...models.registry import parse_keep_alive
 from ...protocol import Message, sampling
 from . import openai_request

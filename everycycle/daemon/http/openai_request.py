@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette.requests import Request as HttpRequest
 
-from ...chatfmt.grammar import JSON_OBJECT_SCHEMA
+from ...chatfmt.constraint import JSON_OBJECT_SCHEMA
 from ...errors import ProtocolError
 from ...protocol import ContentPart, Message, PartType, Role, ToolCall, ToolChoice, sampling
 from .common import HttpError, deadline, image_part, sampling_options

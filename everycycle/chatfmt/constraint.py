@@ -1,0 +1,149 @@
+"""Structured output: what a request's output must follow, compiled for llguidance.
+
+Every constraint — a JSON Schema (``json_schema``, OpenAI's ``response_format``, Ollama's
+``format``), a GBNF grammar (the ``grammar`` field, ``--grammar FILE``, models.toml's
+``grammar``) and the tool-call grammars of ``tools.py`` — becomes one llguidance grammar
+(its serialized form, a string), which the engine's matcher enforces token by token
+(``engine/constraint.py``). llguidance is the constraint engine llama.cpp itself offers
+as its grammar backend; we write no converter of our own: a schema keyword it does not
+implement is refused with a 400 naming it, never dropped.
+
+Pure: no llama.cpp, no tokenizer. ``check`` compiles the grammar's rules (no vocabulary)
+so that what is broken is refused before a model is asked.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import InvalidRequestError
+
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+"""What OpenAI's ``response_format: {"type": "json_object"}`` asks for."""
+
+JSON_OPTIONS: dict[str, Any] = {
+    # Whitespace between tokens, as llama.cpp's converter allows it: a little (an
+    # indented answer), never an endless run of it.
+    "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}",
+}
+"""llguidance's JSON compile options (its defaults otherwise: strict ``oneOf``, every
+unimplemented keyword an error)."""
+
+MAX_SCHEMA_NODES = 3_000
+"""The most schema objects, properties and enum values one request's schemas may hold
+together: compiling costs about 0.3 ms each (measured: 2,000 properties take 0.6 s, 10,000
+take 3 s), and a request is answered, or refused, within a second. (Claude Code's 30
+tools hold about 700.)"""
+MAX_GRAMMAR_BYTES = 256 * 1024
+"""The longest GBNF or Lark text a request may carry."""
+
+
+def _llg() -> Any:
+    """llguidance (a Rust extension: imported when first needed, never by the CLI)."""
+    import llguidance
+
+    return llguidance
+
+
+@functools.cache
+def limits() -> Any:
+    """The parser's limits on what a grammar may cost (llguidance's ``LLParserLimits``).
+    The lexer's fuel is a fifth of llguidance's defaults (measured: a ``pattern`` of
+    ``^(a{1000}){1000}$`` took 34 s to its first mask with the defaults, and fails in
+    0.5 s with these); errors stay short (no grammar dump)."""
+    return _llg().LLParserLimits(verbose_errors=False, initial_lexer_fuel=200_000,
+                                 step_lexer_fuel=50_000)
+
+
+def json_schema(schema: str | dict[str, Any] | bool, where: str = "json_schema") -> str:
+    """The llguidance grammar for a JSON Schema (its JSON text, or parsed).
+
+    Raises InvalidRequestError naming what is wrong: not JSON, not a schema, a keyword
+    llguidance does not implement, a schema too large.
+    """
+    parsed = _parse(schema, where)
+    count_nodes(parsed, where)
+    try:
+        grammar: str = _llg().LLMatcher.grammar_from_json_schema(parsed, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"{where}: {exc}") from None
+    return check(grammar, where)
+
+
+def lark(text: str, where: str = "grammar") -> str:
+    """The llguidance grammar for Lark text (llguidance's dialect: ``%json {...}``
+    embeds a schema, ``[lazy]`` rules start at their trigger). Raises InvalidRequestError."""
+    return check(_llg().LLMatcher.grammar_from_lark(text), where)
+
+
+def gbnf(text: str, where: str = "grammar") -> str:
+    """The llguidance grammar for a llama.cpp GBNF grammar (root rule ``root``), by
+    llguidance's own GBNF reader. Raises InvalidRequestError saying what is wrong."""
+    if len(text.encode("utf-8")) > MAX_GRAMMAR_BYTES:
+        raise InvalidRequestError(f"{where}: the grammar is over {MAX_GRAMMAR_BYTES} bytes")
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        converted = any_to_lark(text)
+    except RecursionError:
+        raise InvalidRequestError(f"{where}: nested too deeply") from None
+    except Exception as exc:  # noqa: BLE001 - the reader raises plain Exceptions
+        raise InvalidRequestError(f"{where}: {exc}") from None
+    return lark(converted, where)
+
+
+def check(grammar: str, where: str) -> str:
+    """``grammar`` once llguidance has compiled its rules without error; else
+    InvalidRequestError with llguidance's message (which names the keyword or rule)."""
+    error = _llg().LLMatcher.validate_grammar(grammar, None, limits=limits())
+    if error:
+        raise InvalidRequestError(f"{where}: {short(error)}")
+    return grammar
+
+
+def short(message: str, limit: int = 600) -> str:
+    """llguidance's message on one line, without its "<non-verbose/>" mark, cut short."""
+    message = " ".join(message.replace("<non-verbose/>", "").split())
+    return message if len(message) <= limit else message[: limit - 1] + "…"
+
+
+def _parse(schema: str | dict[str, Any] | bool, where: str) -> dict[str, Any] | bool:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{where} is not JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidRequestError(f"{where}: nested too deeply") from None
+    if not isinstance(schema, dict | bool):
+        raise InvalidRequestError(f"{where} must be a JSON Schema: an object or a boolean")
+    return schema
+
+
+def count_nodes(schema: object, where: str, limit: int = MAX_SCHEMA_NODES) -> int:
+    """How many objects, list items and properties ``schema`` holds; InvalidRequestError
+    past ``limit`` (compiling costs time in proportion)."""
+    n = 0
+    for _ in _nodes(schema):
+        n += 1
+        if n > limit:
+            raise InvalidRequestError(
+                f"{where}: the schema is too large to compile within a second (over "
+                f"{limit:,} schemas, properties and enum values)")
+    return n
+
+
+def _nodes(value: object) -> Iterator[None]:
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            yield None
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            for item in node:
+                yield None
+                stack.append(item)
