@@ -120,13 +120,39 @@ def test_launch_runs_the_agent_and_one_tool_call(agent: str, agent_models: Path,
     assert turns[-1]["cached_tokens"] > 0  # the follow-up extends the first turn's prompt
 
 
+@pytest.fixture
+def plain_models(tmp_path: Path, bpe_gguf: Path) -> Path:
+    """An entry as a user writes it: no grammar keys, a context that holds an agent's
+    prompt (5-15k tokens)."""
+    f = tmp_path / "plain.toml"
+    f.write_text(f'[models.plain]\npath = "{bpe_gguf}"\ncontext = 32768\nparallel = 1\n')
+    return f
+
+
+MAX_OUT = 24
+"""The replays' cap on an answer (the recorded bodies ask for 32,000; a random-weight
+model never stops on its own)."""
+
+
+def capped(path: str, body: dict[str, object]) -> dict[str, object]:
+    """``body`` for the plain entry, its answer capped at ``MAX_OUT`` tokens."""
+    out = {**body, "model": "plain"}
+    keys = [k for k in ("max_tokens", "max_output_tokens", "max_completion_tokens")
+            if k in out]
+    for k in keys or ["max_output_tokens" if path.endswith("/responses") else "max_tokens"]:
+        out[k] = MAX_OUT
+    return out
+
+
 @pytest.mark.parametrize("agent", sorted(AGENTS))
-def test_recorded_requests_are_answered(agent: str, agent_models: Path) -> None:
-    with daemon_process("--models", str(agent_models), "--http", "127.0.0.1:0"):
+def test_recorded_requests_are_answered(agent: str, plain_models: Path) -> None:
+    """Every recorded request, tools and all, through the conversion a user's plain
+    entry takes: its tools' schemas compiled for the constraint engine, not bypassed."""
+    with daemon_process("--models", str(plain_models), "--http", "127.0.0.1:0"):
         url = fleet_http()
         for line in (DATA / f"{agent}.jsonl").read_text().splitlines():
             recorded = json.loads(line)
-            body = {**recorded["body"], "model": f"agent-{agent}"}
+            body = capped(recorded["path"], recorded["body"])
             status, _, answer = raw(url, "POST", recorded["path"], json.dumps(body).encode(),
                                     {**recorded["headers"], "authorization": "",
                                      "x-api-key": ""})

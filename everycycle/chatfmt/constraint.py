@@ -65,6 +65,9 @@ def json_schema(schema: str | dict[str, Any] | bool, where: str = "json_schema")
     llguidance does not implement, a schema too large.
     """
     parsed = _parse(schema, where)
+    if parsed is False:
+        raise InvalidRequestError(f"{where}: the schema is `false`: no value matches it")
+    parsed = _integral_counts({} if parsed is True else parsed)
     count_nodes(parsed, where)
     try:
         grammar: str = _llg().LLMatcher.grammar_from_json_schema(parsed, defaults=JSON_OPTIONS)
@@ -121,6 +124,25 @@ def _parse(schema: str | dict[str, Any] | bool, where: str) -> dict[str, Any] | 
     if not isinstance(schema, dict | bool):
         raise InvalidRequestError(f"{where} must be a JSON Schema: an object or a boolean")
     return schema
+
+
+_COUNTS = frozenset(("minItems", "maxItems", "minLength", "maxLength", "minProperties",
+                     "maxProperties", "minContains", "maxContains"))
+
+
+def _integral_counts(schema: Any) -> Any:
+    """``schema`` with counts written as integral numbers (``2.0``, which JSON Schema
+    reads as the integer 2) written as integers, as llguidance expects them."""
+    if isinstance(schema, list):
+        return [_integral_counts(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: int(v) if k in _COUNTS and isinstance(v, float) and v.is_integer()
+            else v if k in _VALUES else _integral_counts(v) for k, v in schema.items()}
+
+
+_VALUES = frozenset(("const", "enum", "default", "examples"))
+"""Keywords whose value is data, not a schema: left exactly as they are."""
 
 
 def count_nodes(schema: object, where: str, limit: int = MAX_SCHEMA_NODES) -> int:
