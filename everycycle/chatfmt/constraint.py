@@ -67,7 +67,10 @@ def json_schema(schema: str | dict[str, Any] | bool, where: str = "json_schema")
     parsed = _parse(schema, where)
     if parsed is False:
         raise InvalidRequestError(f"{where}: the schema is `false`: no value matches it")
-    parsed = _integral_counts({} if parsed is True else parsed)
+    try:
+        parsed = _integral_counts({} if parsed is True else parsed)
+    except RecursionError:
+        raise InvalidRequestError(f"{where}: nested too deeply") from None
     count_nodes(parsed, where)
     try:
         grammar: str = _llg().LLMatcher.grammar_from_json_schema(parsed, defaults=JSON_OPTIONS)
