@@ -20,10 +20,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from llamacheck import smollm2  # noqa: E402
+from llamacheck import smollm2
 
-from everycycle.chatfmt import constraint  # noqa: E402
-from everycycle.chatfmt.tools import ToolFormat, call_grammar  # noqa: E402
+from everycycle.chatfmt import constraint
+from everycycle.chatfmt.tools import ToolFormat, call_grammar
 
 
 def agent_tools(agent: str) -> list[dict[str, Any]]:
