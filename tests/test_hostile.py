@@ -321,7 +321,7 @@ HOSTILE = {
     "description": ({"json_schema": {"type": "string", "description": "x" * 60_000}},
                     None),  # (the socket's limit on a schema is 64 KiB)
     # Refused before anything is queued, naming why.
-    "deep": ({"json_schema": _deep(400)}, "nested too deeply"),
+    "deep": ({"json_schema": _deep(400)}, "recursion limit exceeded"),
     "properties": ({"json_schema": {"type": "object", "properties": {
         f"p{i}": {} for i in range(4_000)}}}, "too large"),
     "enum": ({"json_schema": {"enum": [f"v{i}" for i in range(6_000)]}}, "too large"),

@@ -15,11 +15,11 @@ so that what is broken is refused before a model is asked.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, ProtocolError
+from ..protocol.validation import parse_json
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 """What OpenAI's ``response_format: {"type": "json_object"}`` asks for."""
@@ -117,16 +117,18 @@ def short(message: str, limit: int = 600) -> str:
 
 
 def _parse(schema: str | dict[str, Any] | bool, where: str) -> dict[str, Any] | bool:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as exc:
-            raise InvalidRequestError(f"{where} is not JSON: {exc}") from None
-        except RecursionError:
-            raise InvalidRequestError(f"{where}: nested too deeply") from None
-    if not isinstance(schema, dict | bool):
-        raise InvalidRequestError(f"{where} must be a JSON Schema: an object or a boolean")
-    return schema
+    if not isinstance(schema, str):
+        if not isinstance(schema, dict | bool):
+            raise InvalidRequestError(f"{where} must be {_SCHEMA_SHAPE}")
+        return schema
+    try:
+        parsed: dict[str, Any] | bool = parse_json(where, schema, dict | bool, _SCHEMA_SHAPE)
+    except ProtocolError as exc:
+        raise InvalidRequestError(exc.message) from None
+    return parsed
+
+
+_SCHEMA_SHAPE = "a JSON Schema: an object or a boolean"
 
 
 _COUNTS = frozenset(("minItems", "maxItems", "minLength", "maxLength", "minProperties",
@@ -140,12 +142,24 @@ def _integral_counts(schema: Any) -> Any:
         return [_integral_counts(v) for v in schema]
     if not isinstance(schema, dict):
         return schema
-    return {k: int(v) if k in _COUNTS and isinstance(v, float) and v.is_integer()
-            else v if k in _VALUES else _integral_counts(v) for k, v in schema.items()}
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in _COUNTS and isinstance(v, float) and v.is_integer():
+            out[k] = int(v)
+        elif k in _VALUES:
+            out[k] = v
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):  # names, then schemas
+            out[k] = {name: _integral_counts(sub) for name, sub in v.items()}
+        else:
+            out[k] = _integral_counts(v)
+    return out
 
 
 _VALUES = frozenset(("const", "enum", "default", "examples"))
 """Keywords whose value is data, not a schema: left exactly as they are."""
+_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas"))
+"""Keywords whose value maps names (never keywords) to schemas."""
 
 
 def count_nodes(schema: object, where: str, limit: int = MAX_SCHEMA_NODES) -> int:

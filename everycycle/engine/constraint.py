@@ -113,9 +113,6 @@ class Matcher:
             raise InvalidRequestError(f"the grammar refused token {tok}: "
                                       f"{short(self._m.get_error()) or 'not allowed here'}")
 
-    def close(self) -> None:
-        self._m = None
-
 
 class Constraints:
     """The matchers of one model: its tokenizer (built on first use) and the grammars

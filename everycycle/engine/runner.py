@@ -297,7 +297,6 @@ class Runner(EngineThread):
                 self._embedder.close()
             if self._vision is not None:
                 self._vision.close()
-            self._samplers.close()
             self._constraints.close()
             if self._kvdisk is not None:  # (on the engine thread's behalf: it has ended)
                 for slot in self._slots:

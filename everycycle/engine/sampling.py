@@ -97,9 +97,6 @@ class Samplers:
                 raise InvalidRequestError(f"logit_bias: token {b.token} is not in this "
                                           f"model's vocabulary of {self._n_vocab}")
 
-    def close(self) -> None:
-        """Nothing held between jobs (kept for the Runner's close)."""
-
     def free(self, sampler: Any) -> None:
         if sampler is not None:
             self._L.llama_sampler_free(sampler)

@@ -274,8 +274,9 @@ class EngineThread:
         L = self._L
         matcher = None
         if job.spec.sampling.grammar is not None:
-            # Its own matcher: the grammar was compiled when the job was checked, off
-            # this thread, and a copy costs microseconds.
+            # Its own matcher: a copy (microseconds) of the grammar compiled when the
+            # job was checked, off this thread (compiled here only if it has since
+            # left the compiled grammars kept, Constraints.KEEP).
             try:
                 matcher = self._constraints.matcher(job.spec.sampling.grammar)
             except InvalidRequestError as exc:

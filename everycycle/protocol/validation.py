@@ -14,6 +14,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Mapping
+from types import UnionType
 from typing import Any, TypeVar, dataclass_transform
 
 from ..errors import ProtocolError
@@ -80,7 +81,8 @@ def check_model_name(name: str) -> str:
     return check_name("model", name)
 
 
-def parse_json(what: str, text: str, kind: type, shape: str, *, are: bool = False) -> Any:
+def parse_json(what: str, text: str, kind: type | UnionType, shape: str, *,
+               are: bool = False) -> Any:
     """``text`` parsed as JSON, which must be a ``kind`` (``shape`` names it in the
     error, e.g. "a JSON object"; ``are``: ``what`` is plural). Raises ProtocolError."""
     try:
