@@ -226,3 +226,54 @@ def test_grammar_errors() -> None:
     with pytest.raises(InvalidRequestError, match="uniqueItems"):
         tc.call_grammar(H, [fn("x", {"type": "object", "properties": {
             "y": {"type": "array", "uniqueItems": True}}})], forced=True)
+
+
+def test_objects_generate_only_the_properties_they_name(vocab: Any) -> None:
+    # JSON Schema lets an object without additionalProperties hold any key; a sampled
+    # model given that choice invents keys until max_tokens (a CI failure: `"type":
+    # "number", "properties": ...` inside add's arguments). As llama.cpp's converter does,
+    # only the named properties are generated; additionalProperties says otherwise.
+    from everycycle.chatfmt.constraint import json_schema
+
+    point = {"type": "object", "properties": {"x": {"type": "integer"},
+                                              "tag": {"type": "object",
+                                                      "properties": {"k": {"type": "string"}}}}}
+    closed = json_schema(point)
+    assert vocab.accepts(closed, '{"x": 1, "tag": {"k": "a"}}')
+    assert not vocab.accepts(closed, '{"x": 1, "y": 2}')
+    assert not vocab.accepts(closed, '{"x": 1, "tag": {"k": "a", "j": "b"}}')
+    opened = json_schema({**point, "additionalProperties": True})
+    assert vocab.accepts(opened, '{"x": 1, "y": 2}')
+    call = tc.call_grammar(G, [fn("move", point)], forced=True)
+    assert vocab.accepts(call, '{"tool_calls": [{"name": "move", "arguments": {"x": 1}}]}')
+    assert not vocab.accepts(
+        call, '{"tool_calls": [{"name": "move", "arguments": {"x": 1, "type": "number"}}]}')
+
+
+@pytest.mark.parametrize("schema,text", [
+    # closing one branch of an intersection would refuse what the other allows
+    ({"allOf": [{"properties": {"a": {"type": "integer"}}},
+                {"properties": {"b": {"type": "integer"}}}]}, '{"a": 1, "b": 2}'),
+    ({"$defs": {"base": {"properties": {"a": {"type": "integer"}}}},
+      "$ref": "#/$defs/base", "properties": {"b": {"type": "integer"}}}, '{"a": 1, "b": 2}'),
+    # under oneOf, narrower branches could seem disjoint where the written ones are not
+    ({"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}},
+                 "required": ["a"]}, {"type": "string"}]}, '{"a": 1, "b": "x"}'),
+])
+def test_objects_are_left_open_where_closing_would_not_only_narrow(
+        vocab: Any, schema: dict[str, Any], text: str) -> None:
+    from everycycle.chatfmt.constraint import closed_objects, json_schema
+
+    assert closed_objects(schema) == schema
+    assert vocab.accepts(json_schema(schema), text)
+
+
+def test_whitespace_is_llama_cpps_a_space_or_a_line_break_and_indent(vocab: Any) -> None:
+    from everycycle.chatfmt.constraint import json_schema
+
+    grammar = json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert vocab.accepts(grammar, '{"a":1}')
+    assert vocab.accepts(grammar, '{\n  "a": 1\n}')
+    assert vocab.accepts(grammar, '{\n\n\t"a" : 1 }')
+    assert not vocab.accepts(grammar, '{\n\n\n"a": 1}')  # a run of blank lines
+    assert not vocab.accepts(grammar, '{  "a": 1}')  # two spaces and no line break

@@ -24,10 +24,14 @@ from ..protocol.validation import parse_json
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 """What OpenAI's ``response_format: {"type": "json_object"}`` asks for."""
 
+WS_PATTERN = r"(?: |\n{1,2}[ \t]{0,20})?"
+"""Whitespace between JSON tokens, in the constraints we compile (a regex)."""
+
 JSON_OPTIONS: dict[str, Any] = {
-    # Whitespace between tokens, as llama.cpp's converter allows it: a little (an
-    # indented answer), never an endless run of it.
-    "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}",
+    # Whitespace between tokens exactly as llama.cpp's converter allows it (its
+    # ``space`` rule): one space, or a line break or two and an indent; never a run of
+    # blank lines a sampled model can spend its whole budget on.
+    "whitespace_pattern": WS_PATTERN,
 }
 """llguidance's JSON compile options (its defaults otherwise: strict ``oneOf``, every
 unimplemented keyword an error)."""
@@ -64,19 +68,93 @@ def json_schema(schema: str | dict[str, Any] | bool, where: str = "json_schema")
     Raises InvalidRequestError naming what is wrong: not JSON, not a schema, a keyword
     llguidance does not implement, a schema too large.
     """
-    parsed = _parse(schema, where)
-    if parsed is False:
-        raise InvalidRequestError(f"{where}: the schema is `false`: no value matches it")
-    try:
-        parsed = _integral_counts({} if parsed is True else parsed)
-    except RecursionError:
-        raise InvalidRequestError(f"{where}: nested too deeply") from None
+    parsed = for_generation(_parse(schema, where), where)
     count_nodes(parsed, where)
     try:
         grammar: str = _llg().LLMatcher.grammar_from_json_schema(parsed, defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"{where}: {exc}") from None
     return check(grammar, where)
+
+
+def for_generation(schema: dict[str, Any] | bool, where: str) -> dict[str, Any]:
+    """``schema`` as the constraint engine is given it: ``true`` as ``{}``, counts
+    written ``2.0`` as integers (llguidance wants them so), and objects closed to the
+    properties they do not name (``closed_objects``). Raises InvalidRequestError for
+    ``false`` (nothing matches it) and for nesting too deep to walk."""
+    if schema is False:
+        raise InvalidRequestError(f"{where}: the schema is `false`: no value matches it")
+    try:
+        return closed_objects(_integral_counts({} if schema is True else schema))
+    except RecursionError:
+        raise InvalidRequestError(f"{where}: nested too deeply") from None
+
+
+def closed_objects(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with every object schema that names its ``properties`` and says nothing
+    of other names (no ``additionalProperties``, ``patternProperties``,
+    ``unevaluatedProperties``) closed to them (``additionalProperties: false``).
+
+    JSON Schema lets such an object hold any other key, and a sampled model, given the
+    choice, goes on inventing keys until ``max_tokens``; llama.cpp's converter and
+    OpenAI's strict mode generate only the named properties, and so do we (a schema
+    says ``"additionalProperties": true`` to allow others). Closing narrows what may be
+    generated, so every output still validates against the schema as written; where it
+    would not only narrow, the schema is left as it is: objects intersected (``allOf``,
+    a ``$ref`` beside keywords of its own, ``if``, ``dependentSchemas``, dynamic refs:
+    closing one part refuses names another allows) and schemas read in the negative or
+    counted (``not``, ``oneOf``, ``contains``: a narrower branch there can let through
+    a value the schema as written refuses).
+    """
+    if _unclosable(schema):
+        return schema
+    return dict(_close(schema))
+
+
+_OPENING = frozenset(("additionalProperties", "patternProperties", "unevaluatedProperties"))
+_UNCLOSABLE = frozenset(("allOf", "if", "dependentSchemas", "$dynamicRef", "$recursiveRef",
+                         "unevaluatedProperties", "not", "oneOf", "contains"))
+
+
+def _unclosable(schema: Any) -> bool:
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if _UNCLOSABLE & node.keys() or ("$ref" in node and len(node) > 1 and
+                                                _SIBLINGS & node.keys()):
+                return True
+            for k, v in node.items():
+                if k in _SCHEMA_MAPS and isinstance(v, dict):
+                    stack.extend(v.values())  # (its keys are names, not keywords)
+                elif k not in _VALUES:
+                    stack.append(v)
+    return False
+
+
+_SIBLINGS = frozenset(("properties", "required", "type", "items", "prefixItems",
+                       "anyOf", "oneOf"))
+"""Keywords beside a ``$ref`` that make it an intersection (annotations do not)."""
+
+
+def _close(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_close(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in _VALUES:
+            out[k] = v
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _close(sub) for name, sub in v.items()}
+        else:
+            out[k] = _close(v)
+    if isinstance(schema.get("properties"), dict) and not _OPENING & schema.keys():
+        out["additionalProperties"] = False
+    return out
 
 
 def lark(text: str, where: str = "grammar") -> str:

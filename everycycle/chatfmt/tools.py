@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidRequestError
-from .constraint import JSON_OPTIONS, count_nodes, lark
+from .constraint import JSON_OPTIONS, WS_PATTERN, count_nodes, for_generation, lark
 
 
 class ToolFormat(enum.Enum):
@@ -175,7 +175,7 @@ def _call_rules(fmt: ToolFormat, chosen: Sequence[Tool]) -> list[str]:
     rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(chosen)))}",
              f"bare: {' | '.join(f'bare_{i}' for i in range(len(chosen)))}"]
     for i, tool in enumerate(chosen):
-        schema = {**tool.parameters, "x-guidance": JSON_OPTIONS}
+        schema = {**for_generation(tool.parameters, "tools"), "x-guidance": JSON_OPTIONS}
         tail = ""
         if fmt is ToolFormat.MISTRAL:
             tail = f' WS "," WS {_lit(json.dumps("id"))} WS ":" WS MISTRAL_ID'
@@ -235,5 +235,5 @@ def call_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], *, forced:
                  f'{listed} WS "]" WS "}}"'),
                  f"response: %json {json.dumps(response)}"]
     lines = ["%llguidance {}", f"start: {start}", *rules, *_call_rules(fmt, chosen),
-             r"WS: /[ \t\r\n]{0,20}/", r"TEXT: /(.|\n)*/"]
+             f"WS: /{WS_PATTERN}/", r"TEXT: /(.|\n)*/"]
     return lark("\n".join(lines), "tools")
