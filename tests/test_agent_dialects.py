@@ -120,7 +120,13 @@ def openai_client(url: str) -> Iterator[openai.OpenAI]:
 
 
 def test_a_namespace_function_is_called_back_by_namespace_and_name(url: str) -> None:
-    request = {**CODEX, "stream": False, "max_output_tokens": 1024,
+    # The task's string bounded: a random-weight model, greedy, may never close it.
+    spawn = {"type": "function", "name": "spawn_agent", "description": "Spawn.",
+             "parameters": {"type": "object", "properties": {
+                 "task": {"type": "string", "maxLength": 16}}, "required": ["task"]}}
+    tools = [{**t, "tools": [spawn]} if t.get("type") == "namespace" else t
+             for t in CODEX["tools"]]
+    request = {**CODEX, "stream": False, "max_output_tokens": 1024, "tools": tools,
                "tool_choice": {"type": "function", "name": "multi_agent_v1.spawn_agent"}}
     status, _, body = raw(url, "POST", "/v1/responses", json.dumps(request).encode(),
                           {"content-type": "application/json"})

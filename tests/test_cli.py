@@ -604,3 +604,34 @@ def test_rm_removes_only_your_own_entries(tiny_gguf: Path) -> None:
     out = ec("rm", "smollm2-135m")  # shipped: not the user's to remove
     assert out.returncode == 2 and "shipped" in out.stderr
     assert ec("rm", "nosuch").returncode == 2
+
+
+def test_launch_warns_when_the_context_cannot_hold_the_agents_prompt(
+        spawn_daemon: SpawnDaemon, tiny_gguf: Path, tmp_path: Path) -> None:
+    models = tmp_path / "contexts.toml"
+    models.write_text("".join(f'[models.c{n}]\npath = "{tiny_gguf}"\ncontext = {n}\n'
+                              for n in (512, 16384, 32768)))
+    # A stand-in `claude` (a real program on PATH) that shows where launch sent it.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "claude"
+    fake.write_text('#!/bin/sh\necho "claude at $ANTHROPIC_BASE_URL with $*"\n')
+    fake.chmod(0o755)
+    spawn_daemon("--http", "127.0.0.1:0", models=models)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+    def launch(model: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([*EC, "launch", "claude", "-m", model, "--models", str(models)],
+                              capture_output=True, text=True, env=env, timeout=60,
+                              check=False)
+        assert done.returncode == 0, done.stderr
+        assert "claude at http://127.0.0.1:" in done.stdout, done.stdout
+        assert f"--model {model}" in done.stdout
+        return done
+
+    small = launch("c512").stderr
+    assert ("model 'c512' has a 512-token context; claude's first request alone is about "
+            "12,000 tokens") in small
+    assert "refused as too long" in small and "context = 32768" in small
+    assert "little room" in launch("c16384").stderr
+    assert "warning" not in launch("c32768").stderr

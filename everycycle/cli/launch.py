@@ -51,6 +51,28 @@ class Agent:
     """Its environment's changes (None: unset)."""
     args: Callable[[Endpoint], list[str]]
     """Arguments before the user's own."""
+    prompt: int
+    """About how many tokens its first request takes (system prompt and tool schemas),
+    measured on its recorded requests (tests/data/agents) with SmolLM2's tokenizer."""
+
+
+ROOM = 8_192
+"""Tokens a context needs past an agent's first prompt: its answers, tool results and
+the turns that follow."""
+
+
+def context_warning(agent: Agent, where: Endpoint) -> str | None:
+    """A line for stderr when the model's context cannot hold the agent's session."""
+    if where.context >= agent.prompt + ROOM:
+        return None
+    need = -(-(agent.prompt + ROOM) // 4096) * 4096
+    too_long = where.context < agent.prompt
+    return (f"everycycle: warning: model '{where.model}' has a {where.context:,}-token "
+            f"context; {agent.command}'s first request alone is about {agent.prompt:,} "
+            f"tokens (its system prompt and tools), "
+            + ("so every request will be refused as too long" if too_long else
+               "which leaves little room for a session") +
+            f". Give the model `context = {max(need, 32_768)}` in models.toml.")
 
 
 def _claude_env(e: Endpoint) -> dict[str, str | None]:
@@ -90,13 +112,13 @@ def opencode_config(e: Endpoint) -> Path:
 
 AGENTS: dict[str, Agent] = {a.name: a for a in (
     Agent("claude", "claude", "@anthropic-ai/claude-code", "Anthropic Messages",
-          _claude_env, lambda e: ["--model", e.model]),
+          _claude_env, lambda e: ["--model", e.model], prompt=12_000),
     Agent("codex", "codex", "@openai/codex", "OpenAI Responses",
-          lambda e: {"EVERYCYCLE_API_KEY": e.key}, _codex_args),
+          lambda e: {"EVERYCYCLE_API_KEY": e.key}, _codex_args, prompt=9_500),
     Agent("opencode", "opencode", "opencode-ai", "OpenAI chat completions",
           lambda e: {"OPENCODE_CONFIG": str(opencode_config(e)),
                      "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1"},
-          lambda e: []),
+          lambda e: [], prompt=7_700),
 )}
 
 
@@ -175,5 +197,8 @@ def launch(
     argv = [binary, *row.args(where), *ctx.args]
     sys.stderr.write(f"everycycle: {row.command} on {where.base} ({row.wire}), model "
                      f"'{where.model}'\n")
+    warning = context_warning(row, where)
+    if warning:
+        sys.stderr.write(warning + "\n")
     sys.stderr.flush()
     os.execve(binary, argv, env)
