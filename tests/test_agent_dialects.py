@@ -190,3 +190,19 @@ def test_a_prompt_longer_than_the_context_gets_each_dialects_words(
 def test_models_say_their_context(openai_client: openai.OpenAI) -> None:
     tiny = openai_client.models.retrieve("tiny")
     assert tiny.model_extra is not None and tiny.model_extra["context_length"] == 8192
+
+
+def test_an_output_codex_made_itself_is_read_without_a_call_id(url: str) -> None:
+    # Codex 0.171 sends a goal's objective as a function_call_output named by `name` and
+    # `namespace`, with no call_id and no call before it (found by running it by hand).
+    own = {"type": "function_call_output", "id": "fco_1", "name": "goal_objective",
+           "namespace": "agent", "output": "say hello"}
+    request = {**CODEX, "stream": False, "input": [*CODEX["input"], own]}
+    status, _, body = raw(url, "POST", "/v1/responses", json.dumps(request).encode(),
+                          {"content-type": "application/json"})
+    assert status == 200, body
+    nameless = {"type": "function_call_output", "output": "x"}
+    request = {**CODEX, "stream": False, "input": [*CODEX["input"], nameless]}
+    status, _, body = raw(url, "POST", "/v1/responses", json.dumps(request).encode(),
+                          {"content-type": "application/json"})
+    assert status == 400 and b"needs its call_id (or the name of its tool)" in body, body

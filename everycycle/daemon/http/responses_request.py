@@ -107,8 +107,11 @@ def messages(data: dict[str, Any]) -> tuple[Message, ...]:
             _call(out, where, item)
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id, output = item.get("call_id"), item.get("output")
-            if not isinstance(call_id, str):
-                raise _bad(where, f"a {kind} needs its call_id")
+            # Codex also sends outputs it made itself (a goal's objective), named by
+            # `name` and `namespace` with no call before them: a tool result of no call.
+            if not isinstance(call_id, str) and not isinstance(item.get("name"), str):
+                raise _bad(where, f"a {kind} needs its call_id (or the name of its tool)")
+            call_id = call_id if isinstance(call_id, str) else None
             _append(out, where, Role.TOOL, _content(f"{where}.output", output),
                     call_id=call_id)
         elif kind == "message" and item.get("role") in ("system", "developer"):
