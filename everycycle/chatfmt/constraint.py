@@ -85,7 +85,7 @@ def for_generation(schema: dict[str, Any] | bool, where: str) -> dict[str, Any]:
     if schema is False:
         raise InvalidRequestError(f"{where}: the schema is `false`: no value matches it")
     try:
-        return closed_objects(_integral_counts({} if schema is True else schema))
+        return closed_objects({} if schema is True else schema)
     except RecursionError:
         raise InvalidRequestError(f"{where}: nested too deeply") from None
 
@@ -104,11 +104,10 @@ def closed_objects(schema: dict[str, Any]) -> dict[str, Any]:
     a ``$ref`` beside keywords of its own, ``if``, ``dependentSchemas``, dynamic refs:
     closing one part refuses names another allows) and schemas read in the negative or
     counted (``not``, ``oneOf``, ``contains``: a narrower branch there can let through
-    a value the schema as written refuses).
+    a value the schema as written refuses). Counts are made integers in the same walk.
     """
-    if _unclosable(schema):
-        return schema
-    return dict(_close(schema))
+    rewritten: dict[str, Any] = _rewrite(schema, close=not _unclosable(schema))
+    return rewritten
 
 
 _OPENING = frozenset(("additionalProperties", "patternProperties", "unevaluatedProperties"))
@@ -123,8 +122,7 @@ def _unclosable(schema: Any) -> bool:
         if isinstance(node, list):
             stack.extend(node)
         elif isinstance(node, dict):
-            if _UNCLOSABLE & node.keys() or ("$ref" in node and len(node) > 1 and
-                                                _SIBLINGS & node.keys()):
+            if _UNCLOSABLE & node.keys() or ("$ref" in node and _SIBLINGS & node.keys()):
                 return True
             for k, v in node.items():
                 if k in _SCHEMA_MAPS and isinstance(v, dict):
@@ -137,24 +135,6 @@ def _unclosable(schema: Any) -> bool:
 _SIBLINGS = frozenset(("properties", "required", "type", "items", "prefixItems",
                        "anyOf", "oneOf"))
 """Keywords beside a ``$ref`` that make it an intersection (annotations do not)."""
-
-
-def _close(schema: Any) -> Any:
-    if isinstance(schema, list):
-        return [_close(v) for v in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for k, v in schema.items():
-        if k in _VALUES:
-            out[k] = v
-        elif k in _SCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: _close(sub) for name, sub in v.items()}
-        else:
-            out[k] = _close(v)
-    if isinstance(schema.get("properties"), dict) and not _OPENING & schema.keys():
-        out["additionalProperties"] = False
-    return out
 
 
 def lark(text: str, where: str = "grammar") -> str:
@@ -213,11 +193,12 @@ _COUNTS = frozenset(("minItems", "maxItems", "minLength", "maxLength", "minPrope
                      "maxProperties", "minContains", "maxContains"))
 
 
-def _integral_counts(schema: Any) -> Any:
+def _rewrite(schema: Any, close: bool) -> Any:
     """``schema`` with counts written as integral numbers (``2.0``, which JSON Schema
-    reads as the integer 2) written as integers, as llguidance expects them."""
+    reads as the integer 2) written as integers, as llguidance expects them, and with
+    ``close``, objects closed (``closed_objects``)."""
     if isinstance(schema, list):
-        return [_integral_counts(v) for v in schema]
+        return [_rewrite(v, close) for v in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
@@ -227,9 +208,11 @@ def _integral_counts(schema: Any) -> Any:
         elif k in _VALUES:
             out[k] = v
         elif k in _SCHEMA_MAPS and isinstance(v, dict):  # names, then schemas
-            out[k] = {name: _integral_counts(sub) for name, sub in v.items()}
+            out[k] = {name: _rewrite(sub, close) for name, sub in v.items()}
         else:
-            out[k] = _integral_counts(v)
+            out[k] = _rewrite(v, close)
+    if close and isinstance(schema.get("properties"), dict) and not _OPENING & schema.keys():
+        out["additionalProperties"] = False
     return out
 
 

@@ -65,14 +65,13 @@ def context_warning(agent: Agent, where: Endpoint) -> str | None:
     """A line for stderr when the model's context cannot hold the agent's session."""
     if where.context >= agent.prompt + ROOM:
         return None
-    need = -(-(agent.prompt + ROOM) // 4096) * 4096
     too_long = where.context < agent.prompt
     return (f"everycycle: warning: model '{where.model}' has a {where.context:,}-token "
             f"context; {agent.command}'s first request alone is about {agent.prompt:,} "
             f"tokens (its system prompt and tools), "
             + ("so every request will be refused as too long" if too_long else
                "which leaves little room for a session") +
-            f". Give the model `context = {max(need, 32_768)}` in models.toml.")
+            f". Give the model `context = {max(32_768, agent.prompt + ROOM)}` in models.toml.")
 
 
 def _claude_env(e: Endpoint) -> dict[str, str | None]:
