@@ -213,3 +213,24 @@ def test_thoughts_come_in_thinking_blocks(spawn_daemon: SpawnDaemon, tmp_path: P
         0].thinking
     assert [b.type for b in final.content] == [b.type for b in m.content if b.type != "text"
                                                or b.text]
+
+
+def test_claude_codes_billing_line_does_not_break_the_cached_prefix(
+        client: anthropic.Anthropic) -> None:
+    """Claude Code's first system block is a billing line that changes per request: it
+    is left out of the prompt, so the next request reuses the whole prefix."""
+    rules = "You are a careful assistant. " * 20
+
+    def ask(build: str) -> anthropic.types.Message:
+        return client.messages.create(
+            model="tiny", max_tokens=2, extra_body=GREEDY, messages=HI,
+            system=[{"type": "text", "text": "x-anthropic-billing-header: cc_version="
+                     f"2.1.332.{build}; cc_entrypoint=sdk-cli;"},
+                    {"type": "text", "text": rules}])
+
+    first, second = ask("8ef"), ask("e5d")
+    total = first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
+    assert second.usage.cache_read_input_tokens == total - 1  # all but the last token
+    no_line = client.messages.create(model="tiny", max_tokens=2, extra_body=GREEDY,
+                                     messages=HI, system=rules)
+    assert no_line.usage.cache_read_input_tokens == total - 1  # the same prompt

@@ -615,7 +615,8 @@ def test_launch_warns_when_the_context_cannot_hold_the_agents_prompt(
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "claude"
-    fake.write_text('#!/bin/sh\necho "claude at $ANTHROPIC_BASE_URL with $*"\n')
+    fake.write_text('#!/bin/sh\necho "claude at $ANTHROPIC_BASE_URL with $*"\n'
+                    'echo "billing line: $CLAUDE_CODE_ATTRIBUTION_HEADER"\n')
     fake.chmod(0o755)
     spawn_daemon("--http", "127.0.0.1:0", models=models)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
@@ -627,6 +628,7 @@ def test_launch_warns_when_the_context_cannot_hold_the_agents_prompt(
         assert done.returncode == 0, done.stderr
         assert "claude at http://127.0.0.1:" in done.stdout, done.stdout
         assert f"--model {model}" in done.stdout
+        assert "billing line: 0" in done.stdout  # (a stable prefix, cached across turns)
         return done
 
     small = launch("c512").stderr

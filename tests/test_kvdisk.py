@@ -102,3 +102,44 @@ async def test_a_changed_gguf_never_restores(tmp_path: Path, tiny_gguf: Path) ->
     async with running_daemon(registry(tmp_path, gguf, context=1024)):
         _, changed = await turn("m", talk)
         assert changed.cached_tokens == 0
+
+
+def _flip(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 4096] = os.urandom(len(data[mid:mid + 4096]))
+    f.write_bytes(bytes(data))
+
+
+def _truncate(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[: f.stat().st_size * 2 // 3])
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "foreign"])
+async def test_a_damaged_saved_prefix_is_removed_and_prefilled(
+        tmp_path: Path, tiny_gguf: Path, damage: str,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """A saved state is restored only when its checksum, store and tokens hold: random
+    bytes in its middle, a file cut short, or another model's file (same tokens, same
+    name, another store) is removed with a warning, and the prompt is prefilled."""
+    gguf, other = tmp_path / "copy.gguf", tmp_path / "other.gguf"
+    shutil.copy(tiny_gguf, gguf)
+    shutil.copy(tiny_gguf, other)
+    talk = (Message(Role.USER, "hello world " * 60),)
+    async with running_daemon(registry(tmp_path, gguf, context=1024)):
+        answer, cold = await turn("m", talk)
+    (saved,) = (paths.cache_dir() / "kv").glob("*/*.kv")
+    if damage == "foreign":  # the same conversation saved by a different model file
+        async with running_daemon(registry(tmp_path, other, context=1024)):
+            await turn("m", talk)
+        (theirs,) = [f for f in (paths.cache_dir() / "kv").glob("*/*.kv") if f != saved]
+        shutil.copy(theirs, saved)
+    else:
+        (_flip if damage == "flipped" else _truncate)(saved)
+    capfd.readouterr()
+    async with running_daemon(registry(tmp_path, gguf, context=1024)):
+        again, warm = await turn("m", talk)
+        assert not saved.exists()  # (until this daemon's unload saves the prefix anew)
+    assert warm.cached_tokens == 0 and warm.prompt_tokens == cold.prompt_tokens
+    assert again == answer  # (two cold prefills of the same prompt)
+    assert "failed its checksum" in capfd.readouterr().err

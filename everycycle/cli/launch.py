@@ -82,7 +82,9 @@ def _claude_env(e: Endpoint) -> dict[str, str | None]:
             "ANTHROPIC_DEFAULT_OPUS_MODEL": e.model, "ANTHROPIC_DEFAULT_SONNET_MODEL": e.model,
             "ANTHROPIC_DEFAULT_HAIKU_MODEL": e.model, "ANTHROPIC_SMALL_FAST_MODEL": e.model,
             "CLAUDE_CODE_SUBAGENT_MODEL": e.model, "DISABLE_TELEMETRY": "1",
-            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
+            # No per-request billing line in the system prompt: the prefix stays cached.
+            "CLAUDE_CODE_ATTRIBUTION_HEADER": "0"}
 
 
 def _codex_args(e: Endpoint) -> list[str]:

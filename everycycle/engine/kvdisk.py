@@ -11,6 +11,12 @@ then the state). The key is the GGUF file's identity (real path, size, mtime, in
 and the context's settings (tokens a slot, KV type, the llama.cpp build): an entry of a
 file that changed is never used. A store holds at most ``limit`` bytes; the least
 recently used entries go first. Files are written whole (statefile.replace).
+
+A saved state is trusted only when it proves itself: its header names the store it
+belongs to and carries a SHA-256 of that store key, its tokens and the state's bytes,
+checked before the state goes near llama.cpp. A flipped byte, a truncated file or one
+copied from another store is removed with one warning and the prompt is prefilled; a
+wrong answer from a damaged cache is never an option.
 """
 
 from __future__ import annotations
@@ -24,14 +30,15 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .. import statefile
 from .jobs import common_prefix
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"everycycle-kv 1\n"
+MAGIC = b"everycycle-kv 2\n"
+"""(Version 1 files, with no checksum, are never read; the store's limit ages them out.)"""
 MIN_TOKENS = 32
 """Prefixes shorter than this are not worth a file (or a restore)."""
 
@@ -54,6 +61,7 @@ class KVDisk:
     """One model's saved prefixes (used on its engine thread only)."""
 
     def __init__(self, root: Path, key: str, limit: int) -> None:
+        self.key = key
         self.dir = root / "kv" / key
         self.root = root / "kv"
         self.limit = limit
@@ -70,13 +78,15 @@ class KVDisk:
     def _header(path: Path) -> tuple[int, ...] | None:
         try:
             with path.open("rb") as f:
-                if f.read(len(MAGIC)) != MAGIC:
-                    return None
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(size))
-            return tuple(int(t) for t in header["tokens"])
+                return _read_header(f)[0]
         except (OSError, ValueError, KeyError, TypeError, struct.error):
             return None
+
+    def _digest(self, tokens: Sequence[int], state: bytes) -> str:
+        h = hashlib.sha256(self.key.encode() + b"\n")
+        h.update(json.dumps(list(tokens)).encode() + b"\n")
+        h.update(state)
+        return h.hexdigest()
 
     def best(self, tokens: Sequence[int], better_than: int) -> Entry | None:
         """The entry sharing the longest prefix with ``tokens``, if it shares more than
@@ -88,17 +98,25 @@ class KVDisk:
         return found if shared >= MIN_TOKENS and shared > better_than else None
 
     def load(self, entry: Entry) -> bytes | None:
-        """``entry``'s state (its file marked used now), or None when it is unreadable."""
+        """``entry``'s state (its file marked used now), or None when it is unreadable
+        or fails its checks (then the file is removed, with a warning)."""
         try:
             with entry.path.open("rb") as f:
-                f.seek(len(MAGIC))
-                (size,) = struct.unpack("<Q", f.read(8))
-                f.seek(size, os.SEEK_CUR)
+                tokens, store, digest = _read_header(f)
                 data = f.read()
-            os.utime(entry.path)
-        except (OSError, struct.error):
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            tokens, store, digest, data = (), "", "", b""
+        if (tokens != entry.tokens or store != self.key
+                or digest != self._digest(tokens, data)):
+            log.warning("a cached prefix in %s failed its checksum (damaged, cut short or "
+                        "from another model); removed, the prompt is computed instead",
+                        entry.path)
             self.entries.remove(entry)
+            with contextlib.suppress(OSError):
+                entry.path.unlink()
             return None
+        with contextlib.suppress(OSError):
+            os.utime(entry.path)
         return data
 
     def save(self, tokens: Sequence[int], state: bytes) -> None:
@@ -106,8 +124,9 @@ class KVDisk:
         then trim the whole store to its limit. Never raises (a cache is optional)."""
         if len(tokens) < MIN_TOKENS or not state or len(state) > self.limit:
             return
-        header = json.dumps({"tokens": list(tokens)}).encode()
-        name = hashlib.sha256(header).hexdigest()[:24] + ".kv"
+        name = hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:24] + ".kv"
+        header = json.dumps({"tokens": list(tokens), "store": self.key,
+                             "sha256": self._digest(tokens, state)}).encode()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             statefile.replace(self.dir / name, MAGIC + struct.pack("<Q", len(header))
@@ -141,6 +160,17 @@ class KVDisk:
                 f.unlink()
                 total -= size
                 self.entries = [e for e in self.entries if e.path != f]
+
+
+def _read_header(f: BinaryIO) -> tuple[tuple[int, ...], str, str]:
+    """(tokens, store key, checksum) from a file's header; raises ValueError (or OSError,
+    KeyError, TypeError, struct.error) when there is no such header."""
+    if f.read(len(MAGIC)) != MAGIC:
+        raise ValueError("not a saved state")
+    (size,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(size))
+    return (tuple(int(t) for t in header["tokens"]), str(header["store"]),
+            str(header["sha256"]))
 
 
 def save_sequence(L: object, ctx: object, seq: int, tokens: Sequence[int],

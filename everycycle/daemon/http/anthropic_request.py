@@ -14,12 +14,18 @@ any block, tool flags (``defer_loading``, ``cache_control``, ``strict``), server
 (``web_search_*``, ``bash_*``, ...: we run none; they are left out of the prompt, with a
 debug line) and ``metadata``/``context_management``/``output_config``/``service_tier``
 are accepted; ``output_config.effort`` asks a thinking model to think.
+
+Claude Code starts its system prompt with an ``x-anthropic-billing-header:`` line whose
+fields change between requests (a build hash, an entry point): it is Anthropic's billing
+metadata, not an instruction, and left in it would make every request's prompt differ
+from its first token, so no cached prefix could ever be reused. The line is left out.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
@@ -30,6 +36,9 @@ from .common import HttpError, deadline, image_part, joined_text, sampling_optio
 from .openai_request import check_types
 
 log = logging.getLogger(__name__)
+
+_BILLING = re.compile(r"^x-anthropic-billing-header:[^\n]*(?:\n|$)", re.MULTILINE)
+"""Claude Code's billing line (see the module's doc)."""
 
 _CHOICES = {"auto": ToolChoice.AUTO, "any": ToolChoice.REQUIRED, "none": ToolChoice.NONE}
 
@@ -115,6 +124,18 @@ def _turn(where: str, role: str, blocks: list[Any]) -> list[Message]:
     return out
 
 
+def _system_text(where: str, content: object) -> str:
+    """A system prompt's text without Claude Code's billing line (a block of its own
+    in the requests it sends; a line wherever it is)."""
+    text = text_of(where, content)  # (checks every block)
+    if "x-anthropic-billing-header:" not in text:
+        return text
+    log.debug("%s: an x-anthropic-billing-header line is left out of the prompt", where)
+    if isinstance(content, list):
+        return "".join(_BILLING.sub("", block["text"]) for block in content)
+    return _BILLING.sub("", text)
+
+
 def messages(data: dict[str, Any]) -> tuple[Message, ...]:
     """``system`` and ``messages`` as protocol Messages. Raises HttpError (400)."""
     raw = data.get("messages")
@@ -123,13 +144,13 @@ def messages(data: dict[str, Any]) -> tuple[Message, ...]:
     out: list[Message] = []
     systems: list[str] = []
     system = data.get("system")
-    if system is not None and (text := text_of("system", system)):
+    if system is not None and (text := _system_text("system", system)):
         systems.append(text)
     for i, item in enumerate(raw):
         where = f"messages[{i}]"
         role = item.get("role") if isinstance(item, dict) else None
         if role == "system":  # (Claude Code's): into the one system prompt, in order
-            if text := text_of(f"{where}.content", item.get("content")):
+            if text := _system_text(f"{where}.content", item.get("content")):
                 systems.append(text)
             continue
         if role not in ("user", "assistant"):
