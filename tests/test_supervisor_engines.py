@@ -47,6 +47,7 @@ class FakeEngine:
         self.offloaded: tuple[int, int] | None = None
         self.lookup_exact = False
         self.lookup_drafted = self.lookup_accepted = 0
+        self.prompt_cache = None
         self.dead: str | None = None
         self.exit_cause: str | None = None
         self.pid: int | None = next(_pids)

@@ -65,6 +65,10 @@ def daemon(
         "--hang-timeout", min=0, help="Seconds a model's engine may make no progress "
         "with work in hand before it is taken for hung: killed and restarted, its "
         "requests told why (0: never).")] = 60.0,
+    http_heartbeat: Annotated[float, typer.Option(
+        "--http-heartbeat", min=0, help="Seconds an HTTP stream may go without a byte while "
+        "its request waits, loads or reads its prompt before it gets a keep-alive (a ping "
+        "its client's idle timer counts; 0: never).")] = 5.0,
     show_token: Annotated[bool, typer.Option("--show-token", help="Print the TCP token.")]
     = False,
 ) -> None:
@@ -122,7 +126,8 @@ def daemon(
                           keep_alive=keep_seconds, rpc=rpc_hosts,
                           max_loaded_models=max_loaded_models,
                           cors_origins=tuple(cors_origin or ()),
-                          allowed_hosts=tuple(allow_host or ()))
+                          allowed_hosts=tuple(allow_host or ()),
+                          http_heartbeat=http_heartbeat)
     import anyio
 
     try:

@@ -147,6 +147,11 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
             lookups.append(f"{m.name} off")
     if lookups:
         footer = "prompt lookup: " + ", ".join(lookups) + "\n" + footer
+    caches = [f"{m.name} {_mib(m.prompt_cache_bytes or 0)} in RAM, "
+              f"{m.prompt_cache_hits or 0} restored, {m.prompt_cache_evictions or 0} evicted"
+              for m in snapshot.loaded_models if m.prompt_cache_hits is not None]
+    if caches:
+        footer = "prompt cache: " + ", ".join(caches) + "\n" + footer
     if snapshot.principals:
         footer += " (" + ", ".join(f"{p.name} {p.active_requests}"
                                    for p in snapshot.principals) + ")"

@@ -116,6 +116,7 @@ class FleetView:
         device_layers, total_layers = _device_layers(m)
         lane = self.requests.lane(m.name)
         left = self.residency.idle_left(m, time.monotonic())
+        cache = m.engine.prompt_cache
         return LoadedModel(
             name=m.name,
             revision=m.spec.revision,
@@ -137,6 +138,9 @@ class FleetView:
             engine_rss=m.engine.rss(),
             engine_restarts=m.restarts or None,
             engine_exit=m.last_exit,
+            prompt_cache_bytes=cache.ram_bytes if cache else None,
+            prompt_cache_hits=cache.hits if cache else None,
+            prompt_cache_evictions=cache.evictions if cache else None,
             state=("failed" if m.failed is not None else "restarting" if m.up is not None
                    else None),
         )

@@ -61,8 +61,23 @@ class _Fleet(Collector):
             "everycycle_lookup_accepted_tokens",
             "Prompt-lookup draft tokens the model confirmed since it was loaded.",
             labels=["model"])
+        cache_bytes = GaugeMetricFamily(
+            "everycycle_prompt_cache_bytes",
+            "Host RAM each model's prompt cache holds.", labels=["model"])
+        cache_hits = CounterMetricFamily(
+            "everycycle_prompt_cache_hits",
+            "Prompts restored from the prompt cache (RAM or disk) since the model loaded.",
+            labels=["model"])
+        cache_evictions = CounterMetricFamily(
+            "everycycle_prompt_cache_evictions",
+            "Conversations the prompt cache moved out of RAM since the model loaded.",
+            labels=["model"])
         per_executor = {e.name: 0 for e in snap.executors}
         for m in snap.loaded_models:
+            if m.prompt_cache_hits is not None:
+                cache_bytes.add_metric([m.name], m.prompt_cache_bytes or 0)
+                cache_hits.add_metric([m.name], m.prompt_cache_hits)
+                cache_evictions.add_metric([m.name], m.prompt_cache_evictions or 0)
             drafted.add_metric([m.name], m.lookup_drafted or 0)
             accepted.add_metric([m.name], m.lookup_accepted or 0)
             queued.add_metric([m.name], m.queued or 0)
@@ -95,7 +110,7 @@ class _Fleet(Collector):
         for model, seconds in sorted(residency.room_waits.total.items()):
             waited.add_metric([model], seconds)
         yield from (queued, busy, slots, loaded, active, drafted, accepted, deaths, evictions,
-                    loads, waited)
+                    loads, waited, cache_bytes, cache_hits, cache_evictions)
 
 
 class Metrics:

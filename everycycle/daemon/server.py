@@ -40,6 +40,11 @@ from .supervisor import Limits, Outcome, Supervisor
 log = logging.getLogger(__name__)
 
 
+HTTP_HEARTBEAT = 5.0
+"""Seconds of silence after which an HTTP stream gets its dialect's heartbeat: well
+inside every client idle limit we know of (Codex's is 300 s)."""
+
+
 @dataclass(frozen=True, slots=True)
 class DaemonConfig:
     """Everything ``serve`` needs; the CLI builds it from flags."""
@@ -65,6 +70,8 @@ class DaemonConfig:
     """Host names the loopback HTTP API answers besides 127.0.0.1, ::1 and localhost."""
     max_loaded_models: int | None = None
     """At most this many models resident (None: models.toml's figure, or memory)."""
+    http_heartbeat: float = HTTP_HEARTBEAT
+    """Seconds of silence after which an HTTP stream gets a heartbeat (0: never)."""
 
 
 @contextlib.contextmanager
@@ -266,7 +273,8 @@ class Daemon:
             self._http = HttpApi(self.supervisor, Metrics(self.supervisor), keys=self.keys,
                                  require_key=remote or config.http_auth, loopback=not remote,
                                  allowed_hosts=config.allowed_hosts,
-                                 cors_origins=config.cors_origins)
+                                 cors_origins=config.cors_origins,
+                                 heartbeat_s=config.http_heartbeat)
         self.keys.keys()  # a loose or broken key file stops start-up, naming it
 
     def stop(self) -> None:

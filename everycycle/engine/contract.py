@@ -27,6 +27,16 @@ Notify = Callable[[list[tuple[Job, Output]]], None]
 """Called on an engine's own thread with one step's outputs (must not block)."""
 
 
+class CacheStats(NamedTuple):
+    """What a model's prompt cache holds and has done (promptcache.py), for the fleet
+    and /metrics."""
+
+    ram_bytes: int
+    entries: int
+    hits: int
+    evictions: int
+
+
 class Engine(Protocol):
     """A model resident on an executor, decoding for ``parallel`` slots."""
 
@@ -53,6 +63,11 @@ class Engine(Protocol):
     @property
     def images_encoded(self) -> int:
         """Images its vision projector encoded."""
+        ...
+
+    @property
+    def prompt_cache(self) -> CacheStats | None:
+        """Its prompt cache's figures, as last reported (None: it keeps none)."""
         ...
 
     def submit(self, job: Job) -> None:
@@ -110,6 +125,8 @@ class LoadOptions:
     """Where its cached prefixes are saved at unload and restored from (kvdisk.py)."""
     kv_cache_disk: int = 0
     """The bytes they may take there, for all models (0: none are saved)."""
+    kv_cache_ram: int = 0
+    """The bytes of host RAM its prompt cache may hold (promptcache.py; 0: none)."""
 
 
 # ---------------------------------------------------------------------- the pipe
@@ -338,6 +355,8 @@ class Heartbeat(NamedTuple):
     engine sends none, or the same count while it has work)."""
 
     steps: int
+    cache: CacheStats | None = None
+    """The prompt cache's figures now."""
 
 
 HEARTBEAT_S = 1.0

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,8 @@ def store_key(gguf: Path, *parts: object) -> str:
 
 
 class KVDisk:
-    """One model's saved prefixes (used on its engine thread only)."""
+    """One model's saved prefixes (its prompt cache's disk tier: promptcache.py). Any
+    thread: the files are read and written outside the lock that guards the list."""
 
     def __init__(self, root: Path, key: str, limit: int) -> None:
         self.key = key
@@ -66,6 +68,7 @@ class KVDisk:
         self.root = root / "kv"
         self.limit = limit
         self.entries: list[Entry] = []
+        self._lock = threading.Lock()
         with contextlib.suppress(OSError):
             for tmp in self.dir.glob(".*.tmp"):  # a save cut short (its engine killed)
                 tmp.unlink()
@@ -82,7 +85,7 @@ class KVDisk:
         except (OSError, ValueError, KeyError, TypeError, struct.error):
             return None
 
-    def _digest(self, tokens: Sequence[int], state: bytes) -> str:
+    def _digest(self, tokens: Sequence[int], state: Any) -> str:
         h = hashlib.sha256(self.key.encode() + b"\n")
         h.update(json.dumps(list(tokens)).encode() + b"\n")
         h.update(state)
@@ -91,7 +94,9 @@ class KVDisk:
     def best(self, tokens: Sequence[int], better_than: int) -> Entry | None:
         """The entry sharing the longest prefix with ``tokens``, if it shares more than
         ``better_than`` tokens (and at least MIN_TOKENS)."""
-        found = max(self.entries, key=lambda e: common_prefix(e.tokens, tokens), default=None)
+        with self._lock:
+            found = max(self.entries, key=lambda e: common_prefix(e.tokens, tokens),
+                        default=None)
         if found is None:
             return None
         shared = common_prefix(found.tokens, tokens)
@@ -111,7 +116,7 @@ class KVDisk:
             log.warning("a cached prefix in %s failed its checksum (damaged, cut short or "
                         "from another model); removed, the prompt is computed instead",
                         entry.path)
-            self.entries.remove(entry)
+            self.forget(entry)
             with contextlib.suppress(OSError):
                 entry.path.unlink()
             return None
@@ -119,9 +124,23 @@ class KVDisk:
             os.utime(entry.path)
         return data
 
-    def save(self, tokens: Sequence[int], state: bytes) -> None:
-        """Keep ``state`` (the KV cells of ``tokens``), replacing an entry it extends;
-        then trim the whole store to its limit. Never raises (a cache is optional)."""
+    def forget(self, entry: Entry) -> None:
+        """Never offer ``entry`` again."""
+        with self._lock:
+            if entry in self.entries:
+                self.entries.remove(entry)
+
+    def has(self, tokens: Sequence[int]) -> bool:
+        """Whether ``tokens`` are saved exactly."""
+        key = tuple(tokens)
+        with self._lock:
+            return any(e.tokens == key for e in self.entries)
+
+    def save(self, tokens: Sequence[int], state: Any) -> None:
+        """Keep ``state`` (the KV cells of ``tokens``: bytes, or the ctypes array
+        llama.cpp wrote), replacing an entry it extends; then trim the whole store to
+        its limit. Never raises (a cache is optional)."""
+        state = memoryview(state).cast("B")
         if len(tokens) < MIN_TOKENS or not state or len(state) > self.limit:
             return
         name = hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:24] + ".kv"
@@ -129,23 +148,24 @@ class KVDisk:
                              "sha256": self._digest(tokens, state)}).encode()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            statefile.replace(self.dir / name, MAGIC + struct.pack("<Q", len(header))
-                              + header + state)
+            statefile.replace(self.dir / name, b"".join(
+                (MAGIC, struct.pack("<Q", len(header)), header, state)))
         except OSError as exc:
             log.warning("cannot keep a cached prefix in %s: %s", self.dir, exc)
             return
         keep = tuple(tokens)
-        for old in list(self.entries):  # a shorter prefix of the same conversation
-            if old.tokens == keep[:len(old.tokens)] and old.path.name != name:
-                with contextlib.suppress(OSError):
-                    old.path.unlink()
-                self.entries.remove(old)
-        self.entries = [e for e in self.entries if e.path.name != name]
-        self.entries.append(Entry(self.dir / name, keep))
-        self._trim()
+        with self._lock:
+            for old in list(self.entries):  # a shorter prefix of the same conversation
+                if old.tokens == keep[:len(old.tokens)] and old.path.name != name:
+                    with contextlib.suppress(OSError):
+                        old.path.unlink()
+                    self.entries.remove(old)
+            self.entries = [e for e in self.entries if e.path.name != name]
+            self.entries.append(Entry(self.dir / name, keep))
+            self._trim()
 
     def _trim(self) -> None:
-        """Remove the least recently used files of every store until all fit the limit."""
+        """(Under the lock.) Remove the least recently used files of every store until all fit the limit."""
         files = []
         with contextlib.suppress(OSError):
             for f in self.root.glob("*/*.kv"):
@@ -173,29 +193,16 @@ def _read_header(f: BinaryIO) -> tuple[tuple[int, ...], str, str]:
             str(header["sha256"]))
 
 
-def save_sequence(L: object, ctx: object, seq: int, tokens: Sequence[int],
-                  disk: KVDisk) -> None:
-    """Save sequence ``seq`` of ``ctx`` (holding ``tokens``) into ``disk``."""
-    import ctypes
-
-    lib: Any = L
-    size = int(lib.llama_state_seq_get_size(ctx, seq))
-    if size <= 0:
-        return
-    buf = (ctypes.c_uint8 * size)()
-    n = int(lib.llama_state_seq_get_data(ctx, buf, size, seq))
-    if n > 0:
-        disk.save(tokens, bytes(memoryview(buf)[:n]))
-
-
-def restore_sequence(L: object, ctx: object, mem: object, seq: int, state: bytes) -> bool:
-    """Put ``state`` into sequence ``seq`` of ``ctx`` (emptied first); False when
-    llama.cpp refuses it (then the sequence is empty)."""
+def restore_sequence(L: object, ctx: object, mem: object, seq: int, state: Any) -> bool:
+    """Put ``state`` (bytes, or the ctypes array llama.cpp wrote) into sequence ``seq``
+    of ``ctx`` (emptied first); False when llama.cpp refuses it (then the sequence is
+    empty)."""
     import ctypes
 
     lib: Any = L
     lib.llama_memory_seq_rm(mem, seq, -1, -1)
-    buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+    buf = ((ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+           if isinstance(state, bytes) else state)
     if int(lib.llama_state_seq_set_data(ctx, buf, len(state), seq)) == 0:
         lib.llama_memory_seq_rm(mem, seq, -1, -1)
         return False

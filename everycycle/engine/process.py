@@ -36,6 +36,7 @@ from ..hardware.cpukernels import signal_cause
 from ..protocol import Format, Message
 from .contract import (
     HEARTBEAT_S,
+    CacheStats,
     Call,
     CancelJob,
     CheckGrammar,
@@ -139,6 +140,7 @@ class EngineProcess:
         self.lookup_drafted = 0
         self.lookup_accepted = 0
         self.images_encoded = 0
+        self.prompt_cache: CacheStats | None = None
         self._finished = threading.Event()
         """Set once the pipe closed and the child's end was handled (``_ended``)."""
         self._stop_reading: Callable[[], None] | None = None
@@ -243,6 +245,7 @@ class EngineProcess:
     def _handle(self, message: object) -> bool:
         """One message from the child; False once it said it closed."""
         if isinstance(message, Heartbeat):
+            self.prompt_cache = message.cache
             if message.steps != self._steps:
                 self._steps, self._progress = message.steps, time.monotonic()
             else:

@@ -23,6 +23,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,9 @@ from ..chatfmt.chat import ChatFormat, ChatPrompt, flat
 from ..errors import InternalError
 from ..hardware import cpukernels
 from ..protocol import Format, Message, Role
-from . import kvdisk
+from . import kvdisk, promptcache
 from .constraint import Constraints
-from .contract import LoadOptions, Notify
+from .contract import CacheStats, LoadOptions, Notify
 from .jobs import EMBED_MAX_TOKENS, Job, Output
 from .llamaload import create_context, devices_for, load_model
 from .logits import RowLogits
@@ -73,7 +74,7 @@ class Runner(EngineThread):
                    mmproj=Path(options.mmproj) if options.mmproj else None,
                    label=options.name or None, kv_disk=(
                        Path(options.kv_cache_dir) if options.kv_cache_dir else None,
-                       options.kv_cache_disk))
+                       options.kv_cache_disk), kv_ram=options.kv_cache_ram)
 
     def __init__(
         self,
@@ -92,6 +93,7 @@ class Runner(EngineThread):
         mmproj: Path | None = None,
         label: str | None = None,
         kv_disk: tuple[Path | None, int] = (None, 0),
+        kv_ram: int = 0,
     ) -> None:
         import llama_cpp as L
 
@@ -147,12 +149,14 @@ class Runner(EngineThread):
         self._mem = L.llama_get_memory(ctx)
         self.n_ctx_slot = L.llama_n_ctx(ctx) // parallel
         cache_dir, limit = kv_disk
-        self._kvdisk = (kvdisk.KVDisk(cache_dir, kvdisk.store_key(
-            path, self.n_ctx_slot, kv_cache_type,
-            *cpukernels.build_identity()), limit)
-            if cache_dir is not None and limit > 0 and mmproj is None and self._n_swa == 0
-            else None)
-        """Cached prefixes saved at close and restored by prompts that extend them."""
+        disk = (kvdisk.KVDisk(cache_dir, kvdisk.store_key(
+            path, self.n_ctx_slot, kv_cache_type, *cpukernels.build_identity()), limit)
+            if cache_dir is not None and limit > 0 else None)
+        self._cache = (promptcache.PromptCache(kv_ram, disk)
+                       if (disk is not None or kv_ram > 0) and mmproj is None
+                       and self._n_swa == 0 else None)
+        """Conversations the slots gave up (RAM) or held at close (disk), restored by
+        prompts that extend them."""
         self._batch = L.llama_batch_init(n_batch, 0, 1)
         self._slots = [Slot(seq=i) for i in range(parallel)]
         self._pending: deque[Job] = deque()
@@ -173,6 +177,11 @@ class Runner(EngineThread):
         probed.wait()
 
     # ------------------------------------------------------------------ any thread
+
+    @property
+    def prompt_cache(self) -> CacheStats | None:
+        """Its prompt cache's figures now (None: it keeps none)."""
+        return self._cache.stats if self._cache is not None else None
 
     @property
     def images_encoded(self) -> int:
@@ -298,11 +307,9 @@ class Runner(EngineThread):
             if self._vision is not None:
                 self._vision.close()
             self._constraints.close()
-            if self._kvdisk is not None:  # (on the engine thread's behalf: it has ended)
-                for slot in self._slots:
-                    if len(slot.cached) >= kvdisk.MIN_TOKENS:
-                        kvdisk.save_sequence(L, self._ctx, slot.seq, slot.cached,
-                                             self._kvdisk)
+            if self._cache is not None:  # (on the engine thread's behalf: it has ended)
+                self._cache.spill([(slot.cached, partial(
+                    promptcache.copy_state, L, self._ctx, slot.seq)) for slot in self._slots])
             L.llama_batch_free(self._batch)
             L.llama_free(self._ctx)
             L.llama_model_free(self._model)

@@ -35,6 +35,8 @@ class Slot:
     draft_row: int = 0
     prompt: Any = None
     """A job with images: its libmtmd prompt, once read (vision.Prompt)."""
+    used: int = 0
+    """When a job last started here (the engine's step count then)."""
 
     def reset_text(self) -> None:
         """A new job: nothing held back."""
@@ -84,7 +86,9 @@ class Slot:
 
 
 def best_slot(free: Sequence[Slot], tokens: Sequence[int]) -> tuple[Slot, int]:
-    """The free slot whose cached tokens share the longest prefix with ``tokens``, and
-    how many of them it can reuse (at least one token is left to get logits from)."""
-    slot = max(free, key=lambda s: common_prefix(s.cached, tokens))
+    """The free slot whose cached tokens share the longest prefix with ``tokens`` (on a
+    tie an empty one, else the least recently used: the conversation least likely to
+    come back is the one given up), and how many of them it can reuse (at least one
+    token is left to get logits from)."""
+    slot = max(free, key=lambda s: (common_prefix(s.cached, tokens), not s.cached, -s.used))
     return slot, min(common_prefix(slot.cached, tokens), len(tokens) - 1)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import EverycycleError, InternalError, InvalidRequestError
-from . import kvdisk
+from . import kvdisk, promptcache
 from .constraint import Constraints
 from .contract import Notify
 from .jobs import EMBED_MAX_TOKENS, Job, Logprob, Output, common_prefix
@@ -70,8 +70,8 @@ class EngineThread:
     _embedder: Any
     _vision: Any
     """The model's Vision (images in), or None."""
-    _kvdisk: kvdisk.KVDisk | None
-    """Prefixes saved on disk (None: not kept)."""
+    _cache: promptcache.PromptCache | None
+    """Prefixes kept beyond the slots, in RAM and on disk (None: not kept)."""
 
     def _run(self, probed: threading.Event) -> None:
         # Every llama_decode of this context runs on this thread, the load-time probe
@@ -283,7 +283,10 @@ class EngineThread:
                 out.append((job, Output("", (), True, "error", exc)))
                 return
         slot, reuse = best_slot([s for s in self._slots if s.job is None], job.spec.tokens)
-        if self._kvdisk is not None and not job.spec.images:
+        if self._cache is not None and not job.spec.images:
+            if len(slot.cached) - reuse >= kvdisk.MIN_TOKENS:  # another conversation's
+                self._cache.keep(slot.cached, partial(
+                    promptcache.copy_state, L, self._ctx, slot.seq))
             reuse = self._restore(slot, job, reuse)
         if reuse > 0 and self._n_swa > 0:
             # A sliding-window layer has dropped the cells before its window: the
@@ -297,7 +300,7 @@ class EngineThread:
         else:
             L.llama_memory_seq_rm(self._mem, slot.seq, reuse if reuse else -1, -1)
             del slot.cached[reuse:]
-        slot.job = job
+        slot.job, slot.used = job, self.steps
         greedy = job.spec.sampling.plain_greedy
         slot.grammar = matcher
         slot.sampler = self._samplers.chain(job.spec.sampling, self.n_ctx_slot)  # None: plain greedy
@@ -311,18 +314,18 @@ class EngineThread:
         job.n_prompt, job.n_reused, job.n_generated = len(job.spec.tokens), reuse, 0
 
     def _restore(self, slot: Slot, job: Job, reuse: int) -> int:
-        """Restore a prefix saved on disk into ``slot`` when it is longer than what the
-        slot would reuse; the tokens it now reuses."""
-        assert self._kvdisk is not None
-        entry = self._kvdisk.best(job.spec.tokens, reuse)
-        state = self._kvdisk.load(entry) if entry is not None else None
-        if entry is None or state is None:
+        """Restore a prefix kept in the prompt cache into ``slot`` when it is longer
+        than what the slot would reuse; the tokens it now reuses."""
+        assert self._cache is not None
+        found = self._cache.best(job.spec.tokens, reuse)
+        state = self._cache.state(found) if found is not None else None
+        if found is None or state is None:
             return reuse
         if not kvdisk.restore_sequence(self._L, self._ctx, self._mem, slot.seq, state):
-            self._kvdisk.entries.remove(entry)  # (never tried again)
+            self._cache.forget(found)  # (never tried again)
             slot.cached.clear()
             return 0
-        slot.cached[:] = entry.tokens
+        slot.cached[:] = found.tokens
         return min(common_prefix(slot.cached, job.spec.tokens), len(job.spec.tokens) - 1)
 
     def _prepare_images(self, slot: Slot, out: list[tuple[Job, Output]]) -> None:

@@ -54,6 +54,7 @@ _KEYS = {
     "grammar": str,
     "grammar_after_tools": str,
     "kv_cache_disk": int,
+    "kv_cache_ram": int,
 }
 _KEYS.update({p.name: object for p in sampling.PARAMS})  # (checked by the table)
 _SOURCES = ("path", "package", "hf_repo")
@@ -139,6 +140,9 @@ class ModelSpec:
     """GBNF that holds its replies to tool results."""
     kv_cache_disk: int = 2048
     """MiB of cached prefixes kept on disk when it is unloaded (0: none)."""
+    kv_cache_ram: int = -1
+    """MiB of host RAM for the conversations its slots gave up (0: none; -1: a quarter
+    of the memory available when it loads, at most 8 GiB)."""
 
     @property
     def hub_ref(self) -> hub.HubRef:
@@ -289,6 +293,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         grammar=raw.get("grammar"),
         grammar_after_tools=raw.get("grammar_after_tools"),
         kv_cache_disk=raw.get("kv_cache_disk", 2048),
+        kv_cache_ram=raw.get("kv_cache_ram", -1),
     )
 
 

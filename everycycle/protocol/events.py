@@ -99,7 +99,8 @@ class ExecutorSummary:
 @message(names=(), ranges={
     "slots": U32, "busy": U32, "queued": U32, "device_layers": U32, "total_layers": U32,
     "unload_in_ms": COUNT, "keep_alive_ms": (-1, COUNT[1]), "weights_bytes": COUNT,
-    "kv_bytes": COUNT, "engine_pid": COUNT, "engine_rss": COUNT, "engine_restarts": COUNT})
+    "kv_bytes": COUNT, "engine_pid": COUNT, "engine_rss": COUNT, "engine_restarts": COUNT,
+    "prompt_cache_bytes": COUNT, "prompt_cache_hits": COUNT, "prompt_cache_evictions": COUNT})
 class LoadedModel:
     """A model resident on an executor; ``revision`` is its pinned commit, if any."""
 
@@ -138,6 +139,12 @@ class LoadedModel:
     """``loading`` while it loads (``queued``: the requests waiting for it),
     ``restarting`` while its engine restarts, ``failed`` after a crash loop (until
     ``Load``); absent while it serves."""
+    prompt_cache_bytes: int | None = field(default=None, metadata=_EXT)
+    """Host RAM its prompt cache holds (conversations its slots gave up)."""
+    prompt_cache_hits: int | None = field(default=None, metadata=_EXT)
+    """Prompts restored from its prompt cache (RAM or disk) since it loaded."""
+    prompt_cache_evictions: int | None = field(default=None, metadata=_EXT)
+    """Conversations its prompt cache moved out of RAM (to disk, or gone)."""
 
 
 @message(names=(), ranges={"age_ms": COUNT, "tokens": COUNT})

@@ -163,6 +163,9 @@ class _Message(_Exchange):
         await self.write(send, sse_event("message_start", {"message": self._message(
             [], None, {"input_tokens": 0, "output_tokens": 0})}))
 
+    async def heartbeat(self, send: Send) -> None:
+        await self.write(send, sse_event("ping", {}))
+
     async def answer_stream(self, events: Events, send: Send) -> None:
         async for event, outcome in self.streamed(events, send):
             if isinstance(event, Accepted):

@@ -40,8 +40,10 @@ class HttpApi:
 
     def __init__(self, supervisor: Supervisor, metrics: Metrics, *, keys: KeyStore,
                  require_key: bool, loopback: bool = True, allowed_hosts: Sequence[str] = (),
-                 cors_origins: Sequence[str] = ()) -> None:
+                 cors_origins: Sequence[str] = (), heartbeat_s: float) -> None:
         self.supervisor = supervisor
+        self.heartbeat_s = heartbeat_s
+        """Seconds of silence after which a stream gets a heartbeat (0: never)."""
         self.metrics = metrics
         self.reader = Reader(supervisor, keys, require_key=require_key)
         self._tg: anyio.abc.TaskGroup | None = None

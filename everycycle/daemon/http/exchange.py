@@ -6,12 +6,19 @@ An ``Exchange`` is the ASGI response: it hands the request to the supervisor, th
 gives the dialect's ``respond`` the request's events as they come, each terminal
 event with its Outcome. A client that disconnects (or a write that fails) cancels
 the request on the supervisor within one decode step.
+
+A stream never goes quiet while we work: when nothing was written for ``heartbeat_s``
+(waiting in the queue, a model loading, a long prompt's prefill), the dialect's
+``heartbeat`` is written — something its clients' idle timers count and their parsers
+skip — so an agent with a stream-idle limit (Codex's is 300 s) does not give up on a
+request that is only slow to begin.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -51,9 +58,11 @@ STATUS = {
 
 
 class Spawner(Protocol):
-    """Where request tasks run (the daemon's task group), and the supervisor."""
+    """Where request tasks run (the daemon's task group), the supervisor, and the
+    seconds of silence after which a stream gets a heartbeat."""
 
     supervisor: Supervisor
+    heartbeat_s: float
 
     def spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None: ...
 
@@ -77,7 +86,10 @@ class HttpPeer:
 
     def __init__(self, principal: Principal) -> None:
         self.principal = principal
-        self.box: Mailbox[tuple[ServerEvent, Outcome | None]] = Mailbox()
+        self.box: Mailbox[tuple[ServerEvent, Outcome | None] | None] = Mailbox()
+        """The request's events; None is a tick (time to see whether the stream is quiet)."""
+        self.tick: Callable[[], Awaitable[None]] | None = None
+        """What a tick does, in the task that reads the events (so writes never overlap)."""
 
     def emit(self, event: ServerEvent, outcome: Outcome | None = None) -> None:
         self.box.put((event, outcome))
@@ -90,7 +102,10 @@ class HttpPeer:
             except anyio.EndOfStream:
                 return
             for item in batch:
-                yield item
+                if item is not None:
+                    yield item
+                elif self.tick is not None:
+                    await self.tick()
 
 
 def retry_after(outcome: Outcome | None) -> str:
@@ -171,6 +186,9 @@ class Exchange:
     stream = False
     """Whether the client asked for a stream (else one whole answer)."""
 
+    last_write = 0.0
+    """When the stream last wrote (time.monotonic)."""
+
     async def respond(self, events: Events, send: Send) -> None:
         """Answer the client from the request's events, in the dialect's shape."""
         if self.stream:
@@ -211,6 +229,23 @@ class Exchange:
     async def begin(self, send: Send, event: ServerEvent) -> None:
         """What a stream writes first, before its first event (``event``)."""
 
+    async def heartbeat(self, send: Send) -> None:
+        """What a stream writes after ``heartbeat_s`` of silence: something its clients'
+        idle timers count and their parsers skip. An SSE comment unless the dialect
+        says."""
+        await self.write(send, b": keep-alive\n\n")
+
+    async def _beat(self, send: Send) -> None:
+        if self.started and time.monotonic() - self.last_write >= self.api.heartbeat_s:
+            await self.heartbeat(send)
+
+    async def _ticks(self, peer: HttpPeer) -> None:
+        """Tick twice a heartbeat period: a stream is never quiet for 1.5 periods."""
+        while True:
+            await anyio.sleep(self.api.heartbeat_s / 2)
+            if self.started and time.monotonic() - self.last_write >= self.api.heartbeat_s:
+                peer.box.put(None)
+
     async def streamed(self, events: Events, send: Send) -> Events:
         """The request's events for a stream: an Error before any other event is answered
         whole (``fail``); any other first event begins the stream (SSE, ``begin``)."""
@@ -226,6 +261,7 @@ class Exchange:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         peer = HttpPeer(self.principal)
+        peer.tick = lambda: self._beat(send)
         sup = self.api.supervisor
         for req in self.reqs:
             self.api.spawn(sup.handle, peer, req)
@@ -241,6 +277,8 @@ class Exchange:
                             return
 
                 tg.start_soon(watch)
+                if self.stream and self.api.heartbeat_s > 0:
+                    tg.start_soon(self._ticks, peer)
                 try:
                     await self.respond(peer.events(), send)
                 except OSError:  # the client went away while we wrote
@@ -277,11 +315,12 @@ class Exchange:
         await self.send_json(send, status, body, extra)
 
     async def start_stream(self, send: Send, content_type: str) -> None:
+        self.last_write = time.monotonic()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*self.headers(content_type), (b"cache-control", b"no-cache")]})
 
-    @staticmethod
-    async def write(send: Send, data: bytes) -> None:
+    async def write(self, send: Send, data: bytes) -> None:
+        self.last_write = time.monotonic()
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
     @staticmethod

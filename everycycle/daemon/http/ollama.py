@@ -147,15 +147,17 @@ class _Answer(Exchange):
             await self.send_json(send, 200, dumps(answer))
             return
 
+    async def heartbeat(self, send: Send) -> None:
+        await self._line(send, self.shape.line(""))  # (a line of no text, as a queued one)
+
     async def answer_stream(self, events: Events, send: Send) -> None:
-        started = False
         async for event, outcome in events:
-            if isinstance(event, Error) and not started:
+            if isinstance(event, Error) and not self.started:
                 await self.send_error(send, event, outcome, _error(event))
                 return
-            if not started:
+            if not self.started:
                 await self.start_stream(send, NDJSON)
-                started = True
+                self.started = True
             if isinstance(event, Accepted) and event.queue_position:
                 await self._line(send, self.shape.line("", queue_position=event.queue_position))
             elif isinstance(event, ToolCalls):

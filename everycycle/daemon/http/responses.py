@@ -197,6 +197,9 @@ class _Response(Exchange):
         await self._emit(send, "response.created",
                          response=self._object("queued" if queued else "in_progress"))
 
+    async def heartbeat(self, send: Send) -> None:
+        await self._emit(send, "response.in_progress", response=self._object("in_progress"))
+
     async def answer_stream(self, events: Events, send: Send) -> None:
         async for event, outcome in self.streamed(events, send):
             if isinstance(event, Accepted):

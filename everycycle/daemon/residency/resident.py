@@ -23,6 +23,7 @@ import anyio.abc
 import anyio.to_thread
 
 from ... import paths
+from ...engine import promptcache
 from ...engine.contract import Engine, LoadOptions, Notify
 from ...errors import (
     ErrorKind,
@@ -315,6 +316,7 @@ class Residency:
                              extra_bufts=kernels.extra, name=spec.name,
                              kv_cache_dir=str(paths.cache_dir()),
                              kv_cache_disk=max(spec.kv_cache_disk, 0) << 20,
+                             kv_cache_ram=promptcache.ram_limit(spec.kv_cache_ram),
                              mmproj=str(projector) if projector is not None else None)
         if remote is not None:
             holder = self.host_in_use(remote)
