@@ -320,3 +320,25 @@ async def test_a_load_that_cannot_allocate_is_refused_with_the_numbers(
         assert "llama.cpp could not allocate the KV cache" in message
         assert d.supervisor.residency.models == {}
         assert answered(await ask("tiny"))
+
+
+async def test_a_prompt_cache_gives_way_before_a_model_does(
+        tmp_path: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    budget(tiny_gguf, 2.5, monkeypatch)
+    need = plan(tiny_gguf, context=CONTEXT, parallel=1).total
+    async with running_daemon(registry(tmp_path, tiny_gguf, "ab",
+                                       extra="kv_cache_ram = 64\n")) as d:
+        sup = d.supervisor
+        async with connect() as c:  # two conversations on a's one slot: one is cached
+            for topic in ("rivers", "mountains"):
+                [e async for e in c.generate("a", f"Tell me about {topic}. " * 5,
+                                             max_tokens=3, temperature=0.0)]
+        engine = sup.residency.models["a"].engine
+        await until(lambda: engine.prompt_cache and engine.prompt_cache.ram_bytes)
+        assert engine.prompt_cache is not None
+        cached = engine.prompt_cache.ram_bytes
+        # room for both models, but not for a's cache too
+        monkeypatch.setenv("EVERYCYCLE_TEST_MEMORY", f"cpu={2 * need + cached // 2}")
+        assert answered(await ask("b"))
+        assert set(sup.residency.models) == {"a", "b"} and not evictions()
+        assert engine.prompt_cache.ram_bytes == 0

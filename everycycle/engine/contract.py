@@ -70,6 +70,11 @@ class Engine(Protocol):
         """Its prompt cache's figures, as last reported (None: it keeps none)."""
         ...
 
+    def drop_prompt_cache(self) -> int:
+        """Give back the RAM its prompt cache holds (to disk as far as it holds, the
+        rest gone): another model's load needs it. The bytes given back."""
+        ...
+
     def submit(self, job: Job) -> None:
         """Queue ``job``; outputs come through ``notify``. Raises InvalidRequestError
         when it cannot fit, InternalError when the engine is gone."""
@@ -270,7 +275,14 @@ class CheckGrammar(NamedTuple):
         engine.check_grammar(self.grammar)
 
 
-Question = Tokenize | RenderChat | CheckGrammar
+class DropPromptCache(NamedTuple):
+    """``Engine.drop_prompt_cache``: answered by the bytes given back."""
+
+    def answer(self, engine: Engine) -> int:
+        return engine.drop_prompt_cache()
+
+
+Question = Tokenize | RenderChat | CheckGrammar | DropPromptCache
 """What a ``Call`` may ask: each answers itself from the child's Runner."""
 
 

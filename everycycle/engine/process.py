@@ -42,6 +42,7 @@ from .contract import (
     CheckGrammar,
     Closed,
     CloseEngine,
+    DropPromptCache,
     Heartbeat,
     LoadFailed,
     LoadOptions,
@@ -391,6 +392,12 @@ class EngineProcess:
 
     def check_grammar(self, grammar: str) -> None:
         self._call(CheckGrammar(grammar))
+
+    def drop_prompt_cache(self) -> int:
+        freed: int = self._call(DropPromptCache())
+        if self.prompt_cache is not None:  # (until its next heartbeat says)
+            self.prompt_cache = self.prompt_cache._replace(ram_bytes=0, entries=0)
+        return freed
 
     def rss(self) -> int | None:
         """The child's resident memory (Linux: /proc; elsewhere unknown)."""

@@ -257,6 +257,9 @@ class Runner(EngineThread):
             self._check_alive()
             return b"".join(self.vocab.piece(t) for t in ids).decode("utf-8", "replace")
 
+    def drop_prompt_cache(self) -> int:
+        return self._cache.drop_ram() if self._cache is not None else 0
+
     def check_grammar(self, grammar: str) -> None:
         """Compile ``grammar`` (llguidance's) for this vocabulary to refuse a broken one
         before anything is queued; the job that asked gets it.

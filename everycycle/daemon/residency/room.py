@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio.to_thread
 
 from ...engine.contract import Engine, LoadOptions
-from ...errors import AllocationError, RejectedError, RequestCancelledError
+from ...errors import AllocationError, EverycycleError, RejectedError, RequestCancelledError
 from ...hardware import executors as ex
 from ...hardware.memory import MemoryPlan
 from ...models.registry import ModelSpec
@@ -65,6 +65,7 @@ class Host(Protocol):
     async def evict(self, model: Resident, for_model: str, reason: str) -> None:
         """Unload ``model`` to make room for ``for_model``."""
 
+
     def options(self, spec: ModelSpec, placement: ex.Placement,
                 projector: Path | None) -> LoadOptions: ...
 
@@ -102,12 +103,14 @@ def held(model: Resident) -> dict[str, int]:
     need: MemoryPlan | None = model.need
     if need is None or model.remote is not None:
         return {}
+    cache = model.engine.prompt_cache
+    cached = cache.ram_bytes if cache is not None else 0  # (host RAM, like any model's)
     offload = model.placement.offload if model.placement is not None else None
     if offload is None:
-        return {"cpu": need.total}
+        return {"cpu": need.total + cached}
     assert model.placement is not None
     return {model.placement.executor.name: sum(offload.device_bytes),
-            "cpu": offload.cpu_bytes}
+            "cpu": offload.cpu_bytes + cached}
 
 
 def held_by_all(models: Iterable[Resident]) -> dict[str, int]:
@@ -117,6 +120,18 @@ def held_by_all(models: Iterable[Resident]) -> dict[str, int]:
         for name, n in held(m).items():
             total[name] = total.get(name, 0) + n
     return total
+
+
+async def shrink_caches(res: Host) -> int:
+    """Have every resident model give back its prompt cache's RAM; the bytes."""
+    freed = 0
+    for m in list(res.models.values()):
+        if m.engine.prompt_cache is not None and m.engine.dead is None:
+            with contextlib.suppress(EverycycleError):
+                freed += await anyio.to_thread.run_sync(m.engine.drop_prompt_cache)
+    if freed:
+        log.info("prompt caches gave back %d MiB of RAM for a load", freed >> 20)
+    return freed
 
 
 def why_kept(model: Resident, busy: Callable[[str], bool]) -> str | None:
@@ -197,6 +212,7 @@ async def make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
 async def _make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
                      ) -> ex.Placement:
     busy = res.requests.busy
+    shrunk = False
     while True:
         local = await res.measure()
         refusal: RejectedError | None = None
@@ -222,6 +238,10 @@ async def _make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
         else:
             assert placement is not None
             return placement
+        if reason == "memory" and on in (None, "cpu") and not shrunk:
+            shrunk = True  # prompt caches give way before any model does
+            if await shrink_caches(res) > 0:
+                continue
         going = victim(residents, busy, on)
         holding = _transient(residents, busy, on) if going is None and (
             full or refusal is not None) else frozenset()
