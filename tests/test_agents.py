@@ -16,6 +16,7 @@ tests skip, saying so, unless ``EVERYCYCLE_REQUIRE_AGENTS=1`` (CI), where they f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -159,3 +160,56 @@ def test_recorded_requests_are_answered(agent: str, plain_models: Path) -> None:
             assert status == 200, (recorded["path"], answer[:500])
             assert answer.rstrip().endswith((b"message_stop\ndata: {}", b"[DONE]",
                                              b"}")), answer[-300:]
+
+
+# The agents' own idle limits, set as low as each allows: a stream silent for longer
+# ends the turn (Codex: stream_max_retries = 0 makes that final; Claude Code's byte
+# watchdog takes 10 s at least).
+IDLE = {
+    "codex": (4.0, ["-c", "model_providers.everycycle.stream_idle_timeout_ms=4000",
+                    "-c", "model_providers.everycycle.stream_max_retries=0"], {}),
+    "claude": (10.0, [], {"CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": "10000"}),
+}
+
+
+@pytest.mark.parametrize("agent", sorted(IDLE))
+def test_a_wait_longer_than_the_agents_idle_limit_does_not_end_its_turn(
+        agent: str, agent_models: Path, tmp_path: Path) -> None:
+    """The agent's request waits behind another for twice its idle limit (as a slow
+    prefill would keep it waiting): the daemon's keep-alives hold its stream, and the
+    turn goes on when the slot frees."""
+    folder = _need(agent).parent
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    idle, extra, agent_env = IDLE[agent]
+    env = {**os.environ, "HOME": str(home), "PATH": f"{folder}:{os.environ['PATH']}",
+           "NO_COLOR": "1", **agent_env}
+    words = tmp_path / "words.gbnf"
+    words.write_text('root ::= [a-z ]+\n')
+    with daemon_process("--models", str(agent_models), "--http", "127.0.0.1:0",
+                        "--http-heartbeat", "1"):
+        hold = subprocess.Popen([*EC, "run", "-m", f"agent-{agent}", "--models",
+                                 str(agent_models), "--grammar", str(words), "-n", "30000",
+                                 "--temperature", "1", "x"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert hold.stdout is not None
+        hold.stdout.read(1)  # it holds the model's only slot now
+        _, args = AGENTS[agent]
+        child = pexpect.spawn(EC[0], [*EC[1:], "launch", agent, "-m", f"agent-{agent}",
+                                      "--models", str(agent_models), "--", *extra, *args],
+                              cwd=str(work), env=env, timeout=240, encoding="utf-8",
+                              codec_errors="replace", dimensions=(50, 200))
+        try:
+            with contextlib.suppress(pexpect.TIMEOUT):
+                child.expect(pexpect.EOF, timeout=2 * idle + 5)  # (it must not end)
+            assert child.isalive(), (child.before or "")[-3000:]
+            hold.kill()
+            hold.communicate()
+            child.expect(pexpect.EOF)
+        finally:
+            hold.kill()
+            child.close()
+    out = child.before or ""
+    assert child.exitstatus == 0, out[-3000:]
+    assert OK in out and "done" in out, out[-3000:]  # the whole turn, tool call and all

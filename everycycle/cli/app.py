@@ -19,21 +19,19 @@ import typer
 
 from .. import __version__
 from ..errors import (
-    ConfigError,
     DaemonUnavailableError,
     EverycycleError,
 )
 from ..protocol import (
     Accepted,
-    ContentPart,
     Error,
     Format,
     Generate,
     Message,
+    Progress,
     Role,
     Tokens,
     ToolCalls,
-    ToolChoice,
     Usage,
     encode,
 )
@@ -62,6 +60,7 @@ from .common import (
     sampling_fields,
     with_images,
 )
+from .runargs import read_text, tool_fields
 from .stats import RunStats
 from .thinking import Thoughts
 
@@ -172,7 +171,7 @@ def run(
         name = hub_model(model or _registry_default(models), models, offline)
         if image and raw:
             fail("usage: --image needs the chat template (not --raw)", 2)
-        turn = _tool_fields(tools, tool_choice, with_images(text, image))
+        turn = tool_fields(tools, tool_choice, with_images(text, image))
         if image and not turn:
             turn = {"messages": (Message(Role.USER, with_images(text, image)),)}
         req = Generate(
@@ -180,8 +179,9 @@ def run(
             think=think, **turn, max_tokens=max_tokens, **chosen,
             stop=tuple(stop) if stop else None, format=Format.RAW if raw else None,
             deadline_ms=None if deadline is None else max(1, int(deadline * 1000)),
-            json_schema=_read_text(json_schema, "--json-schema"),
-            grammar=_read_text(grammar, "--grammar"), usage=True,
+            json_schema=read_text(json_schema, "--json-schema"),
+            grammar=read_text(grammar, "--grammar"), usage=True,
+            progress=True if status.tty and not as_json else None,  # (the status line)
         )
         prepull(name, models, offline)
         if not raw:
@@ -192,30 +192,6 @@ def run(
 
     code = anyio.run(_run, req, socket, models, no_daemon, as_json, status, think is True)
     raise typer.Exit(code)
-
-
-def _tool_fields(tools: Path | None, choice: str | None,
-                 text: str | tuple[ContentPart, ...]) -> dict[str, Any]:
-    """With ``--tools``: the prompt as the user's turn, the tools and the choice."""
-    if tools is None:
-        if choice is not None:
-            fail("usage: --tool-choice needs --tools", 2)
-        return {}
-    raw = _read_text(tools, "--tools")
-    assert raw is not None
-    try:
-        listed = json.loads(raw)
-    except ValueError as exc:
-        fail(f"--tools {tools}: not JSON: {exc}", 2)
-    if isinstance(listed, dict):
-        listed = [listed]
-    fields: dict[str, Any] = {"messages": (Message(Role.USER, text),),
-                              "tools": json.dumps(listed)}
-    if choice in ("auto", "required", "none"):
-        fields["tool_choice"] = ToolChoice(choice)
-    elif choice is not None:
-        fields["tool_name"] = choice
-    return fields
 
 
 async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemon: bool,
@@ -245,6 +221,9 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
                                 status.show(f"queued: position {event.queue_position}")
                             else:
                                 status.show("generating…")
+                        elif isinstance(event, Progress):
+                            status.show(f"reading the prompt: {event.processed:,} of "
+                                        f"{event.total:,} tokens")
                         elif isinstance(event, Tokens):
                             status.clear()
                             stats.tokens(event)
@@ -290,17 +269,6 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
     except EverycycleError as exc:
         status.clear()
         return report(exc)
-
-
-def _read_text(path: Path | None, option: str) -> str | None:
-    """A file's text for ``option``. Raises ConfigError naming the file."""
-    if path is None:
-        return None
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{option} {path}: {getattr(exc, 'strerror', None) or exc}"
-                          ) from None
 
 
 @app.command()

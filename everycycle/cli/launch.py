@@ -84,7 +84,10 @@ def _claude_env(e: Endpoint) -> dict[str, str | None]:
             "CLAUDE_CODE_SUBAGENT_MODEL": e.model, "DISABLE_TELEMETRY": "1",
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
             # No per-request billing line in the system prompt: the prefix stays cached.
-            "CLAUDE_CODE_ATTRIBUTION_HEADER": "0"}
+            "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
+            # Its stream watchdog credits keep-alive pings for about five minutes, then
+            # waits this long for a real event: a long prompt's prefill on a CPU fits.
+            "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000"}
 
 
 def _codex_args(e: Endpoint) -> list[str]:

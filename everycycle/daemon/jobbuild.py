@@ -122,7 +122,8 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
         tokens=tokens, max_tokens=req.max_tokens or engine.n_ctx_slot,
         sampling=sampling(req, spec.sampling, grammar), stop=req.stop or (),
         lookup=lookup and not images, special=output is not None, logprobs=req.logprobs,
-        images=images, text=prompt.text if images and prompt is not None else None), tag=tag)
+        images=images, text=prompt.text if images and prompt is not None else None,
+        progress=bool(req.progress)), tag=tag)
     job.spec.check_fits(engine.n_ctx_slot)
     if grammar is not None:
         engine.check_grammar(grammar)  # compiled once, for its vocabulary: the engine keeps it

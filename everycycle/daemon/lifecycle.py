@@ -37,6 +37,7 @@ from ..protocol import (
     Embeddings,
     Error,
     Generate,
+    Progress,
     ServerEvent,
     TokenChunk,
     TokenLogprob,
@@ -328,6 +329,10 @@ class Requests:
                 continue
             if active.first_token is None and out.ids:
                 active.first_token = time.monotonic()
+            if out.progress is not None and not out.finished:
+                active.peer.emit(Progress(rid, job.n_prompt, job.n_reused, out.progress, int(
+                    (time.monotonic() - active.admitted) * 1000)))
+                continue
             if not out.finished:
                 event = Tokens(rid, self._chunk(active, out), False)
                 self._count(active, event)

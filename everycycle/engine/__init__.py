@@ -18,7 +18,8 @@ probes.py     the load-time batch probe (exactness, step timings), and the CPU-k
               probe's child (``python -m everycycle.engine.probes``)
 jobs.py       Job in, Outputs out, stop strings and held-back text
 vocab.py      a loaded model's vocabulary, and llama.cpp's own chat-template renderer
-kvdisk.py     a model's cached prefixes (slots' KV state) on disk across unloads
+promptcache.py the conversations a model's slots gave up, in host RAM, spilled to disk
+kvdisk.py     a model's cached prefixes (slots' KV state) on disk, checksummed
 embedder.py   embeddings: a second context in embeddings mode, batched
 vision.py     images in: the libmtmd projector, Pillow decoding
 llamaload.py  a GGUF loaded onto an executor's devices, and its context

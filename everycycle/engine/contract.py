@@ -333,12 +333,13 @@ class JobOutput(NamedTuple):
     n_prompt: int
     n_reused: int
     n_generated: int
+    progress: int | None = None
 
     @classmethod
     def of(cls, jid: int, job: Job, o: Output) -> JobOutput:
         return cls(jid, o.text, o.ids, o.finished, o.reason,
                    WireError.of(o.error) if o.error is not None else None, o.embeddings,
-                   o.logprobs, job.n_prompt, job.n_reused, job.n_generated)
+                   o.logprobs, job.n_prompt, job.n_reused, job.n_generated, o.progress)
 
     def unpacked(self, job: Job) -> Output:
         """The Output again, its counts set on ``job`` (the daemon's copy)."""
@@ -346,7 +347,7 @@ class JobOutput(NamedTuple):
                                                        self.n_generated)
         return Output(self.text, self.ids, self.finished, self.reason,
                       self.error.exception() if self.error is not None else None,
-                      self.embeddings, self.logprobs)
+                      self.embeddings, self.logprobs, self.progress)
 
 
 class Outputs(NamedTuple):

@@ -73,6 +73,9 @@ class Output:
     """An embedding job's vectors (reason ``embedded``)."""
     logprobs: tuple[Logprob, ...] | None = None
     """One per id, for a job that asked (``Job.logprobs``)."""
+    progress: int | None = None
+    """A job that asked (``JobSpec.progress``), while its prompt is read: the prompt
+    tokens in its slot now (no text then)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,8 @@ class JobSpec:
     """Image files for a vision model, one per media marker in ``text`` (in order)."""
     text: str | None = None
     """With ``images``: the rendered prompt, which the engine tokenizes with them."""
+    progress: bool = False
+    """Report how far the prompt is read (``Output.progress``) after each batch of it."""
 
     def check_fits(self, n_ctx_slot: int) -> None:
         """Raise InvalidRequestError unless the job fits a slot of ``n_ctx_slot`` tokens:

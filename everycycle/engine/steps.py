@@ -142,6 +142,10 @@ class EngineThread:
                 continue
             if not prefill:
                 self._cost.observe(n, time.perf_counter() - started)
+            else:
+                for s in active:  # (a prompt read whole yields its first token instead)
+                    if s.todo and s.job is not None and s.job.spec.progress:
+                        out.append((s.job, Output("", (), progress=s.n_past)))
             self._sample(rows, out)
             self._safe_notify(out)
 
@@ -312,6 +316,8 @@ class EngineThread:
         slot.n_past = reuse
         slot.reset_text()
         job.n_prompt, job.n_reused, job.n_generated = len(job.spec.tokens), reuse, 0
+        if job.spec.progress and slot.todo:
+            out.append((job, Output("", (), progress=reuse)))
 
     def _restore(self, slot: Slot, job: Job, reuse: int) -> int:
         """Restore a prefix kept in the prompt cache into ``slot`` when it is longer

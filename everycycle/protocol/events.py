@@ -240,6 +240,21 @@ class Usage:
     """``eos``, ``stop``, ``length`` (max_tokens) or ``context`` (the context is full)."""
 
 
+@message(ranges={"total": COUNT, "cached": COUNT, "processed": COUNT, "time_ms": COUNT})
+class Progress:
+    """How far the prompt has been read (an extension, sent only to a Generate that
+    asked with ``progress: true``): at the start, then after each batch of it, until the
+    first token comes. Tokens ``cached`` were reused, not read again."""
+
+    request_id: str
+    total: int
+    cached: int
+    processed: int
+    """Prompt tokens in the slot now, the cached ones included."""
+    time_ms: int
+    """Since the request was admitted."""
+
+
 @message()
 class ToolCalls:
     """The tool calls a finished generation made, just before its last Tokens (an
@@ -250,11 +265,11 @@ class ToolCalls:
 
 
 ServerEvent = (Accepted | Tokens | FleetDescription | Error | Done | Embeddings | Usage
-               | ToolCalls)
+               | ToolCalls | Progress)
 
 EVENTS: dict[str, type[ServerEvent]] = {
     c.__name__: c for c in (Accepted, Tokens, FleetDescription, Error, Done, Embeddings, Usage,
-                            ToolCalls)
+                            ToolCalls, Progress)
 }
 
 
@@ -262,4 +277,4 @@ def is_terminal(event: ServerEvent) -> bool:
     """True for the one event that ends a request."""
     if isinstance(event, Tokens):
         return event.finished
-    return not isinstance(event, Accepted | Usage | ToolCalls)
+    return not isinstance(event, Accepted | Usage | ToolCalls | Progress)

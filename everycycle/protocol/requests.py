@@ -190,6 +190,8 @@ class Generate:
     extension). The output is the same either way; only the speed differs."""
     usage: bool | None = field(default=None, metadata=_EXT)
     """Send a ``Usage`` event before the last Tokens (an extension)."""
+    progress: bool | None = field(default=None, metadata=_EXT)
+    """Send ``Progress`` events while the prompt is read (an extension)."""
     tools: str | None = field(default=None, metadata=_EXT)
     """Function tools the model may call: a JSON array of OpenAI tool objects, as text
     (an extension; with ``messages``). Calls come back in a ``ToolCalls`` event."""

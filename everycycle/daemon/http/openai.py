@@ -35,6 +35,7 @@ from ...protocol import (
     Error,
     Format,
     Generate,
+    Progress,
     TokenLogprob,
     Tokens,
     ToolCalls,
@@ -267,6 +268,13 @@ class _Generation(Exchange):
                     await self.write(send, _sse(self.shape.chunk("", None, role=True,
                                                                  usage=usage, index=i)))
                     role_sent.add(i)
+            elif isinstance(event, Progress):  # llama-server's shape, as its clients read it
+                line = self.shape.chunk(None, None, role=True, usage=usage, index=i)
+                line["choices"][0]["delta"]["content"] = None
+                line["prompt_progress"] = {"total": event.total, "cache": event.cached,
+                                           "processed": event.processed,
+                                           "time_ms": event.time_ms}
+                await self.write(send, _sse(line))
             elif isinstance(event, ToolCalls):
                 await self.write(send, _sse(self.shape.chunk(None, None, usage=usage, delta={
                     "tool_calls": tool_calls(event, indexed=True)}, index=i)))
@@ -364,6 +372,8 @@ class OpenAI(Dialect):
         options = parse.options(request, data)
         options.update(parse.response_format(data.get("response_format")))
         options.update(parse.logprobs(data, chat="messages" in fields))
+        if data.get("return_progress") is True and stream_flag(data):  # (llama-server's)
+            options["progress"] = True
         rid = request_id(request, prefix)
         req = protocol_errors(Generate, rid, model, **fields, **options)
         shape = _Shape(chat="messages" in fields, request_id=rid, model=model)
