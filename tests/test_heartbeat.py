@@ -49,9 +49,10 @@ def _messages(url: str) -> str:
 
 
 def _ollama(url: str) -> str:
-    c = ollama.Client(host=url, timeout=60)
-    return "".join(part.message.content or "" for part in c.chat(
-        model="tiny", messages=HI, stream=True, options={"num_predict": 4, "temperature": 0}))
+    with ollama.Client(host=url, timeout=60) as c:
+        return "".join(part.message.content or "" for part in c.chat(
+            model="tiny", messages=HI, stream=True,
+            options={"num_predict": 4, "temperature": 0}))
 
 
 DIALECTS: dict[str, tuple[str, dict[str, Any], Callable[[bytes], bool], Callable[[str], str]]] = {
