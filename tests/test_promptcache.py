@@ -11,25 +11,13 @@ from pathlib import Path
 import anyio
 import pytest
 from daemonhelp import running_daemon
+from test_kvdisk import turn
 
 from everycycle import paths
 from everycycle.client import connect
 from everycycle.engine import kvdisk
 from everycycle.engine.promptcache import PromptCache
-from everycycle.protocol import Message, Role, Tokens, Usage
-
-
-async def turn(model: str, messages: tuple[Message, ...], n: int = 4) -> tuple[str, Usage]:
-    async with connect() as c:
-        text, usage = "", None
-        async for e in c.generate(model, messages=messages, max_tokens=n, temperature=0.0,
-                                  usage=True):
-            if isinstance(e, Tokens):
-                text += e.chunk.text
-            elif isinstance(e, Usage):
-                usage = e
-    assert usage is not None
-    return text, usage
+from everycycle.protocol import Message, Role
 
 
 def talk(topic: str) -> tuple[Message, ...]:
