@@ -168,7 +168,10 @@ def test_recorded_requests_are_answered(agent: str, plain_models: Path) -> None:
 IDLE = {
     "codex": (4.0, ["-c", "model_providers.everycycle.stream_idle_timeout_ms=4000",
                     "-c", "model_providers.everycycle.stream_max_retries=0"], {}),
-    "claude": (10.0, [], {"CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": "10000"}),
+    "claude": (10.0, [], {"CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": "10000",
+                               "CLAUDE_CODE_MAX_RETRIES": "0",
+                               # (else a stalled stream is asked again, not streamed)
+                               "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1"}),
 }
 
 
@@ -186,7 +189,7 @@ def test_a_wait_longer_than_the_agents_idle_limit_does_not_end_its_turn(
     env = {**os.environ, "HOME": str(home), "PATH": f"{folder}:{os.environ['PATH']}",
            "NO_COLOR": "1", **agent_env}
     words = tmp_path / "words.gbnf"
-    words.write_text('root ::= [a-z ]+\n')
+    words.write_text('root ::= [a-z ] root\n')  # no end: the hold stops when it is killed
     with daemon_process("--models", str(agent_models), "--http", "127.0.0.1:0",
                         "--http-heartbeat", "1"):
         hold = subprocess.Popen([*EC, "run", "-m", f"agent-{agent}", "--models",
@@ -203,12 +206,14 @@ def test_a_wait_longer_than_the_agents_idle_limit_does_not_end_its_turn(
         try:
             with contextlib.suppress(pexpect.TIMEOUT):
                 child.expect(pexpect.EOF, timeout=2 * idle + 5)  # (it must not end)
+            assert hold.poll() is None, "the hold ended: the agent did not wait"
             assert child.isalive(), (child.before or "")[-3000:]
             hold.kill()
-            hold.communicate()
             child.expect(pexpect.EOF)
         finally:
             hold.kill()
+            hold.wait()
+            hold.stdout.close()
             child.close()
     out = child.before or ""
     assert child.exitstatus == 0, out[-3000:]
