@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,11 +28,12 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> Path:
     return cache
 
 
-def test_the_probe_passes_where_the_kernels_run_and_is_cached(fresh: Path) -> None:
+def test_the_probe_passes_where_the_kernels_run_and_is_cached(fresh: Path,
+                                                              tmp_path: Path) -> None:
     verdict = cpukernels.decide(paths.state_dir())
     # This machine's own kernels: the child decoded through them (on an AMX CPU that
     # faults, this is where the verdict turns to off instead).
-    done = subprocess.run([*EC[:1], "-m", cpukernels.CHILD], check=False,
+    done = subprocess.run([*EC[:1], "-m", cpukernels.CHILD, str(tmp_path)], check=False,
                           capture_output=True)
     assert verdict.extra is (done.returncode == 0), done
     assert verdict.source == "probe"
@@ -41,11 +43,14 @@ def test_the_probe_passes_where_the_kernels_run_and_is_cached(fresh: Path) -> No
 
 
 def test_a_probe_that_dies_by_sigill_turns_the_extra_kernels_off(
-        fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        fresh: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # The child executes ud2 where it would decode: a real SIGILL from the CPU.
     monkeypatch.setenv(cpukernels.FAULT_ENV, "sigill")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     verdict = cpukernels.decide(paths.state_dir())
     assert verdict.extra is False and verdict.source == "probe"
+    assert list(tmp_path.iterdir()) == []  # the dead child's probe model is gone too
     assert verdict.note == ("CPU extra buffer types (AMX, repacked weights) off: a probe "
                             "using them died with SIGILL (illegal instruction)")
     # Cached: the next process reads it and runs no probe (no fault now, same verdict).

@@ -28,6 +28,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,13 +145,15 @@ def _write_cache(path: Path, key: str, verdict: Verdict) -> None:
 
 
 def run_probe() -> Verdict:
-    """Run the child and read its end (blocking, about a second)."""
-    cmd = [sys.executable, "-m", CHILD]
+    """Run the child and read its end (blocking, about a second). The child writes its
+    model into a folder made here: a child that faults cannot clean up after itself."""
     env = {**os.environ, "GGML_NO_BACKTRACE": "1", "OMP_NUM_THREADS": "2"}
     try:
-        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, env=env, timeout=PROBE_TIMEOUT,
-                              check=False)
+        with tempfile.TemporaryDirectory(prefix="everycycle-probe") as folder:
+            done = subprocess.run([sys.executable, "-m", CHILD, folder],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, env=env, timeout=PROBE_TIMEOUT,
+                                  check=False)
     except subprocess.TimeoutExpired:
         return Verdict(False, f"{_OFF}: a probe using them hung for {PROBE_TIMEOUT:g} s")
     except OSError as exc:
