@@ -54,7 +54,9 @@ def test_fleet_at_80_columns() -> None:
         ),
         active_requests=6,
         requests=(ActiveRequest("0e027cbc1e344af7ba61dcc091e0f280", "smollm2-135m", "local",
-                                "running", 12_000, 310),),
+                                "running", 12_000, 310, "interactive"),
+                  ActiveRequest("5d41402abc4b2a76b9719d911017c592", "smollm2-135m", "ci-bot",
+                                "queued", 3_000, 0, "background", 65_000)),
         daemon_rss=37 * MIB,
         last_eviction=Eviction("gemma-3-270m", "qwen2.5-0.5b", "max_loaded_models", 312.4,
                                time.time()).describe(),
@@ -63,7 +65,8 @@ def test_fleet_at_80_columns() -> None:
     assert "idle" not in text.split("qwen2.5-0.5b")[0].splitlines()[-1]  # busy is not idle
     whole(text, ["smollm2-135m", "pypi-0.1.2", "aaaaaaaaaaaa", "cuda 24/24", "4/4 +2",
                  "busy", "in 4m59s", "92+360 MiB", "0e027cbc1e344af7ba61dcc091e0f280",
-                 "running", "last died: SIGSEGV (segmentation fault)",
+                 "running", "queued bg  ~1m05s", "bg: background lane; ~: starts in",
+                 "last died: SIGSEGV (segmentation fault)",
                  "last eviction: 'gemma-3-270m' for 'qwen2.5-0.5b' at ",
                  "(max_loaded_models)"])
 

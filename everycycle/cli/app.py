@@ -28,6 +28,7 @@ from ..protocol import (
     Format,
     Generate,
     Message,
+    Priority,
     Progress,
     Role,
     Tokens,
@@ -60,6 +61,7 @@ from .common import (
     sampling_fields,
     with_images,
 )
+from .render import queued_line
 from .runargs import read_text, tool_fields
 from .stats import RunStats
 from .thinking import Thoughts
@@ -140,6 +142,9 @@ def run(
         "WebP, GIF; repeatable), before the prompt.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the ServerEvent lines.")]
     = False,
+    background: Annotated[bool, typer.Option(
+        "--background", help="Batch work: wait behind interactive requests, and give a "
+        "slot up to one while it runs (it resumes where it stopped).")] = False,
     no_daemon: NoDaemonOpt = False,
     offline: OfflineOpt = False,
     models: ModelsOpt = None,
@@ -182,6 +187,7 @@ def run(
             json_schema=read_text(json_schema, "--json-schema"),
             grammar=read_text(grammar, "--grammar"), usage=True,
             progress=True if status.tty and not as_json else None,  # (the status line)
+            priority=Priority.BACKGROUND if background else None,
         )
         prepull(name, models, offline)
         if not raw:
@@ -218,7 +224,7 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
                             out.flush()
                         if isinstance(event, Accepted):
                             if event.queue_position:
-                                status.show(f"queued: position {event.queue_position}")
+                                status.show(queued_line(event))
                             else:
                                 status.show("generating…")
                         elif isinstance(event, Progress):
@@ -276,6 +282,9 @@ def embed(
     texts: Annotated[list[str] | None, typer.Argument(
         metavar="[TEXT]...", help="Texts to embed; with none, each line of stdin is one.")] = None,
     model: ModelOpt = None,
+    background: Annotated[bool, typer.Option(
+        "--background/--interactive", help="Wait behind interactive requests (the "
+        "default: indexing is batch work), or not.")] = True,
     no_daemon: NoDaemonOpt = False,
     offline: OfflineOpt = False,
     models: ModelsOpt = None,
@@ -308,7 +317,8 @@ def embed(
     async def go() -> int:
         try:
             async with _client(socket, models, no_daemon, status) as client:
-                vectors = await client.embed(name, items)
+                vectors = await client.embed(
+                    name, items, priority=Priority.BACKGROUND if background else None)
         except EverycycleError as exc:
             status.clear()
             return report(exc)

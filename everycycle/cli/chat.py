@@ -34,6 +34,7 @@ from ..errors import (
 from ..protocol import Accepted, Error, Generate, Message, Role, Tokens, Usage
 from .common import EXIT_CODES, image_part, with_images
 from .interrupt import Interrupt
+from .render import queued_line
 from .thinking import Thoughts
 
 if TYPE_CHECKING:
@@ -279,8 +280,8 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
                     on_loading("loading…")  # (the words `run` uses)
                 async for event in client.request(req):
                     if isinstance(event, Accepted) and on_loading:
-                        on_loading(f"queued: position {event.queue_position}"
-                                   if event.queue_position else "generating…")
+                        on_loading(queued_line(event) if event.queue_position
+                                   else "generating…")
                     elif isinstance(event, Tokens):
                         if on_loading is not None:
                             on_loading("")

@@ -69,6 +69,10 @@ def daemon(
         "--http-heartbeat", min=0, help="Seconds an HTTP stream may go without a byte while "
         "its request waits, loads or reads its prompt before it gets a keep-alive (a ping "
         "its client's idle timer counts; 0: never).")] = 5.0,
+    background_age: Annotated[float, typer.Option(
+        "--background-age", min=0, help="Seconds a background request (run --background, "
+        "x-priority: background) waits behind interactive ones at most; after that it is "
+        "served as one of them.")] = 120.0,
     show_token: Annotated[bool, typer.Option("--show-token", help="Print the TCP token.")]
     = False,
 ) -> None:
@@ -120,7 +124,8 @@ def daemon(
     config = DaemonConfig(socket=sock, models_file=models,
                           limits=Limits(max_queue=max_queue, max_inflight=max_inflight,
                                         hang_timeout=hang_timeout, swap_after=swap_after,
-                                        min_residency=min_residency),
+                                        min_residency=min_residency,
+                                        background_age=background_age),
                           auto_load=auto_load, audit_prompts=audit_prompts, tcp=tcp_addr,
                           allow_remote=allow_remote, http=http_addr, http_auth=http_auth,
                           keep_alive=keep_seconds, rpc=rpc_hosts,

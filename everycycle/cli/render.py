@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import FleetSnapshot, LoadedModel
+from ..protocol import Accepted, FleetSnapshot, LoadedModel
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -39,6 +39,14 @@ def _duration(ms: int) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def queued_line(event: Accepted) -> str:
+    """``queued: position 2, about 14 s``: a waiting request's status line."""
+    line = f"queued: position {event.queue_position}"
+    if event.eta_ms is not None:
+        line += f", about {max(1, round(event.eta_ms / 1000))} s"
+    return line
 
 
 def _compact(ms: int) -> str:
@@ -129,12 +137,18 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
     if snapshot.requests:
         requests = Table(title="active requests", title_justify="left", box=None,
                          pad_edge=False, header_style="bold underline")
-        for col in ("id", "model", "who", "state", "age", "tokens"):
-            requests.add_column(col, no_wrap=True, justify="right" if col == "tokens" else "left")
+        for col in ("id", "model", "who", "state", "age", "tok"):
+            requests.add_column(col, no_wrap=True, justify="right" if col == "tok" else "left")
         for r in snapshot.requests:
-            requests.add_row(r.request_id, r.model, r.principal, r.state,
-                             _duration(r.age_ms), str(r.tokens))
-        requests.caption = "`everycycle cancel ID` stops one"
+            # (a waiting request's expected start says more than its age)
+            requests.add_row(r.request_id, r.model, r.principal,
+                             r.state + (" bg" if r.lane == "background" else ""),
+                             _duration(r.age_ms) if r.eta_ms is None
+                             else f"~{_duration(r.eta_ms)}", str(r.tokens))
+        requests.caption = "`everycycle cancel ID` stops one" + (
+            "; bg: background lane; ~: starts in" if any(
+                r.lane == "background" or r.eta_ms is not None for r in snapshot.requests)
+            else "")
     engines = [_engine_line(m) for m in snapshot.loaded_models]
     if any(engines):
         footer = "\n".join(e for e in engines if e) + "\n" + footer

@@ -17,7 +17,7 @@ import anyio.to_thread
 
 from ..hardware import cpukernels
 from ..protocol import ActiveRequest, FleetSnapshot, LoadedModel, PrincipalLoad
-from .lifecycle import Requests
+from .lifecycle import Active, Requests
 from .residency import Residency, Resident
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,16 @@ class FleetView:
         shown = sorted(self.requests.active.values(), key=lambda a: a.admitted)[:100]
         return tuple(ActiveRequest(a.req.request_id, a.model or a.req.model,
                                    a.peer.principal.name, a.state,
-                                   int((now - a.admitted) * 1000), a.n_out)
+                                   int((now - a.admitted) * 1000), a.n_out, a.lane,
+                                   self._eta(a))
                      for a in shown) or None
+
+    def _eta(self, active: Active) -> int | None:
+        """A queued request's estimated start from now (None: it is not queued)."""
+        model = self.residency.models.get(active.model)
+        if active.state != "queued" or model is None or not model.serving:
+            return None
+        return self.requests.eta(active, model.engine)
 
     def _loaded(self, m: Resident) -> LoadedModel:
         device_layers, total_layers = _device_layers(m)

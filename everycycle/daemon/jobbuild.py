@@ -74,8 +74,8 @@ def _model_grammar(spec: ModelSpec, req: Generate) -> str | None:
     return spec.grammar_after_tools if last is Role.TOOL else spec.grammar
 
 
-def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: object
-              ) -> tuple[Job, ChatOutput | None]:
+def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: object,
+              background_until: float | None = None) -> tuple[Job, ChatOutput | None]:
     """The engine Job for ``req`` on ``engine``, routed by ``tag``, and what splits its
     output (None: the text is the answer).
 
@@ -84,7 +84,8 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
     """
     if isinstance(req, Embed):
         inputs = [engine.tokenize(text, Format.RAW) for text in req.input]
-        job = Job(JobSpec(tokens=(), max_tokens=1, embed_inputs=inputs), tag=tag)
+        job = Job(JobSpec(tokens=(), max_tokens=1, embed_inputs=inputs,
+                          background_until=background_until), tag=tag)
         job.spec.check_fits(engine.n_ctx_slot)
         return job, None
     tools = _tools(req)
@@ -123,7 +124,7 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
         sampling=sampling(req, spec.sampling, grammar), stop=req.stop or (),
         lookup=lookup and not images, special=output is not None, logprobs=req.logprobs,
         images=images, text=prompt.text if images and prompt is not None else None,
-        progress=bool(req.progress)), tag=tag)
+        progress=bool(req.progress), background_until=background_until), tag=tag)
     job.spec.check_fits(engine.n_ctx_slot)
     if grammar is not None:
         engine.check_grammar(grammar)  # compiled once, for its vocabulary: the engine keeps it

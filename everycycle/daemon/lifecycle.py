@@ -37,6 +37,7 @@ from ..protocol import (
     Embeddings,
     Error,
     Generate,
+    Priority,
     Progress,
     ServerEvent,
     TokenChunk,
@@ -46,6 +47,7 @@ from ..protocol import (
     TopLogprob,
     Usage,
 )
+from .eta import Rates, Work, start_in
 from .outcome import Outcome, Peer
 from .quota import Quotas
 
@@ -82,6 +84,30 @@ class Active:
     """The queue position it was last told (None: none yet)."""
     waiting: anyio.CancelScope | None = None
     """While it waits for its model (a load, or room for it): cancelling ends the wait."""
+    background_until: float | None = None
+    """A background request (None: interactive) until this ``time.monotonic()``; after
+    it, it is served as an interactive one."""
+    eta_ms: int | None = None
+    """The start it was last told to expect, while it waits."""
+
+    @property
+    def lane(self) -> str:
+        """``interactive`` or ``background``: the lane it asked for."""
+        return "background" if self.req.priority is Priority.BACKGROUND else "interactive"
+
+    def background(self, now: float) -> bool:
+        """Whether it waits behind interactive requests at ``now`` (monotonic)."""
+        return self.background_until is not None and now < self.background_until
+
+    def work(self) -> Work:
+        """What it asks of its engine, for queue estimates."""
+        job = self.job
+        prompt = len(job.spec.tokens) if job is not None else self.n_prompt
+        max_tokens = self.req.max_tokens if isinstance(self.req, Generate) else 1
+        if self.state != "running":
+            return Work(prompt, max_tokens)
+        return Work(prompt, max_tokens, self.n_out,
+                    prompt if self.first_token is not None else None)
 
 
 @dataclass(eq=False)
@@ -149,6 +175,8 @@ class Requests:
         """Where deadline tasks run (the supervisor's task group)."""
         self.all_ended: anyio.Event | None = None
         """Set when the last request ends, once someone waits for that."""
+        self.rates: dict[str, Rates] = {}
+        """Each model's measured rates, for queue estimates."""
 
     def lane(self, model: str) -> Lane:
         lane = self.lanes.get(model)
@@ -184,26 +212,56 @@ class Requests:
     # ------------------------------------------------------------------ slots and queue
 
     def place(self, active: Active, engine: Engine | None, max_queue: int) -> None:
-        """Start ``active`` on ``engine`` if a slot is free and nobody waits, else queue
-        it (``engine`` None: the model does not serve now; it waits for its restart).
+        """Start ``active`` on ``engine`` if its lane has room and nobody of its lane (or
+        before it) waits, else queue it: interactive requests before background ones
+        (``engine`` None: the model does not serve now; it waits for its restart).
         Raises RejectedError when the queue is full."""
         lane = self.lane(active.model)
-        if lane.queue or engine is None or len(lane.running) >= engine.parallel:
+        now = time.monotonic()
+        behind = active.background(now)
+        waits = any(behind or not a.background(now) for a in lane.queue)
+        if waits or engine is None or not self._fits(lane, active, engine, now):
             if len(lane.queue) >= max_queue:
                 raise RejectedError(f"queue full ({len(lane.queue)} waiting)")
-            lane.queue.append(active)
+            at = len(lane.queue) if behind else next(
+                (i for i, a in enumerate(lane.queue) if a.background(now)), len(lane.queue))
+            lane.queue.insert(at, active)
             active.state = "queued"
-            self.tell_position(active, len(lane.queue))
+            self._announce(lane, engine)
         else:
             self._start(active, engine)
 
     @staticmethod
-    def tell_position(active: Active, position: int) -> None:
-        """Send ``active`` an Accepted with ``position`` unless that is what it was told
+    def _fits(lane: Lane, active: Active, engine: Engine, now: float) -> bool:
+        """Whether ``active`` may start now: a background request in a free slot; an
+        interactive one while fewer interactive ones run than there are slots (the
+        engine parks a background one to make room)."""
+        if active.background(now):
+            return len(lane.running) < engine.parallel
+        return sum(not a.background(now) for a in lane.running) < engine.parallel
+
+    def tell_position(self, active: Active, position: int, engine: Engine | None = None
+                      ) -> None:
+        """Send ``active`` an Accepted with ``position`` (and, while it waits behind
+        others on ``engine``, its estimated start) unless that is what it was told
         last: the first from admission on (also while its model loads), then each move."""
-        if active.position != position:
-            active.position = position
-            active.peer.emit(Accepted(active.req.request_id, position))
+        eta = self.eta(active, engine) if position and engine is not None else None
+        if active.position != position or (eta is not None and active.eta_ms is not None
+                                           and abs(eta - active.eta_ms) > 1000):
+            active.position, active.eta_ms = position, eta
+            active.peer.emit(Accepted(active.req.request_id, position, eta))
+
+    def eta(self, active: Active, engine: Engine) -> int:
+        """Milliseconds until ``active`` should start: the requests of its lane (and
+        before it) running and queued ahead, at its model's measured rates."""
+        lane = self.lane(active.model)
+        now = time.monotonic()
+        behind = active.background(now)
+        running = [a.work() for a in lane.running if behind or not a.background(now)]
+        ahead = [a.work() for a in lane.queue[:lane.queue.index(active)]
+                 ] if active in lane.queue else []
+        rates = self.rates.setdefault(active.model, Rates())
+        return int(1000 * start_in(rates, engine.parallel, running, ahead))
 
     def _start(self, active: Active, engine: Engine) -> None:
         assert active.job is not None
@@ -218,20 +276,26 @@ class Requests:
             self.finish(active, Error(active.req.request_id, exc.kind, exc.message))
 
     def advance(self, model: str, engine: Engine) -> None:
-        """Start queued requests of ``model`` in ``engine``'s free slots."""
+        """Start queued requests of ``model`` that fit, interactive ones (and background
+        ones past their age) first."""
         lane = self.lane(model)
+        now = time.monotonic()
+        lane.queue.sort(key=lambda a: a.background(now))  # (stable: arrival order kept)
         moved = False
-        while lane.queue and len(lane.running) < engine.parallel:
-            self._start(lane.queue.pop(0), engine)
-            moved = True
+        for active in list(lane.queue):
+            if self._fits(lane, active, engine, now):
+                lane.queue.remove(active)
+                self._start(active, engine)
+                moved = True
+            elif active.background(now):
+                break  # (the background requests after it do not fit either)
         if moved:
-            self._announce(lane)
+            self._announce(lane, engine)
 
-    @staticmethod
-    def _announce(lane: Lane) -> None:
+    def _announce(self, lane: Lane, engine: Engine | None = None) -> None:
         """Tell every queued request its position (after the queue moved)."""
         for i, waiting in enumerate(lane.queue):
-            Requests.tell_position(waiting, i + 1)
+            self.tell_position(waiting, i + 1, engine)
 
     # ------------------------------------------------------------------ endings
 
@@ -248,9 +312,14 @@ class Requests:
             lane = self.lane(active.model)
             lane.queue.remove(active)
             self.finish(active, Error(rid, ErrorKind.CANCELLED, reason))
-            self._announce(lane)
+            self._announce(lane, self._engine_of(lane))
         elif active.waiting is not None:
             active.waiting.cancel()
+
+    @staticmethod
+    def _engine_of(lane: Lane) -> Engine | None:
+        """The engine the lane's requests run on (None: none runs)."""
+        return next((a.engine for a in lane.running if a.engine is not None), None)
 
     def cancel_model(self, model: str, reason: str) -> None:
         lane = self.lane(model)
@@ -301,7 +370,10 @@ class Requests:
             tool_calls=len(active.output.calls) if active.output else 0,
             malformed_calls=active.output.malformed if active.output else 0,
             context_limit=active.context_limit,
+            lane=active.lane,
         )
+        if outcome.kind is None and active.job is not None and active.model:
+            self._learn(active, now)
         # Reported (audit, metrics) before the client hears of it: with a line written
         # straight to the socket, a client that reads the audit log after its answer
         # finds the request's record there.
@@ -309,6 +381,17 @@ class Requests:
             self._report(outcome, active.req)
         finally:
             active.peer.emit(event, outcome)
+
+    def _learn(self, active: Active, now: float) -> None:
+        """Its model's rates, from a request that finished."""
+        job = active.job
+        assert job is not None
+        first, started = active.first_token, active.started or now
+        self.rates.setdefault(active.model, Rates()).observe(
+            read=job.n_prompt - job.n_reused, generated=active.n_out,
+            max_tokens=active.req.max_tokens if isinstance(active.req, Generate) else 1,
+            prefill_s=None if first is None or job.n_parked else first - started,
+            decode_s=0.0 if first is None or job.n_parked else now - first)
 
     # ------------------------------------------------------------------ engine outputs
 

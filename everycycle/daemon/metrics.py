@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -72,6 +73,12 @@ class _Fleet(Collector):
             "everycycle_prompt_cache_evictions",
             "Conversations the prompt cache moved out of RAM since the model loaded.",
             labels=["model"])
+        lanes = GaugeMetricFamily(
+            "everycycle_lane_queue_depth", "Requests waiting for a slot, per model and lane "
+            "(interactive, background).", labels=["model", "lane"])
+        for name, lane in sorted(self._supervisor.requests.lanes.items()):
+            for kind in ("interactive", "background"):
+                lanes.add_metric([name, kind], sum(a.lane == kind for a in lane.queue))
         per_executor = {e.name: 0 for e in snap.executors}
         for m in snap.loaded_models:
             if m.prompt_cache_hits is not None:
@@ -109,7 +116,7 @@ class _Fleet(Collector):
             labels=["model"])
         for model, seconds in sorted(residency.room_waits.total.items()):
             waited.add_metric([model], seconds)
-        yield from (queued, busy, slots, loaded, active, drafted, accepted, deaths, evictions,
+        yield from (queued, lanes, busy, slots, loaded, active, drafted, accepted, deaths, evictions,
                     loads, waited, cache_bytes, cache_hits, cache_evictions)
 
 
@@ -131,6 +138,9 @@ class Metrics:
         self.ttft = Histogram("everycycle_time_to_first_token_seconds",
                               "From admission to the first generated token.", ["model"],
                               buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.wait = Histogram("everycycle_queue_wait_seconds",
+                              "From admission to a slot, per model and lane.", ["model", "lane"],
+                              buckets=_WAIT_BUCKETS, registry=self.registry)
         self.tpot = Histogram("everycycle_time_per_output_token_seconds",
                               "Mean time between a request's generated tokens.", ["model"],
                               buckets=_TPOT_BUCKETS, registry=self.registry)
@@ -166,6 +176,8 @@ class Metrics:
         self.principal_tokens.labels(who, "generated").inc(outcome.generated_tokens)
         if outcome.kind is not None and outcome.kind.value == "Rejected":
             self.rejections.labels(who, outcome.limit or "capacity").inc()
+        if outcome.executor is not None:  # (it reached its model)
+            self.wait.labels(model, outcome.lane).observe(outcome.queue_wait_s)
         if outcome.ttft_s is not None:
             self.ttft.labels(model).observe(outcome.ttft_s)
             if outcome.generated_tokens > 1:

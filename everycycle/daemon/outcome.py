@@ -25,6 +25,9 @@ class Limits:
     """Seconds a load waits for memory busy models hold before they give way to it."""
     min_residency: float = 2.0
     """Seconds a model stays, taking requests, before it gives way to a load."""
+    background_age: float = 120.0
+    """Seconds a background request waits behind interactive ones at most: after them
+    it is served as an interactive one."""
     hang_timeout: float = 60.0
     """Seconds an engine with work in hand may make no progress before it is taken for
     hung: killed and restarted, its requests told why."""
@@ -59,6 +62,8 @@ class Outcome:
     context_limit: int | None = None
     """Set when the prompt did not fit: the context's tokens (``prompt_tokens`` holds
     the prompt's), for the dialects' own "too long" errors."""
+    lane: str = "interactive"
+    """The lane it asked for: ``interactive`` or ``background``."""
 
 
 class Peer(Protocol):
@@ -101,6 +106,7 @@ def audit_record(outcome: Outcome, req: Generate | Embed, *, prompts: bool) -> d
         "queue_wait_ms": round(outcome.queue_wait_s * 1000, 1),
         "duration_ms": round(outcome.duration_s * 1000, 1),
         "outcome": outcome.kind.value if outcome.kind else "Finished",
+        "lane": outcome.lane,
     }
     if outcome.limit is not None:
         record["limit"] = outcome.limit

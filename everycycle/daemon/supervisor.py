@@ -47,6 +47,7 @@ from ..protocol import (
     FleetSnapshot,
     Generate,
     Load,
+    Priority,
     Request,
     Shutdown,
     Unload,
@@ -316,6 +317,8 @@ class Supervisor:
             raise InvalidRequestError(f"max_tokens must be between 1 and {self.limits.max_tokens}")
         self._check_principal(peer, req)
         active = Active(req=req, peer=peer, admitted=time.monotonic())
+        if req.priority is Priority.BACKGROUND:
+            active.background_until = active.admitted + self.limits.background_age
         self.requests.track(active)
         allow_load = self.auto_load and req.auto_load is not False
         name = req.model
@@ -412,8 +415,11 @@ class Supervisor:
             await self.residency.serving(model)
             engine = model.engine
             try:
+                # (the engine reads the wall clock: its process has its own monotonic)
+                until = (None if active.background_until is None else
+                         time.time() + active.background_until - time.monotonic())
                 return await anyio.to_thread.run_sync(build_job, model.spec, engine,
-                                                      active.req, active)
+                                                      active.req, active, until)
             except InternalError:
                 if engine.dead is None or attempt == 2:
                     raise

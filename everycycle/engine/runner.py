@@ -39,6 +39,7 @@ from .jobs import EMBED_MAX_TOKENS, Job, Output
 from .llamaload import create_context, devices_for, load_model
 from .logits import RowLogits
 from .lookup import History, PromptLookup, StepCost
+from .parking import Parked
 from .sampling import Samplers
 from .slots import Slot
 from .steps import EngineThread
@@ -160,6 +161,7 @@ class Runner(EngineThread):
         self._batch = L.llama_batch_init(n_batch, 0, 1)
         self._slots = [Slot(seq=i) for i in range(parallel)]
         self._pending: deque[Job] = deque()
+        self._parked: list[Parked] = []
         self._cond = threading.Condition()
         self._closing = False
         # Guards the model against use from other threads (tokenize) while close() frees it.

@@ -37,6 +37,8 @@ class Slot:
     """A job with images: its libmtmd prompt, once read (vision.Prompt)."""
     used: int = 0
     """When a job last started here (the engine's step count then)."""
+    parked: Any = None
+    """The parked job (parking.Parked) whose KV cells this free slot still holds."""
 
     def reset_text(self) -> None:
         """A new job: nothing held back."""

@@ -27,6 +27,7 @@ from .contract import Notify
 from .jobs import EMBED_MAX_TOKENS, Job, Logprob, Output, common_prefix
 from .logits import RowLogits
 from .lookup import History, PromptLookup, StepCost, accepted_prefix, expected_accepted
+from .parking import Lanes
 from .probes import batch_probe, put
 from .sampling import Samplers
 from .slots import Slot, best_slot
@@ -35,7 +36,7 @@ from .vocab import Vocab
 log = logging.getLogger(__name__)
 
 
-class EngineThread:
+class EngineThread(Lanes):
     """The decode loop's half of a Runner (``Runner`` sets these up and starts it)."""
 
     _L: Any
@@ -92,8 +93,10 @@ class EngineThread:
             err = InternalError(f"engine failed: {exc}")
             with self._cond:
                 self._closing = True
-                jobs = [s.job for s in self._slots if s.job] + list(self._pending)
+                jobs = ([s.job for s in self._slots if s.job] + list(self._pending)
+                        + [p.job for p in self._parked])
                 self._pending.clear()
+                self._parked.clear()
             self._safe_notify([(j, Output("", (), True, "error", err)) for j in jobs])
 
     def _probe(self) -> bool:
@@ -153,7 +156,8 @@ class EngineThread:
         """Wait for work; end cancelled jobs; start pending jobs in free slots. Returns
         the embedding jobs to run this step, or None when the runner is closing."""
         with self._cond:
-            while not (self._closing or self._pending or any(s.job for s in self._slots)):
+            while not (self._closing or self._pending or self._parked
+                       or any(s.job for s in self._slots)):
                 self._cond.wait()
             if self._closing:
                 for s in self._slots:
@@ -162,10 +166,12 @@ class EngineThread:
                 for job in self._pending:
                     out.append((job, Output("", (), True, "cancelled")))
                 self._pending.clear()
+                self._end_parked(out, all_=True)
                 return None
             for s in self._slots:
                 if s.job is not None and s.job._cancel_reason is not None:
                     self._finish(s, out, "cancelled")
+            self._end_parked(out, all_=False)
             kept: deque[Job] = deque()
             embeds: list[Job] = []
             for job in self._pending:
@@ -176,8 +182,7 @@ class EngineThread:
                 else:
                     kept.append(job)
             self._pending = kept
-            while self._pending and any(s.job is None for s in self._slots):
-                self._start(self._pending.popleft(), out)
+            self._schedule(out)
             return embeds
 
     def _build(self, active: list[Slot]) -> tuple[int, list[tuple[Slot, int]], bool]:
@@ -286,9 +291,12 @@ class EngineThread:
             except InvalidRequestError as exc:
                 out.append((job, Output("", (), True, "error", exc)))
                 return
-        slot, reuse = best_slot([s for s in self._slots if s.job is None], job.spec.tokens)
+        free = [s for s in self._slots if s.job is None]
+        slot, reuse = best_slot([s for s in free if s.parked is None] or free, job.spec.tokens)
+        held = slot.parked is not None  # (its cells, a parked job's, are copied out now)
+        self._vacate(slot)
         if self._cache is not None and not job.spec.images:
-            if len(slot.cached) - reuse >= kvdisk.MIN_TOKENS:  # another conversation's
+            if not held and len(slot.cached) - reuse >= kvdisk.MIN_TOKENS:  # another's
                 self._cache.keep(slot.cached, partial(
                     promptcache.copy_state, L, self._ctx, slot.seq))
             reuse = self._restore(slot, job, reuse)

@@ -17,12 +17,15 @@ from .validation import validate_request_id as _validate_request_id
 _EXT = {"skip_none": True}
 
 
-@message(ranges={"queue_position": U32})
+@message(ranges={"queue_position": U32, "eta_ms": U32})
 class Accepted:
-    """The request was admitted; ``queue_position`` requests are ahead of it."""
+    """The request was admitted; ``queue_position`` requests are ahead of it, and (an
+    extension, while it waits) it should start in about ``eta_ms`` ms, as its model's
+    measured rates predict."""
 
     request_id: str
     queue_position: int
+    eta_ms: int | None = field(default=None, metadata=_EXT)
 
 
 @message()
@@ -147,7 +150,7 @@ class LoadedModel:
     """Conversations its prompt cache moved out of RAM (to disk, or gone)."""
 
 
-@message(names=(), ranges={"age_ms": COUNT, "tokens": COUNT})
+@message(names=(), ranges={"age_ms": COUNT, "tokens": COUNT, "eta_ms": COUNT})
 class ActiveRequest:
     """One request running or queued: what ``everycycle cancel`` needs to find it."""
 
@@ -160,6 +163,10 @@ class ActiveRequest:
     age_ms: int
     tokens: int
     """Tokens generated so far."""
+    lane: str | None = field(default=None, metadata=_EXT)
+    """``interactive`` or ``background`` (an extension)."""
+    eta_ms: int | None = field(default=None, metadata=_EXT)
+    """A queued request's estimated start, from now (an extension)."""
 
 
 @message(ranges={"active_requests": U32})

@@ -40,6 +40,17 @@ class Format(enum.Enum):
     """Tokenize the prompt as is."""
 
 
+class Priority(enum.Enum):
+    """Which lane a Generate or Embed waits in (an extension; absent: interactive)."""
+
+    INTERACTIVE = "interactive"
+    """A person waits for it: it takes the next free slot before any background
+    request, and a running background request gives its slot up for it."""
+    BACKGROUND = "background"
+    """Batch work: served when no interactive request waits (or once it has waited
+    longer than the daemon's ``--background-age``)."""
+
+
 class Role(enum.Enum):
     """Who said a conversation message."""
 
@@ -207,6 +218,8 @@ class Generate:
     think: bool | None = field(default=None, metadata=_EXT)
     """Whether a thinking model thinks first, where its template can say (the template's
     own ``enable_thinking``); its thoughts arrive in ``TokenChunk.reasoning``."""
+    priority: Priority | None = field(default=None, metadata=_EXT)
+    """Its lane (an extension; absent: interactive)."""
 
     def _validate(self) -> None:
         self._validate_tools()
@@ -317,6 +330,8 @@ class Embed:
     auto_load: bool | None = None
     deadline_ms: int | None = None
     keep_alive_ms: int | None = field(default=None, metadata=_EXT)
+    priority: Priority | None = field(default=None, metadata=_EXT)
+    """Its lane (an extension; absent: interactive)."""
 
     def _validate(self) -> None:
         if not self.input:

@@ -34,7 +34,7 @@ from ...protocol import Accepted, Error, Generate, ServerEvent, Tokens, ToolCall
 from ..keys import Principal
 from ..outcome import Outcome
 from . import anthropic_request as parse
-from .common import protocol_errors, request_id, stream_flag
+from .common import protocol_errors, queue_eta, request_id, stream_flag
 from .exchange import STATUS, Dialect, Events, Exchange, Send, Spawner, Whole, dumps, sse_event
 
 OVERLOADED = 529
@@ -170,7 +170,7 @@ class _Message(_Exchange):
         async for event, outcome in self.streamed(events, send):
             if isinstance(event, Accepted):
                 await self.write(send, sse_event("ping", {
-                    "queue_position": event.queue_position}))
+                    "queue_position": event.queue_position, **queue_eta(event)}))
             elif isinstance(event, ToolCalls):
                 for call in event.calls:
                     await self._block(send, "tool_use", {"id": call.id, "name": call.name,

@@ -32,7 +32,7 @@ from starlette.requests import Request as HttpRequest
 
 from ...errors import ProtocolError
 from ...protocol import ContentPart, Message, PartType, Role, ToolCall, ToolChoice, sampling
-from .common import HttpError, deadline, image_part, joined_text, sampling_options
+from .common import HttpError, deadline, image_part, joined_text, priority, sampling_options
 from .openai_request import check_types
 
 log = logging.getLogger(__name__)
@@ -255,5 +255,7 @@ def options(request: HttpRequest, data: dict[str, Any], *, counting: bool = Fals
     limit = deadline(request)
     if limit is not None:
         fields["deadline_ms"] = limit
+    if not counting:
+        fields.update(priority(request))
     check_types(fields)
     return fields

@@ -11,7 +11,7 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 
 from ...errors import EverycycleError, ProtocolError, TooLargeError
-from ...protocol import ContentPart, PartType, sampling, validate_request_id
+from ...protocol import Accepted, ContentPart, PartType, Priority, sampling, validate_request_id
 from ..keys import LOCAL, KeyStore, Principal
 from ..supervisor import Supervisor
 
@@ -174,6 +174,27 @@ def deadline(request: HttpRequest) -> int | None:
         raise HttpError(400, "x-deadline-ms must be a number of milliseconds (0-999999999999)",
                         "invalid_deadline")
     return int(value)
+
+
+def priority(request: HttpRequest, data: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The lane: the ``x-priority`` header (``interactive`` or ``background``), else
+    OpenAI's ``service_tier``, whose ``flex`` (cheaper, slower) is read as background.
+    Raises HttpError (400) for another header value."""
+    value = request.headers.get("x-priority")
+    if value is not None:
+        try:
+            return {"priority": Priority(value.strip().lower())}
+        except ValueError:
+            raise HttpError(400, "x-priority must be interactive or background",
+                            "invalid_priority") from None
+    if data is not None and data.get("service_tier") == "flex":
+        return {"priority": Priority.BACKGROUND}
+    return {}
+
+
+def queue_eta(event: Accepted) -> dict[str, Any]:
+    """``{"eta_ms": N}`` beside a queue position where the daemon estimated a start."""
+    return {} if event.eta_ms is None else {"eta_ms": event.eta_ms}
 
 
 def protocol_errors(fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -31,6 +31,7 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 ALLOWED_HEADERS = ("authorization, content-type, x-api-key, x-request-id, x-deadline-ms, "
+                   "x-priority, "
                    "anthropic-version, openai-organization, openai-project")
 ErrorBody = Callable[[str, int, str], bytes]
 """(path, status, message) -> the error body in the route's dialect."""

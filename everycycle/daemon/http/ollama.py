@@ -45,7 +45,7 @@ from ..keys import Principal
 from ..outcome import Outcome
 from . import ollama_request as parse
 from . import openai_request
-from .common import HttpError, Reader, deadline, protocol_errors, request_id
+from .common import HttpError, Reader, deadline, priority, protocol_errors, queue_eta, request_id
 from .exchange import STATUS, Dialect, Events, Exchange, Send, Spawner, dumps
 from .ollama_meta import NDJSON, OllamaMeta, control, error_response, rfc3339
 
@@ -159,7 +159,8 @@ class _Answer(Exchange):
                 await self.start_stream(send, NDJSON)
                 self.started = True
             if isinstance(event, Accepted) and event.queue_position:
-                await self._line(send, self.shape.line("", queue_position=event.queue_position))
+                await self._line(send, self.shape.line("", queue_position=event.queue_position,
+                                                       **queue_eta(event)))
             elif isinstance(event, ToolCalls):
                 await self._line(send, self.shape.line("", calls=event))
             elif isinstance(event, Tokens):
@@ -280,7 +281,8 @@ class Ollama(Dialect):
             raise HttpError(400, "`dimensions` is not supported", "unsupported_dimensions")
         name = parse.model(self.reader, request, data.get("model"))
         req = protocol_errors(Embed, request_id(request, "embd"), name, texts,
-                              deadline_ms=deadline(request), **parse.keep_alive(data))
+                              deadline_ms=deadline(request), **priority(request),
+                              **parse.keep_alive(data))
         return _Answer(self.api, req, request.state.principal,
                        _Shape(chat=False, model=self._echo(data, name)), stream=False,
                        legacy=legacy)

@@ -18,7 +18,7 @@ from ...chatfmt.constraint import JSON_OBJECT_SCHEMA
 from ...models.registry import parse_keep_alive
 from ...protocol import Message, sampling
 from . import openai_request
-from .common import HttpError, Reader, deadline, sampling_options
+from .common import HttpError, Reader, deadline, priority, sampling_options
 
 TAG = ":latest"
 """The one tag every model has: ``NAME`` and ``NAME:latest`` are the same model."""
@@ -95,7 +95,7 @@ def options(request: HttpRequest, data: dict[str, Any], context: int | None) -> 
     limit = deadline(request)
     if limit is not None:
         out["deadline_ms"] = limit
-    return {**out, **keep_alive(data), **response_format(data.get("format"))}
+    return {**out, **priority(request), **keep_alive(data), **response_format(data.get("format"))}
 
 
 def think(data: dict[str, Any]) -> dict[str, bool]:

@@ -42,7 +42,15 @@ from ...protocol import (
 )
 from ..outcome import Outcome
 from . import openai_request as parse
-from .common import HttpError, deadline, protocol_errors, request_id, stream_flag
+from .common import (
+    HttpError,
+    deadline,
+    priority,
+    protocol_errors,
+    queue_eta,
+    request_id,
+    stream_flag,
+)
 from .exchange import STATUS, Dialect, Events, Exchange, Send, Spawner, dumps
 
 _TYPE = {
@@ -262,7 +270,8 @@ class _Generation(Exchange):
             i = self.index.get(getattr(event, "request_id", ""), 0)
             if isinstance(event, Accepted):
                 if event.queue_position:
-                    await self.write(send, f": queue_position {event.queue_position}\n\n"
+                    eta = "".join(f" {k} {v}" for k, v in queue_eta(event).items())
+                    await self.write(send, f": queue_position {event.queue_position}{eta}\n\n"
                                      .encode())
                 elif i not in role_sent and self.shape.chat:
                     await self.write(send, _sse(self.shape.chunk("", None, role=True,
@@ -393,7 +402,8 @@ class OpenAI(Dialect):
                             "invalid_encoding_format")
         rid = request_id(request, "embd")
         shape = _Shape(chat=False, request_id=rid, model=model, encoding=encoding)
-        req = protocol_errors(Embed, rid, model, tuple(texts), deadline_ms=deadline(request))
+        req = protocol_errors(Embed, rid, model, tuple(texts), deadline_ms=deadline(request),
+                              **priority(request, data))
         return _Generation(self.api, req, request.state.principal, shape, stream=False,
                            include_usage=False)
 

@@ -12,7 +12,7 @@ from starlette.requests import Request as HttpRequest
 from ...chatfmt.constraint import JSON_OBJECT_SCHEMA
 from ...errors import ProtocolError
 from ...protocol import ContentPart, Message, PartType, Role, ToolCall, ToolChoice, sampling
-from .common import HttpError, deadline, image_part, sampling_options
+from .common import HttpError, deadline, image_part, priority, sampling_options
 
 _ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER,
           "assistant": Role.ASSISTANT, "tool": Role.TOOL}
@@ -41,6 +41,7 @@ def options(request: HttpRequest, data: dict[str, Any], dialect: str = sampling.
     limit = deadline(request)
     if limit is not None:
         options["deadline_ms"] = limit
+    options.update(priority(request, data))
     check_types(options)
     return options
 

@@ -28,7 +28,7 @@ from ...protocol import Accepted, Error, Generate, ServerEvent, Tokens, ToolCall
 from ..keys import Principal
 from ..outcome import Outcome
 from . import responses_request as parse
-from .common import protocol_errors, request_id, stream_flag
+from .common import protocol_errors, queue_eta, request_id, stream_flag
 from .exchange import Dialect, Events, Exchange, Send, Spawner, Whole, dumps, sse_event
 from .openai import error_answer
 from .responses_request import CUSTOM_INPUT
@@ -205,7 +205,7 @@ class _Response(Exchange):
             if isinstance(event, Accepted):
                 if event.queue_position:
                     await self._emit(send, "response.queued", response=self._object("queued"),
-                                     queue_position=event.queue_position)
+                                     queue_position=event.queue_position, **queue_eta(event))
                 else:
                     await self._emit(send, "response.in_progress",
                                      response=self._object("in_progress"))

@@ -209,7 +209,7 @@ def options(request: HttpRequest, data: dict[str, Any]) -> dict[str, Any]:
     """``max_output_tokens``, ``temperature``, ``top_p``, ``reasoning.effort``,
     ``text.format`` and the deadline header."""
     fields = openai_request.options(request, {
-        "max_tokens": data.get("max_output_tokens"),
+        "max_tokens": data.get("max_output_tokens"), "service_tier": data.get("service_tier"),
         **{k: data[k] for k in sampling.BY_NAME if k in data}}, sampling.RESPONSES)
     reasoning = data.get("reasoning")
     if isinstance(reasoning, dict):

@@ -1,0 +1,238 @@
+"""Priority lanes: interactive requests beside a queue of background work, in one run.
+
+One daemon, SmolLM2 (the default model) with 4 slots. Three phases, one after another:
+
+1. idle: an interactive request (a one-line question, 32 tokens, greedy) every 2 s on
+   an otherwise idle daemon: the time to first token each gets alone;
+2. background alone: 32 background requests (~200-token prompts, up to 256 tokens
+   each, sampled with fixed seeds) sent at once: their throughput alone;
+3. mixed: 32 more background requests (the same work: same lengths and seeds, another
+   prompt prefix so no cache helps) sent at once, and an interactive request every 2 s
+   until they finish.
+
+It prints the interactive time to first token, mixed vs idle (median and p95, target
+<= 1.2x), that every background request finished, the background throughput alone and
+mixed with the time the interactive work took (target: the background loses no more
+than that), and how far each queued request's estimated start (``Accepted.eta_ms``)
+was from its actual start (target: median error <= 25% of the wait).
+
+    .venv/bin/python bench/priority.py [--model GGUF] [--background 32] [--every 2]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent / "tests"))
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import anyio
+from daemonhelp import daemon_process
+
+from everycycle.client import connect
+from everycycle.hardware.gguf import read_metadata
+from everycycle.models.registry import load_registry, local_file
+from everycycle.protocol import Accepted, Error, Priority, Tokens
+from everycycle.protocol.sampling import Bias
+
+TOPICS = ("a lighthouse keeper", "a city under the sea", "the first winter on Mars",
+          "a clockmaker's apprentice", "a library that never closes", "a river pilot",
+          "an orchard in the mountains", "a night train across the desert")
+FILLER = ("Use plain words, give every character a name and a reason, describe the "
+          "places with care, keep the events in order, and end each part with a "
+          "question the next part answers. ")
+
+
+@dataclass
+class Timed:
+    """One request as the client saw it (seconds from the phase's start)."""
+
+    sent: float
+    eta: float | None = None
+    """The first estimate it was told, while queued (seconds)."""
+    queued_at: float | None = None
+    started: float | None = None
+    first_token: float | None = None
+    ended: float | None = None
+    tokens: int = 0
+    reason: str = ""
+    positions: list[int] = field(default_factory=list)
+
+
+NO_END: tuple[Bias, ...] = ()
+"""Biases that ban the model's end tokens: every background request generates its
+``max_tokens`` exactly, so both phases do the same work (set from the GGUF)."""
+
+
+async def request(client: object, model: str, prompt: str, n: int, t0: float, *,
+                  background: bool, seed: int, temperature: float) -> Timed:
+    timed = Timed(time.perf_counter() - t0)
+    async for event in client.generate(  # type: ignore[attr-defined]
+            model, prompt, max_tokens=n, temperature=temperature, seed=seed,
+            priority=Priority.BACKGROUND if background else None,
+            logit_bias=NO_END if background else None):
+        now = time.perf_counter() - t0
+        if isinstance(event, Accepted):
+            timed.positions.append(event.queue_position)
+            if event.queue_position and timed.queued_at is None:
+                timed.queued_at = now
+                timed.eta = None if event.eta_ms is None else event.eta_ms / 1000
+            elif not event.queue_position and timed.started is None:
+                timed.started = now
+        elif isinstance(event, Tokens):
+            if event.chunk.ids and timed.first_token is None:
+                timed.first_token = now
+            timed.tokens += len(event.chunk.ids)
+            if event.finished:
+                timed.ended, timed.reason = now, "finished"
+        elif isinstance(event, Error):
+            timed.ended, timed.reason = now, f"{event.kind.value}: {event.message}"
+    return timed
+
+
+def background_prompt(phase: str, i: int) -> str:
+    return (f"[{phase}-{i:02d}] Write a long story about {TOPICS[i % len(TOPICS)]}. "
+            + FILLER * 3)
+
+
+async def phase(model: str, *, background: int, every: float, interactive: int | None,
+                name: str, n_bg: int, n_it: int) -> tuple[list[Timed], list[Timed], float]:
+    """Send ``background`` requests at once and an interactive one every ``every`` s
+    (``interactive`` of them, or until the background ones end); (background,
+    interactive, the background's makespan)."""
+    bg: list[Timed] = []
+    it: list[Timed] = []
+    t0 = time.perf_counter()
+    async with connect() as bulk, connect() as person, anyio.create_task_group() as tg:
+        async def one_bg(i: int) -> None:
+            bg.append(await request(bulk, model, background_prompt(name, i), n_bg, t0,
+                                    background=True, seed=1000 + i, temperature=0.8))
+
+        async def one_it(i: int) -> None:
+            it.append(await request(person, model, f"({name} {i}) What is the capital of "
+                                    "France, in one sentence?", n_it, t0,
+                                    background=False, seed=i, temperature=0.0))
+
+        for i in range(background):
+            tg.start_soon(one_bg, i)
+        i = 0
+        while (interactive is not None and i < interactive) or (
+                interactive is None and len(bg) < background):
+            tg.start_soon(one_it, i)
+            i += 1
+            await anyio.sleep(every)
+    makespan = max((b.ended or 0) for b in bg) if bg else 0.0
+    return bg, it, makespan
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def eta_errors(requests: list[Timed]) -> list[float]:
+    """|estimate - actual| / actual for each request that queued and started."""
+    out = []
+    for r in requests:
+        if r.eta is None or r.queued_at is None or r.started is None:
+            continue
+        actual = r.started - r.queued_at
+        if actual > 0.2:
+            out.append(abs(r.eta - actual) / actual)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--background", type=int, default=32)
+    ap.add_argument("--every", type=float, default=2.0)
+    ap.add_argument("--idle", type=int, default=12, help="interactive requests when idle")
+    args = ap.parse_args()
+    reg = load_registry()
+    model = (args.model or local_file(reg.get(reg.default_name()))).resolve()
+    home = Path(tempfile.mkdtemp(prefix="ecp", dir="/tmp"))
+    os.environ["EVERYCYCLE_HOME"] = str(home)
+    models = home / "models.toml"
+    models.write_text(f'[models.bench]\npath = "{model}"\ncontext = 8192\nparallel = 4\n'
+                      "kv_cache_disk = 0\n")
+    n_bg, n_it = 256, 32
+    meta = read_metadata(model, ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                 "tokenizer.ggml.padding_token_id"))
+    global NO_END
+    NO_END = tuple(Bias(int(v), -100.0) for k, v in meta.items()
+                   if k.startswith("tokenizer.ggml.") and k.endswith("_token_id"))
+    print(f"model {model.name}, 4 slots, {os.cpu_count()} threads; {args.background} "
+          f"background requests of up to {n_bg} tokens; interactive: {n_it} tokens every "
+          f"{args.every:g} s", flush=True)
+    with daemon_process("--models", str(models)):
+        async def run() -> None:
+            async with connect() as c:
+                await c.load("bench")
+                async for _ in c.generate("bench", "warm up", max_tokens=8):
+                    pass
+            _, idle, _ = await phase("bench", background=0, every=args.every,
+                                     interactive=args.idle, name="idle", n_bg=n_bg, n_it=n_it)
+            alone, _, t_alone = await phase("bench", background=args.background,
+                                            every=args.every, interactive=0, name="alone",
+                                            n_bg=n_bg, n_it=n_it)
+            mixed_bg, mixed_it, t_mixed = await phase(
+                "bench", background=args.background, every=args.every, interactive=None,
+                name="mixed", n_bg=n_bg, n_it=n_it)
+            report(idle, alone, t_alone, mixed_bg, mixed_it, t_mixed, args.background)
+
+        anyio.run(run)
+
+
+def report(idle: list[Timed], alone: list[Timed], t_alone: float, mixed_bg: list[Timed],
+           mixed_it: list[Timed], t_mixed: float, expected: int) -> None:
+    for what, group in (("idle interactive", idle), ("background alone", alone),
+                        ("background mixed", mixed_bg), ("interactive mixed", mixed_it)):
+        bad = [r.reason for r in group if r.reason != "finished"]
+        if bad:
+            raise SystemExit(f"{what}: {len(bad)} did not finish ({bad[0]}): no ratio")
+    if len(alone) != expected or len(mixed_bg) != expected:
+        raise SystemExit("not every background request came back: no ratio")
+    short = [r.tokens for r in alone + mixed_bg if r.tokens != alone[0].tokens]
+    if short:
+        raise SystemExit(f"background requests generated {alone[0].tokens} and {short[0]} "
+                         "tokens: not the same work, no ratio")
+    ttft_idle = [r.first_token - r.sent for r in idle if r.first_token is not None]
+    ttft_mixed = [r.first_token - r.sent for r in mixed_it if r.first_token is not None]
+    tok_alone, tok_mixed = sum(r.tokens for r in alone), sum(r.tokens for r in mixed_bg)
+    # Like for like: the same prompts' lengths and seeds on both sides; the tokens they
+    # generated may differ only as sampling from another prefix does.
+    print(f"interactive time to first token: idle median {statistics.median(ttft_idle):.3f} s"
+          f", p95 {pct(ttft_idle, 0.95):.3f} s ({len(ttft_idle)} requests); beside the "
+          f"background work median {statistics.median(ttft_mixed):.3f} s, p95 "
+          f"{pct(ttft_mixed, 0.95):.3f} s ({len(ttft_mixed)} requests)")
+    print(f"  ratio mixed/idle: median {statistics.median(ttft_mixed) / statistics.median(ttft_idle):.2f}"
+          f", p95 {pct(ttft_mixed, 0.95) / pct(ttft_idle, 0.95):.2f} (target <= 1.2)")
+    thr_alone, thr_mixed = tok_alone / t_alone, tok_mixed / t_mixed
+    it_work = statistics.mean((r.ended or 0) - r.sent for r in idle) * len(mixed_it)
+    lost = t_mixed - tok_mixed / thr_alone
+    print(f"background: {len(alone)}/{expected} and {len(mixed_bg)}/{expected} finished; "
+          f"alone {tok_alone} tokens in {t_alone:.1f} s ({thr_alone:.1f} tokens/s), mixed "
+          f"{tok_mixed} tokens in {t_mixed:.1f} s ({thr_mixed:.1f} tokens/s)")
+    print(f"  time the background lost to interactive work: {lost:.1f} s; the interactive "
+          f"work took {it_work:.1f} s on an idle daemon ({len(mixed_it)} requests) "
+          f"(target: lost <= that)")
+    for what, group in (("background alone", alone), ("background mixed", mixed_bg)):
+        errors = eta_errors(group)
+        if errors:
+            print(f"estimated start, {what}: median error {statistics.median(errors):.0%} "
+                  f"of the wait, p90 {pct(errors, 0.9):.0%} ({len(errors)} queued requests; "
+                  "target median <= 25%)")
+
+
+if __name__ == "__main__":
+    main()
