@@ -8,7 +8,8 @@ One daemon, SmolLM2 (the default model) with 4 slots. Three phases, one after an
    each, sampled with fixed seeds) sent at once: their throughput alone;
 3. mixed: 32 more background requests (the same work: same lengths and seeds, another
    prompt prefix so no cache helps) sent at once, and an interactive request every 2 s
-   until they finish.
+   until they finish;
+4. background alone again (the machine's drift over the run: phase 2 and 4 averaged).
 
 It prints the interactive time to first token, mixed vs idle (median and p95, target
 <= 1.2x), that every background request finished, the background throughput alone and
@@ -157,6 +158,8 @@ def main() -> None:
     ap.add_argument("--background", type=int, default=32)
     ap.add_argument("--every", type=float, default=2.0)
     ap.add_argument("--idle", type=int, default=12, help="interactive requests when idle")
+    ap.add_argument("--quick", action="store_true",
+                    help="idle and mixed phases only (no throughput comparison)")
     args = ap.parse_args()
     reg = load_registry()
     model = (args.model or local_file(reg.get(reg.default_name()))).resolve()
@@ -182,15 +185,46 @@ def main() -> None:
                     pass
             _, idle, _ = await phase("bench", background=0, every=args.every,
                                      interactive=args.idle, name="idle", n_bg=n_bg, n_it=n_it)
+            if args.quick:
+                _, mixed_it, _ = await phase(
+                    "bench", background=args.background, every=args.every,
+                    interactive=None, name="mixed", n_bg=n_bg, n_it=n_it)
+                latency(idle, mixed_it)
+                return
             alone, _, t_alone = await phase("bench", background=args.background,
                                             every=args.every, interactive=0, name="alone",
                                             n_bg=n_bg, n_it=n_it)
             mixed_bg, mixed_it, t_mixed = await phase(
                 "bench", background=args.background, every=args.every, interactive=None,
                 name="mixed", n_bg=n_bg, n_it=n_it)
-            report(idle, alone, t_alone, mixed_bg, mixed_it, t_mixed, args.background)
+            # (alone again: the machine's drift between the phases, bounded)
+            again, _, t_again = await phase("bench", background=args.background,
+                                            every=args.every, interactive=0, name="again",
+                                            n_bg=n_bg, n_it=n_it)
+            print(f"background alone: {t_alone:.1f} s before the mixed phase, {t_again:.1f} s "
+                  "after it")
+            report(idle, alone + again, (t_alone + t_again) / 2, mixed_bg, mixed_it,
+                   t_mixed, args.background)
 
         anyio.run(run)
+
+
+def latency(idle: list[Timed], mixed_it: list[Timed]) -> None:
+    """The interactive requests' time to first token, idle and mixed, and where the
+    slowest mixed ones spent it."""
+    ttft_idle = [r.first_token - r.sent for r in idle if r.first_token is not None]
+    ttft_mixed = [r.first_token - r.sent for r in mixed_it if r.first_token is not None]
+    print(f"interactive time to first token: idle median {statistics.median(ttft_idle):.3f} s"
+          f", p95 {pct(ttft_idle, 0.95):.3f} s ({len(ttft_idle)} requests); beside the "
+          f"background work median {statistics.median(ttft_mixed):.3f} s, p95 "
+          f"{pct(ttft_mixed, 0.95):.3f} s ({len(ttft_mixed)} requests)")
+    print(f"  ratio mixed/idle: median "
+          f"{statistics.median(ttft_mixed) / statistics.median(ttft_idle):.2f}, p95 "
+          f"{pct(ttft_mixed, 0.95) / pct(ttft_idle, 0.95):.2f} (target <= 1.2)")
+    slow = sorted(mixed_it, key=lambda r: (r.first_token or 0) - r.sent)[-5:]
+    print("  slowest beside background work (sent→slot, slot→first token): " + ", ".join(
+        f"{(r.started or r.sent) - r.sent:.3f}+{(r.first_token or 0) - (r.started or r.sent):.3f}"
+        for r in slow))
 
 
 def report(idle: list[Timed], alone: list[Timed], t_alone: float, mixed_bg: list[Timed],
@@ -200,33 +234,26 @@ def report(idle: list[Timed], alone: list[Timed], t_alone: float, mixed_bg: list
         bad = [r.reason for r in group if r.reason != "finished"]
         if bad:
             raise SystemExit(f"{what}: {len(bad)} did not finish ({bad[0]}): no ratio")
-    if len(alone) != expected or len(mixed_bg) != expected:
+    if len(alone) != 2 * expected or len(mixed_bg) != expected:
         raise SystemExit("not every background request came back: no ratio")
     short = [r.tokens for r in alone + mixed_bg if r.tokens != alone[0].tokens]
     if short:
         raise SystemExit(f"background requests generated {alone[0].tokens} and {short[0]} "
                          "tokens: not the same work, no ratio")
-    ttft_idle = [r.first_token - r.sent for r in idle if r.first_token is not None]
-    ttft_mixed = [r.first_token - r.sent for r in mixed_it if r.first_token is not None]
-    tok_alone, tok_mixed = sum(r.tokens for r in alone), sum(r.tokens for r in mixed_bg)
-    # Like for like: the same prompts' lengths and seeds on both sides; the tokens they
-    # generated may differ only as sampling from another prefix does.
-    print(f"interactive time to first token: idle median {statistics.median(ttft_idle):.3f} s"
-          f", p95 {pct(ttft_idle, 0.95):.3f} s ({len(ttft_idle)} requests); beside the "
-          f"background work median {statistics.median(ttft_mixed):.3f} s, p95 "
-          f"{pct(ttft_mixed, 0.95):.3f} s ({len(ttft_mixed)} requests)")
-    print(f"  ratio mixed/idle: median {statistics.median(ttft_mixed) / statistics.median(ttft_idle):.2f}"
-          f", p95 {pct(ttft_mixed, 0.95) / pct(ttft_idle, 0.95):.2f} (target <= 1.2)")
+    tok_alone, tok_mixed = sum(r.tokens for r in alone) / 2, sum(r.tokens for r in mixed_bg)
+    latency(idle, mixed_it)
     thr_alone, thr_mixed = tok_alone / t_alone, tok_mixed / t_mixed
     it_work = statistics.mean((r.ended or 0) - r.sent for r in idle) * len(mixed_it)
     lost = t_mixed - tok_mixed / thr_alone
-    print(f"background: {len(alone)}/{expected} and {len(mixed_bg)}/{expected} finished; "
-          f"alone {tok_alone} tokens in {t_alone:.1f} s ({thr_alone:.1f} tokens/s), mixed "
+    print(f"background: {len(alone)}/{2 * expected} and {len(mixed_bg)}/{expected} finished; "
+          f"alone {tok_alone:.0f} tokens in {t_alone:.1f} s ({thr_alone:.1f} tokens/s), mixed "
           f"{tok_mixed} tokens in {t_mixed:.1f} s ({thr_mixed:.1f} tokens/s)")
     print(f"  time the background lost to interactive work: {lost:.1f} s; the interactive "
           f"work took {it_work:.1f} s on an idle daemon ({len(mixed_it)} requests) "
           f"(target: lost <= that)")
-    for what, group in (("background alone", alone), ("background mixed", mixed_bg)):
+    for what, group in (("background alone", alone[:expected]),
+                        ("background alone again", alone[expected:]),
+                        ("background mixed", mixed_bg)):
         errors = eta_errors(group)
         if errors:
             print(f"estimated start, {what}: median error {statistics.median(errors):.0%} "

@@ -5,6 +5,8 @@ request hears an estimate of its start; fleet, the audit log and /metrics name l
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import time
 import uuid
@@ -16,19 +18,20 @@ import openai
 import pytest
 from daemonhelp import EC, Raw, wait_until
 from enginehelp import Collector
-from httphelp import audit, blocker
+from httphelp import audit, blocker, fleet_http
 
 from everycycle.client import SyncClient
 from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
 from everycycle.engine.runner import Runner
-from everycycle.protocol import Accepted, Generate, Priority, Tokens, encode
+from everycycle.errors import ErrorKind
+from everycycle.protocol import Accepted, Error, Generate, Priority, TokenChunk, Tokens, encode
 
 
 def _job(runner: Runner, tag: str, text: str, n: int, *, background: bool = False,
          temperature: float = 0.0) -> Job:
     return Job(JobSpec(tokens=runner.tokenize(text), max_tokens=n,
                        sampling=Sampling.of(temperature=temperature, seed=7),
-                       background_until=time.time() + 600 if background else None), tag=tag)
+                       background_age=600 if background else None), tag=tag)
 
 
 class Ordered(Collector):
@@ -97,18 +100,24 @@ def test_a_parked_job_can_be_cancelled_and_background_jobs_wait_for_interactive_
     assert c.first("end", "it") < c.first("tokens", "later")  # it waited for `it`
 
 
-def test_a_background_job_past_its_age_is_not_parked(runner: Runner) -> None:
+@pytest.mark.parametrize("age", [600, 0])
+def test_a_parked_job_waits_for_interactive_ones_only_its_age(runner: Runner,
+                                                               age: float) -> None:
     c = _log(runner)
-    old = Job(JobSpec(tokens=runner.tokenize("old work"), max_tokens=60,
-                      sampling=Sampling.of(temperature=0.0),
-                      background_until=time.time() - 1), tag="old")
-    runner.submit(old)
-    wait_until(lambda: len(c.outputs.get("old", [])) >= 3, "the old job to run")
-    it = _job(runner, "it", "question", 5)
-    runner.submit(it)
-    c.wait("it")
-    assert old.n_parked == 0 and c.wait("old")[-1].reason == "length"
-    assert c.first("end", "old") < c.first("tokens", "it")  # served as an interactive one
+    bg = Job(JobSpec(tokens=runner.tokenize("old work"), max_tokens=900,
+                     sampling=Sampling.of(temperature=0.0), background_age=age), tag="bg")
+    runner.submit(bg)
+    wait_until(lambda: len(c.outputs.get("bg", [])) >= 3, "the background job to run")
+    runner.submit(_job(runner, "it1", "question one", 400))
+    wait_until(lambda: len(c.outputs.get("it1", [])) >= 2, "the first question to run")
+    runner.submit(_job(runner, "it2", "question two", 5))
+    for tag in ("bg", "it1", "it2"):
+        c.wait(tag)
+    assert bg.n_parked == 1 and c.outputs["bg"][-1].reason == "length"
+    if age:  # the second question goes before the parked job
+        assert c.first("end", "it2") < c.first("end", "bg")
+    else:  # parked past its age: it resumes at the next free slot, before the question
+        assert c.first("end", "it1") < c.first("end", "bg") < c.first("tokens", "it2")
 
 
 def _models(tmp_path: Path, tiny_gguf: Path, parallel: int = 1) -> Path:
@@ -187,30 +196,59 @@ async def test_queue_positions_put_interactive_requests_first_with_an_estimate(
                 order.append(rid)
     finally:
         hold.kill()
-        hold.communicate()
+        hold.wait()
+        if hold.stdout is not None:
+            hold.stdout.close()
     records = [r for r in audit() if r["request_id"] in ("i1", "b1", "b2")]
     assert [r["request_id"] for r in records] == ["i1", "b1", "b2"]
 
 
-def test_with_background_age_zero_background_work_is_served_as_interactive(
-        spawn_daemon: object, tmp_path: Path, tiny_gguf: Path) -> None:
-    models = _models(tmp_path, tiny_gguf)
-    spawn_daemon("--background-age", "0", models=models)  # type: ignore[operator]
-    bg = _run(models, "--background", "-n", "3000", "--temperature", "1", "batch work")
+@pytest.mark.anyio
+@pytest.mark.parametrize("age", ["120", "0"])
+async def test_queued_background_work_starved_for_its_age_goes_first(
+        models_file: Path, spawn_daemon: object, age: str) -> None:
+    spawn_daemon("--background-age", age)  # type: ignore[operator]
+    hold = blocker(models_file)  # interactive work holds tiny's only slot
     try:
-        it = subprocess.Popen([*EC, "run", "--models", str(models), "-v", "-n", "4",
+        async with Raw.open() as raw:
+            await raw.send(encode(Generate("b1", "tiny", "x", max_tokens=5,
+                                           priority=Priority.BACKGROUND)))
+            await _accepted(raw, "b1")
+            await raw.send(encode(Generate("i1", "tiny", "x", max_tokens=5)))
+            await _accepted(raw, "i1")
+            hold.kill()
+            for rid in ("b1", "i1"):
+                await raw.until_terminal(rid)
+    finally:
+        hold.kill()
+        hold.wait()
+        if hold.stdout is not None:
+            hold.stdout.close()
+    order = [r["request_id"] for r in audit() if r["request_id"] in ("b1", "i1")]
+    # No background work moved for `age` seconds: at 0 the queued one is served first.
+    assert order == (["i1", "b1"] if age == "120" else ["b1", "i1"])
+
+
+def test_run_v_says_the_position_and_when_it_should_start(
+        models_file: Path, spawn_daemon: object) -> None:
+    spawn_daemon()  # type: ignore[operator]
+    hold = blocker(models_file)
+    try:
+        it = subprocess.Popen([*EC, "run", "--models", str(models_file), "-v", "-n", "4",
                                "hello"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         with SyncClient() as c:
-            wait_until(lambda: any(r.state == "queued" for r in
-                                   c.describe_fleet().requests or ()),
-                       "the interactive request to queue behind the old background one")
-        bg.kill()
+            wait_until(lambda: any(r.state == "queued" and r.eta_ms is not None
+                                   for r in c.describe_fleet().requests or ()),
+                       "the request to queue, with an estimate")
+        hold.kill()
         out, err = it.communicate(timeout=60)
         assert it.returncode == 0 and out
-        assert b"queued: position 1, about " in err  # run -v says when it should start
+        assert b"queued: position 1, about " in err, err
     finally:
-        bg.kill()
-        bg.communicate()
+        hold.kill()
+        hold.wait()
+        if hold.stdout is not None:
+            hold.stdout.close()
 
 
 def test_http_lanes_by_header_and_service_tier(url: str) -> None:
@@ -239,9 +277,54 @@ def test_http_lanes_by_header_and_service_tier(url: str) -> None:
     assert 'everycycle_lane_queue_depth{lane="interactive",model="tiny"} 0.0' in metrics
 
 
+SEED_TYPES = Path(__file__).parent / "seedtypes"
+DEBIAN_CRATES = Path("/usr/share/cargo/registry")
+
+
 def test_an_estimate_is_an_extension_the_seed_lines_do_not_carry() -> None:
     assert encode(Accepted("r", 2)) == b'{"Accepted":{"request_id":"r","queue_position":2}}\n'
     line = json.loads(encode(Accepted("r", 2, 14000)))
     assert line == {"Accepted": {"request_id": "r", "queue_position": 2, "eta_ms": 14000}}
     rid = uuid.uuid4().hex
     assert b'"priority"' not in encode(Generate(rid, "m", "x"))
+
+
+def test_the_seed_types_decode_the_lines_with_an_estimate(tmp_path: Path) -> None:
+    """The seed's Rust types (serde, as a seed-era client decodes) read the events a
+    queued request gets now, ``eta_ms`` and all."""
+    if shutil.which("cargo") is None or not any(DEBIAN_CRATES.glob("serde_json-*")):
+        if os.environ.get("EVERYCYCLE_REQUIRE_SEED_TYPES"):
+            pytest.fail("cargo and Debian's serde crates are required (.ci/run installs them)")
+        pytest.skip("needs cargo and Debian's librust-serde-json-dev (.ci/run installs them)")
+    crate = tmp_path / "seedtypes"
+    shutil.copytree(SEED_TYPES, crate)
+    (crate / ".cargo").mkdir()
+    (crate / ".cargo" / "config.toml").write_text(
+        '[source.crates-io]\nreplace-with = "debian"\n'
+        f'[source.debian]\ndirectory = "{DEBIAN_CRATES}"\n')
+    built = subprocess.run(["cargo", "build", "--offline", "--quiet"], cwd=crate,
+                           capture_output=True, text=True, timeout=600, check=False)
+    assert built.returncode == 0, built.stderr
+    lines = b"".join(encode(e) for e in (
+        Accepted("r1", 2, 14000), Accepted("r1", 1, 6500), Accepted("r1", 0),
+        Tokens("r1", TokenChunk("hi", (5, 6)), True),
+        Error("r2", ErrorKind.CANCELLED, "cancelled")))
+    lines += (Path(__file__).parent / "data" / "events.golden.jsonl").read_bytes()
+    done = subprocess.run([str(crate / "target" / "debug" / "seedtypes")], input=lines,
+                          capture_output=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert b'Accepted { request_id: "r1", queue_position: 2 }' in done.stdout
+
+
+def test_a_key_limited_to_the_background_lane(spawn_daemon: object) -> None:
+    made = subprocess.run([*EC, "keys", "add", "ci", "--background"], capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert "background lane" in made.stderr
+    spawn_daemon("--http", "127.0.0.1:0", "--http-auth")  # type: ignore[operator]
+    client = openai.OpenAI(base_url=f"{fleet_http()}/v1", api_key=made.stdout.strip())
+    try:
+        client.completions.create(model="tiny", prompt="a", max_tokens=2,
+                                  extra_headers={"x-request-id": "k1"})
+    finally:
+        client.close()
+    assert {r["request_id"]: r["lane"] for r in audit()}["k1"] == "background"

@@ -70,9 +70,10 @@ def daemon(
         "its request waits, loads or reads its prompt before it gets a keep-alive (a ping "
         "its client's idle timer counts; 0: never).")] = 5.0,
     background_age: Annotated[float, typer.Option(
-        "--background-age", min=0, help="Seconds a background request (run --background, "
-        "x-priority: background) waits behind interactive ones at most; after that it is "
-        "served as one of them.")] = 120.0,
+        "--background-age", min=0, help="Seconds background work (run --background, "
+        "x-priority: background) may wait with none of it moving, every slot kept by "
+        "interactive work, before its oldest request is served as an interactive one.")]
+    = 120.0,
     show_token: Annotated[bool, typer.Option("--show-token", help="Print the TCP token.")]
     = False,
 ) -> None:

@@ -31,10 +31,13 @@ PromptBytesOpt = Annotated[float | None, typer.Option(
     "--prompt-bytes-per-minute", min=1, help="Prompt bytes per minute.")]
 ModelsAllowedOpt = Annotated[list[str] | None, typer.Option(
     "--model", "-m", help="A model it may use (repeat; default: all).")]
+BackgroundOpt = Annotated[bool, typer.Option(
+    "--background", help="Every request it makes waits in the background lane, behind "
+    "interactive work (batch jobs, CI).")]
 
 
 def _limits(concurrent: int | None, rpm: float | None, tpm: float | None,
-            prompt_bytes: float | None, model: list[str] | None) -> Any:
+            prompt_bytes: float | None, model: list[str] | None, background: bool) -> Any:
     from ..daemon.keys import KeyLimits
 
     if model:
@@ -42,7 +45,7 @@ def _limits(concurrent: int | None, rpm: float | None, tpm: float | None,
 
     return KeyLimits(concurrent=concurrent, requests_per_minute=rpm, tokens_per_minute=tpm,
                      prompt_bytes_per_minute=prompt_bytes,
-                     models=tuple(model) if model else None)
+                     models=tuple(model) if model else None, background=background or None)
 
 
 def _warn_unknown_models(names: list[str]) -> None:
@@ -63,7 +66,7 @@ def _warn_unknown_models(names: list[str]) -> None:
 @keys_app.command("add")
 def keys_add(name: KeyNameArg, concurrent: ConcurrentOpt = None, rpm: RpmOpt = None,
              tpm: TpmOpt = None, prompt_bytes: PromptBytesOpt = None,
-             model: ModelsAllowedOpt = None) -> None:
+             model: ModelsAllowedOpt = None, background: BackgroundOpt = False) -> None:
     """Make a key; prints its secret once (only a hash is kept).
 
     \b
@@ -72,7 +75,7 @@ def keys_add(name: KeyNameArg, concurrent: ConcurrentOpt = None, rpm: RpmOpt = N
     """
     from ..daemon.keys import KeyStore
 
-    limits = _limits(concurrent, rpm, tpm, prompt_bytes, model)
+    limits = _limits(concurrent, rpm, tpm, prompt_bytes, model, background)
     try:
         secret = KeyStore().add(name, limits)
     except EverycycleError as exc:
@@ -86,7 +89,7 @@ def keys_add(name: KeyNameArg, concurrent: ConcurrentOpt = None, rpm: RpmOpt = N
 @keys_app.command("limit")
 def keys_limit(name: KeyNameArg, concurrent: ConcurrentOpt = None, rpm: RpmOpt = None,
                tpm: TpmOpt = None, prompt_bytes: PromptBytesOpt = None,
-               model: ModelsAllowedOpt = None) -> None:
+               model: ModelsAllowedOpt = None, background: BackgroundOpt = False) -> None:
     """Replace a key's limits (none given: unlimited). NAME may also be "local" (the Unix
     socket's user) or "default" (the daemon's token). A running daemon applies them to
     the next request.
@@ -97,7 +100,7 @@ def keys_limit(name: KeyNameArg, concurrent: ConcurrentOpt = None, rpm: RpmOpt =
     """
     from ..daemon.keys import KeyStore
 
-    limits = _limits(concurrent, rpm, tpm, prompt_bytes, model)
+    limits = _limits(concurrent, rpm, tpm, prompt_bytes, model, background)
     try:
         KeyStore().set_limits(name, limits)
     except EverycycleError as exc:

@@ -75,7 +75,7 @@ def _model_grammar(spec: ModelSpec, req: Generate) -> str | None:
 
 
 def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: object,
-              background_until: float | None = None) -> tuple[Job, ChatOutput | None]:
+              background_age: float | None = None) -> tuple[Job, ChatOutput | None]:
     """The engine Job for ``req`` on ``engine``, routed by ``tag``, and what splits its
     output (None: the text is the answer).
 
@@ -85,7 +85,7 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
     if isinstance(req, Embed):
         inputs = [engine.tokenize(text, Format.RAW) for text in req.input]
         job = Job(JobSpec(tokens=(), max_tokens=1, embed_inputs=inputs,
-                          background_until=background_until), tag=tag)
+                          background_age=background_age), tag=tag)
         job.spec.check_fits(engine.n_ctx_slot)
         return job, None
     tools = _tools(req)
@@ -124,7 +124,7 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
         sampling=sampling(req, spec.sampling, grammar), stop=req.stop or (),
         lookup=lookup and not images, special=output is not None, logprobs=req.logprobs,
         images=images, text=prompt.text if images and prompt is not None else None,
-        progress=bool(req.progress), background_until=background_until), tag=tag)
+        progress=bool(req.progress), background_age=background_age), tag=tag)
     job.spec.check_fits(engine.n_ctx_slot)
     if grammar is not None:
         engine.check_grammar(grammar)  # compiled once, for its vocabulary: the engine keeps it

@@ -49,6 +49,8 @@ class KeyLimits:
     prompt_bytes_per_minute: float | None = None
     models: tuple[str, ...] | None = None
     """The models (names or aliases) it may use; None: all of them."""
+    background: bool | None = None
+    """True: every request it makes waits in the background lane."""
 
     def describe(self) -> str:
         """The limits in words, for `keys list`."""
@@ -62,6 +64,8 @@ class KeyLimits:
                 parts.append(f"{value:g} {unit}")
         if self.models is not None:
             parts.append("models: " + ", ".join(self.models))
+        if self.background:
+            parts.append("background lane")
         return "; ".join(parts) or "none"
 
 
@@ -132,6 +136,10 @@ def _limits_from(raw: Any, where: str) -> KeyLimits:
             if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
                 raise ConfigError(f"{where}: models must be a list of names")
             values[name] = tuple(value)
+        elif name == "background":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: background must be true or false")
+            values[name] = value or None
         elif (isinstance(value, bool) or not isinstance(value, int | float)
               or not math.isfinite(value) or value <= 0
               or (name == "concurrent" and not isinstance(value, int))):

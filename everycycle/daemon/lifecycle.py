@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -84,9 +84,11 @@ class Active:
     """The queue position it was last told (None: none yet)."""
     waiting: anyio.CancelScope | None = None
     """While it waits for its model (a load, or room for it): cancelling ends the wait."""
-    background_until: float | None = None
-    """A background request (None: interactive) until this ``time.monotonic()``; after
-    it, it is served as an interactive one."""
+    promoted: bool = False
+    """A background request served as an interactive one (its lane starved)."""
+    concurrency: float = 0.0
+    """Requests running on its model with it: at its start, then the mean of its start's
+    and its end's (what its measured rates were measured beside)."""
     eta_ms: int | None = None
     """The start it was last told to expect, while it waits."""
 
@@ -95,9 +97,10 @@ class Active:
         """``interactive`` or ``background``: the lane it asked for."""
         return "background" if self.req.priority is Priority.BACKGROUND else "interactive"
 
-    def background(self, now: float) -> bool:
-        """Whether it waits behind interactive requests at ``now`` (monotonic)."""
-        return self.background_until is not None and now < self.background_until
+    @property
+    def background(self) -> bool:
+        """Whether it waits behind interactive requests (and gives its slot up to them)."""
+        return self.req.priority is Priority.BACKGROUND and not self.promoted
 
     def work(self) -> Work:
         """What it asks of its engine, for queue estimates."""
@@ -105,8 +108,8 @@ class Active:
         prompt = len(job.spec.tokens) if job is not None else self.n_prompt
         max_tokens = self.req.max_tokens if isinstance(self.req, Generate) else 1
         if self.state != "running":
-            return Work(prompt, max_tokens)
-        return Work(prompt, max_tokens, self.n_out,
+            return Work(prompt, max_tokens, self.lane)
+        return Work(prompt, max_tokens, self.lane, self.n_out,
                     prompt if self.first_token is not None else None)
 
 
@@ -118,6 +121,8 @@ class Lane:
     queue: list[Active] = field(default_factory=list)
     admitting: int = 0
     """Requests between admission and a slot or the queue: never unload under them."""
+    background_moved: float = 0.0
+    """When background work last started or ended, or began to wait (monotonic)."""
 
     @property
     def busy(self) -> bool:
@@ -177,6 +182,9 @@ class Requests:
         """Set when the last request ends, once someone waits for that."""
         self.rates: dict[str, Rates] = {}
         """Each model's measured rates, for queue estimates."""
+        self.background_age = 120.0
+        """Seconds background work may wait with none of it moving (every slot kept by
+        interactive work) before its oldest request is served as an interactive one."""
 
     def lane(self, model: str) -> Lane:
         lane = self.lanes.get(model)
@@ -217,14 +225,15 @@ class Requests:
         (``engine`` None: the model does not serve now; it waits for its restart).
         Raises RejectedError when the queue is full."""
         lane = self.lane(active.model)
-        now = time.monotonic()
-        behind = active.background(now)
-        waits = any(behind or not a.background(now) for a in lane.queue)
-        if waits or engine is None or not self._fits(lane, active, engine, now):
+        behind = active.background
+        waits = any(behind or not a.background for a in lane.queue)
+        if waits or engine is None or not self._fits(lane, active, engine):
             if len(lane.queue) >= max_queue:
                 raise RejectedError(f"queue full ({len(lane.queue)} waiting)")
+            if behind and not any(a.background for a in lane.queue):
+                lane.background_moved = time.monotonic()  # (its wait starts now)
             at = len(lane.queue) if behind else next(
-                (i for i, a in enumerate(lane.queue) if a.background(now)), len(lane.queue))
+                (i for i, a in enumerate(lane.queue) if a.background), len(lane.queue))
             lane.queue.insert(at, active)
             active.state = "queued"
             self._announce(lane, engine)
@@ -232,13 +241,27 @@ class Requests:
             self._start(active, engine)
 
     @staticmethod
-    def _fits(lane: Lane, active: Active, engine: Engine, now: float) -> bool:
+    def _fits(lane: Lane, active: Active, engine: Engine) -> bool:
         """Whether ``active`` may start now: a background request in a free slot; an
         interactive one while fewer interactive ones run than there are slots (the
         engine parks a background one to make room)."""
-        if active.background(now):
+        if active.background:
             return len(lane.running) < engine.parallel
-        return sum(not a.background(now) for a in lane.running) < engine.parallel
+        return sum(not a.background for a in lane.running) < engine.parallel
+
+    def _promote_starved(self, lane: Lane) -> None:
+        """Serve the oldest queued background request as an interactive one when no
+        background work has moved for ``background_age`` seconds (one at a time: the
+        next waits as long again)."""
+        now = time.monotonic()
+        if now - lane.background_moved < self.background_age:
+            return
+        oldest = next((a for a in lane.queue if a.background), None)
+        if oldest is not None:
+            oldest.promoted = True
+            if oldest.job is not None:  # (not parked by its engine either)
+                oldest.job.spec = replace(oldest.job.spec, background_age=None)
+            lane.background_moved = now
 
     def tell_position(self, active: Active, position: int, engine: Engine | None = None
                       ) -> None:
@@ -255,9 +278,8 @@ class Requests:
         """Milliseconds until ``active`` should start: the requests of its lane (and
         before it) running and queued ahead, at its model's measured rates."""
         lane = self.lane(active.model)
-        now = time.monotonic()
-        behind = active.background(now)
-        running = [a.work() for a in lane.running if behind or not a.background(now)]
+        behind = active.background
+        running = [a.work() for a in lane.running if behind or not a.background]
         ahead = [a.work() for a in lane.queue[:lane.queue.index(active)]
                  ] if active in lane.queue else []
         rates = self.rates.setdefault(active.model, Rates())
@@ -268,7 +290,11 @@ class Requests:
         active.state = "running"
         active.started = time.monotonic()
         active.engine = engine
-        self.lane(active.model).running.add(active)
+        lane = self.lane(active.model)
+        lane.running.add(active)
+        active.concurrency = len(lane.running)
+        if active.req.priority is Priority.BACKGROUND:
+            lane.background_moved = active.started
         self.tell_position(active, 0)
         try:
             engine.submit(active.job)
@@ -279,15 +305,15 @@ class Requests:
         """Start queued requests of ``model`` that fit, interactive ones (and background
         ones past their age) first."""
         lane = self.lane(model)
-        now = time.monotonic()
-        lane.queue.sort(key=lambda a: a.background(now))  # (stable: arrival order kept)
+        self._promote_starved(lane)
+        lane.queue.sort(key=lambda a: (a.background, a.admitted))  # (in arrival order)
         moved = False
         for active in list(lane.queue):
-            if self._fits(lane, active, engine, now):
+            if self._fits(lane, active, engine):
                 lane.queue.remove(active)
                 self._start(active, engine)
                 moved = True
-            elif active.background(now):
+            elif active.background:
                 break  # (the background requests after it do not fit either)
         if moved:
             self._announce(lane, engine)
@@ -352,7 +378,12 @@ class Requests:
             active.deadline.cancel()
         now = time.monotonic()
         if active.model:
-            self.lane(active.model).running.discard(active)
+            lane = self.lane(active.model)
+            if active in lane.running:
+                active.concurrency = (active.concurrency + len(lane.running)) / 2
+                lane.running.discard(active)
+                if active.req.priority is Priority.BACKGROUND:
+                    lane.background_moved = now
         started = active.started or now
         outcome = Outcome(
             request_id=rid,
@@ -387,8 +418,10 @@ class Requests:
         job = active.job
         assert job is not None
         first, started = active.first_token, active.started or now
+        slots = active.engine.parallel if active.engine is not None else 1
         self.rates.setdefault(active.model, Rates()).observe(
-            read=job.n_prompt - job.n_reused, generated=active.n_out,
+            lane=active.lane, read=job.n_prompt - job.n_reused, generated=active.n_out,
+            beside=min(slots, max(1, round(active.concurrency))),
             max_tokens=active.req.max_tokens if isinstance(active.req, Generate) else 1,
             prefill_s=None if first is None or job.n_parked else first - started,
             decode_s=0.0 if first is None or job.n_parked else now - first)

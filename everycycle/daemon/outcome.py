@@ -26,8 +26,8 @@ class Limits:
     min_residency: float = 2.0
     """Seconds a model stays, taking requests, before it gives way to a load."""
     background_age: float = 120.0
-    """Seconds a background request waits behind interactive ones at most: after them
-    it is served as an interactive one."""
+    """Seconds background work may wait with none of it moving (interactive work keeps
+    every slot) before its oldest request is served as an interactive one."""
     hang_timeout: float = 60.0
     """Seconds an engine with work in hand may make no progress before it is taken for
     hung: killed and restarted, its requests told why."""

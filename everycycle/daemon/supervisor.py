@@ -105,6 +105,7 @@ class Supervisor:
         self._on_shutdown = on_shutdown
         self.tasks = Tasks()
         self.requests = Requests(self.quotas, self._report, self.tasks)
+        self.requests.background_age = self.limits.background_age
         self.remote = RemoteHosts([*rpc, *registry.rpc])
         self._outputs: Handoff[list[tuple[Job, Output]] | Engine] = Handoff()
         self.residency = Residency(
@@ -316,9 +317,9 @@ class Supervisor:
                 and req.max_tokens > self.limits.max_tokens):
             raise InvalidRequestError(f"max_tokens must be between 1 and {self.limits.max_tokens}")
         self._check_principal(peer, req)
+        if peer.principal.limits.background and req.priority is not Priority.BACKGROUND:
+            req = dataclasses.replace(req, priority=Priority.BACKGROUND)  # (its key's lane)
         active = Active(req=req, peer=peer, admitted=time.monotonic())
-        if req.priority is Priority.BACKGROUND:
-            active.background_until = active.admitted + self.limits.background_age
         self.requests.track(active)
         allow_load = self.auto_load and req.auto_load is not False
         name = req.model
@@ -415,11 +416,9 @@ class Supervisor:
             await self.residency.serving(model)
             engine = model.engine
             try:
-                # (the engine reads the wall clock: its process has its own monotonic)
-                until = (None if active.background_until is None else
-                         time.time() + active.background_until - time.monotonic())
+                age = self.limits.background_age if active.background else None
                 return await anyio.to_thread.run_sync(build_job, model.spec, engine,
-                                                      active.req, active, until)
+                                                      active.req, active, age)
             except InternalError:
                 if engine.dead is None or attempt == 2:
                     raise

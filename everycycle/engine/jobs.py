@@ -101,14 +101,10 @@ class JobSpec:
     """With ``images``: the rendered prompt, which the engine tokenizes with them."""
     progress: bool = False
     """Report how far the prompt is read (``Output.progress``) after each batch of it."""
-    background_until: float | None = None
-    """A background job (None: interactive) until this ``time.time()``: while it is,
-    a pending interactive job takes its slot (it is parked, and resumes where it
-    stopped); after it, it is served as an interactive one (no starvation)."""
-
-    def background(self, now: float) -> bool:
-        """Whether it is a background job at ``now`` (``time.time()``)."""
-        return self.background_until is not None and now < self.background_until
+    background_age: float | None = None
+    """A background job (None: interactive): a pending interactive job takes its slot
+    (it is parked, and resumes where it stopped), unless it has waited parked this many
+    seconds: then it takes the next free slot before them and is parked no more."""
 
     def check_fits(self, n_ctx_slot: int) -> None:
         """Raise InvalidRequestError unless the job fits a slot of ``n_ctx_slot`` tokens:
@@ -139,6 +135,13 @@ class Job:
     n_generated: int = 0
     n_parked: int = 0
     """How often it gave its slot up to an interactive job."""
+    promoted: bool = False
+    """A background job served as an interactive one from now on (it waited too long)."""
+
+    @property
+    def background(self) -> bool:
+        """Whether it gives way to interactive jobs now."""
+        return self.spec.background_age is not None and not self.promoted
     _cancel_reason: str | None = None
 
 

@@ -46,13 +46,15 @@ class Parked:
     lookup: PromptLookup | None
     state: Any = None
     """The cells, copied out once another job took the slot (None: not copied)."""
+    since: float = 0.0
+    """When it was parked (``time.monotonic()``)."""
 
 
-def parkable(slot: Slot, now: float) -> bool:
+def parkable(slot: Slot) -> bool:
     """Whether ``slot`` runs a job that gives way to an interactive one: a background
     job, text only (an image's cells are libmtmd's to lay out)."""
     job = slot.job
-    return (job is not None and job.spec.background(now) and not job.spec.images
+    return (job is not None and job.background and not job.spec.images
             and job._cancel_reason is None)
 
 
@@ -63,7 +65,7 @@ def park(slot: Slot) -> Parked:
     assert job is not None and not slot.draft
     parked = Parked(job, slot, list(slot.cached), slot.n_past, slot.todo, slot.last,
                     slot.sampler, slot.grammar, slot.decoder, slot.held_text,
-                    slot.held_ids, slot.held_logprobs, slot.lookup)
+                    slot.held_ids, slot.held_logprobs, slot.lookup, since=time.monotonic())
     job.n_parked += 1
     slot.job, slot.sampler, slot.grammar, slot.lookup = None, None, None, None
     slot.todo, slot.held_ids, slot.held_logprobs, slot.held_text = [], [], [], ""
@@ -125,15 +127,18 @@ class Lanes:
 
     def _schedule(self, out: list[tuple[Job, Output]]) -> None:
         """Start or resume jobs in free slots, interactive ones first (with the lock)."""
-        now = time.time()
+        now = time.monotonic()
+        for parked in self._parked:  # (parked for too long: served as interactive now)
+            age = parked.job.spec.background_age
+            if age is not None and now - parked.since >= age:
+                parked.job.promoted = True
         while True:
             free = any(s.job is None for s in self._slots)
-            urgent_parked = next((p for p in self._parked
-                                  if not p.job.spec.background(now)), None)
-            urgent = next((j for j in self._pending if not j.spec.background(now)), None)
+            urgent_parked = next((p for p in self._parked if not p.job.background), None)
+            urgent = next((j for j in self._pending if not j.background), None)
             if urgent_parked is not None or urgent is not None:
                 if not free:
-                    victims = [s for s in self._slots if parkable(s, now)]
+                    victims = [s for s in self._slots if parkable(s)]
                     if not victims:
                         return
                     # (the fewest cells: the cheapest to copy out, should that be needed)

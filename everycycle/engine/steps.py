@@ -35,6 +35,10 @@ from .vocab import Vocab
 
 log = logging.getLogger(__name__)
 
+BACKGROUND_CHUNK = 16
+"""Prompt tokens of background jobs read in one step at most: a step with a long
+prefill would hold an interactive job that arrives meanwhile for its whole length."""
+
 
 class EngineThread(Lanes):
     """The decode loop's half of a Runner (``Runner`` sets these up and starts it)."""
@@ -192,6 +196,10 @@ class EngineThread(Lanes):
         batch = self._batch
         n = 0
         rows: list[tuple[Slot, int]] = []
+        # While an interactive job reads its prompt, background jobs sit the step out:
+        # its first token comes as soon as on an idle engine.
+        if any(s.todo and s.job is not None and not s.job.background for s in active):
+            active = [s for s in active if s.job is not None and not s.job.background]
         for s in active:
             if not s.todo:
                 put(batch, n, s.last, s.n_past, s.seq, True)
@@ -216,11 +224,18 @@ class EngineThread(Lanes):
                 s.n_past += 1
                 n += 1
         prefill = False
-        for s in active:
+        background_room = BACKGROUND_CHUNK  # (short steps: an interactive job arriving
+        for s in active:                    # never waits long for one to end)
             if not s.todo or n >= self._n_batch:
                 continue
+            room = self._n_batch - n
+            if s.job is not None and s.job.background:
+                room = min(room, background_room)
+                if room <= 0:
+                    continue
+                background_room -= room
             prefill = True
-            take = s.todo[: self._n_batch - n]
+            take = s.todo[:room]
             del s.todo[: len(take)]
             for j, tok in enumerate(take):
                 last = not s.todo and j == len(take) - 1
