@@ -14,6 +14,7 @@ import http.client
 import json
 import threading
 import urllib.parse
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -32,14 +33,19 @@ def serve(target: str, out: Path, port: int) -> ThreadingHTTPServer:
             length = int(self.headers.get("content-length") or 0)
             body = self.rfile.read(length) if length else b""
             headers = {k.lower(): v for k, v in self.headers.items()}
+            # Each request names itself (x-request-id), so the daemon's audit record of
+            # it can be found: what it prefilled and reused.
+            headers.setdefault("x-request-id", f"rec-{uuid.uuid4().hex}")
             if self.command == "POST":
                 try:
                     parsed = json.loads(body)
                 except ValueError:
                     parsed = None
                 if parsed is not None:
-                    kept = {k: v for k, v in headers.items() if k not in SECRET | HOP}
-                    line = json.dumps({"path": self.path, "headers": kept, "body": parsed},
+                    kept = {k: v for k, v in headers.items()
+                            if k not in SECRET | HOP | {"x-request-id"}}
+                    line = json.dumps({"path": self.path, "headers": kept, "body": parsed,
+                                       "request_id": headers["x-request-id"]},
                                       ensure_ascii=False)
                     with lock, out.open("a") as f:
                         f.write(line + "\n")

@@ -48,6 +48,7 @@ class FakeEngine:
         self.lookup_exact = False
         self.lookup_drafted = self.lookup_accepted = 0
         self.prompt_cache = None
+        self.step_seconds: tuple[float, ...] = ()
         self.drop_prompt_cache = lambda: 0
         self.dead: str | None = None
         self.exit_cause: str | None = None

@@ -53,13 +53,16 @@ class Rates:
         elif generated:
             self.length.add(float(generated))
 
-    def decode_rate(self, lane: str, running: int) -> float:
-        """Tokens per second of one of ``running`` requests of ``lane``: as measured,
-        else from the nearest count measured (its lane's first), a step's time taken as
-        growing with its rows (which over-states it: batched rows cost less), else a
-        guess."""
+    def decode_rate(self, lane: str, running: int, steps: tuple[float, ...] = ()) -> float:
+        """Tokens per second of one of ``running`` requests of ``lane``: as measured for
+        such requests, else one token a decode step of ``running`` rows (``steps``: the
+        engine's step seconds by rows), else from the nearest count measured (its
+        lane's first), a step's time taken as growing with its rows (which over-states
+        it: batched rows cost less), else a guess."""
         if (lane, running) in self.decode:
             return self.decode[lane, running].value
+        if 0 < running <= len(steps) and steps[running - 1] > 0:
+            return 1.0 / steps[running - 1]
         if not self.decode:
             return DEFAULT_DECODE / max(running, 1)
         near = min(self.decode, key=lambda key: (key[0] != lane, abs(key[1] - running),
@@ -72,12 +75,13 @@ class Rates:
             return max(1.0, max_tokens * self.used.value)
         return self.length.value
 
-    def cost(self, work: Work, running: int) -> float:
+    def cost(self, work: Work, running: int, steps: tuple[float, ...] = ()) -> float:
         """Seconds ``work`` needs from now, with ``running`` requests sharing the batch:
         its prompt left to read and the rest of its tokens."""
         left_prompt = max(0, work.prompt - (work.read or 0))
         left = max(1.0, self.expected(work.max_tokens) - work.done)
-        return left_prompt / self.prefill.value + left / self.decode_rate(work.lane, running)
+        return (left_prompt / self.prefill.value
+                + left / self.decode_rate(work.lane, running, steps))
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,18 +97,19 @@ class Work:
     """Prompt tokens already in its slot (a running request that started reading)."""
 
 
-def start_in(rates: Rates, slots: int, running: Iterable[Work], ahead: Iterable[Work]
-             ) -> float:
+def start_in(rates: Rates, slots: int, running: Iterable[Work], ahead: Iterable[Work],
+             steps: tuple[float, ...] = ()) -> float:
     """Seconds until a request waiting behind ``ahead`` gets one of ``slots`` slots that
     ``running`` hold now: each slot frees when its request would finish; each request
     ahead takes the first slot to free. Running requests beyond the slots (background
-    work parked for interactive work) are ahead of it too, with what they have left."""
+    work parked for interactive work) are ahead of it too, with what they have left.
+    ``steps``: the engine's decode step seconds by rows, where no rate was measured."""
     slots = max(slots, 1)
     # (someone waits: every slot is busy until then, so each runs beside ``slots``)
-    left = sorted(rates.cost(w, slots) for w in running)
+    left = sorted(rates.cost(w, slots, steps) for w in running)
     free, rest = left[:slots], left[slots:]
     free += [0.0] * (slots - len(free))
     heapq.heapify(free)
-    for cost in [*rest, *(rates.cost(w, slots) for w in ahead)]:
+    for cost in [*rest, *(rates.cost(w, slots, steps) for w in ahead)]:
         heapq.heappush(free, heapq.heappop(free) + cost)
     return heapq.heappop(free)

@@ -283,7 +283,8 @@ class Requests:
         ahead = [a.work() for a in lane.queue[:lane.queue.index(active)]
                  ] if active in lane.queue else []
         rates = self.rates.setdefault(active.model, Rates())
-        return int(1000 * start_in(rates, engine.parallel, running, ahead))
+        return int(1000 * start_in(rates, engine.parallel, running, ahead,
+                                   engine.step_seconds))
 
     def _start(self, active: Active, engine: Engine) -> None:
         assert active.job is not None

@@ -101,7 +101,7 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
         assert runner is not None
         while not stop.wait(HEARTBEAT_S):
             with contextlib.suppress(OSError, ValueError):
-                send(Heartbeat(runner.steps, runner.prompt_cache))
+                send(Heartbeat(runner.steps, runner.prompt_cache, runner.step_seconds))
 
     threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 

@@ -70,6 +70,12 @@ class Engine(Protocol):
         """Its prompt cache's figures, as last reported (None: it keeps none)."""
         ...
 
+    @property
+    def step_seconds(self) -> tuple[float, ...]:
+        """A decode step's seconds by its rows, 1 to ``parallel`` (index 0: one row),
+        as last measured (the load probe's, then its own steps'); empty: not known."""
+        ...
+
     def drop_prompt_cache(self) -> int:
         """Give back the RAM its prompt cache holds (to disk as far as it holds, the
         rest gone): another model's load needs it. The bytes given back."""
@@ -372,6 +378,8 @@ class Heartbeat(NamedTuple):
     steps: int
     cache: CacheStats | None = None
     """The prompt cache's figures now."""
+    step_seconds: tuple[float, ...] = ()
+    """``Engine.step_seconds`` now."""
 
 
 HEARTBEAT_S = 1.0

@@ -142,6 +142,7 @@ class EngineProcess:
         self.lookup_accepted = 0
         self.images_encoded = 0
         self.prompt_cache: CacheStats | None = None
+        self.step_seconds: tuple[float, ...] = ()
         self._finished = threading.Event()
         """Set once the pipe closed and the child's end was handled (``_ended``)."""
         self._stop_reading: Callable[[], None] | None = None
@@ -246,7 +247,7 @@ class EngineProcess:
     def _handle(self, message: object) -> bool:
         """One message from the child; False once it said it closed."""
         if isinstance(message, Heartbeat):
-            self.prompt_cache = message.cache
+            self.prompt_cache, self.step_seconds = message.cache, message.step_seconds
             if message.steps != self._steps:
                 self._steps, self._progress = message.steps, time.monotonic()
             else:

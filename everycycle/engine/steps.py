@@ -35,6 +35,9 @@ from .vocab import Vocab
 
 log = logging.getLogger(__name__)
 
+STEP_TABLE_EVERY = 64
+"""Decode steps between two publications of the step costs (``step_seconds``)."""
+
 BACKGROUND_CHUNK = 16
 """Prompt tokens of background jobs read in one step at most: a step with a long
 prefill would hold an interactive job that arrives meanwhile for its whole length."""
@@ -54,6 +57,9 @@ class EngineThread(Lanes):
     lookup_accepted: int
     steps: int = 0
     """Loop iterations with work done: a step that moves is progress."""
+    step_seconds: tuple[float, ...] = ()
+    """A decode step's seconds by rows, 1 to ``parallel`` (``Engine.step_seconds``):
+    republished from the step costs every ``STEP_TABLE_EVERY`` steps, read anywhere."""
     _notify: Notify
     _ctx: Any
     _mem: Any
@@ -103,6 +109,10 @@ class EngineThread(Lanes):
                 self._parked.clear()
             self._safe_notify([(j, Output("", (), True, "error", err)) for j in jobs])
 
+    def _publish_steps(self) -> None:
+        table = tuple(self._cost.estimate(rows) for rows in range(1, self.parallel + 1))
+        self.step_seconds = tuple(t for t in table if t is not None)
+
     def _probe(self) -> bool:
         """Whether batches are bit-exact here; times steps by row count meanwhile."""
         toks = self.vocab.tokenize(
@@ -110,6 +120,7 @@ class EngineThread(Lanes):
         exact, self._cost = batch_probe(
             self._L, self._ctx, self._mem, self._batch, n_vocab=self._n_vocab,
             n_batch=self._n_batch, n_ctx_slot=self.n_ctx_slot, toks=toks)
+        self._publish_steps()
         return exact
 
     def _safe_notify(self, outputs: list[tuple[Job, Output]]) -> None:
@@ -149,6 +160,8 @@ class EngineThread(Lanes):
                 continue
             if not prefill:
                 self._cost.observe(n, time.perf_counter() - started)
+                if self.steps % STEP_TABLE_EVERY == 0 or not self.step_seconds:
+                    self._publish_steps()
             else:
                 for s in active:  # (a prompt read whole yields its first token instead)
                     if s.todo and s.job is not None and s.job.spec.progress:
