@@ -84,8 +84,8 @@ def save(L: Any, ctx: Any, parked: Parked) -> None:
 def resume(L: Any, ctx: Any, mem: Any, parked: Parked, slot: Slot) -> None:
     """Put the parked job back on the free ``slot``, as it was when it stopped."""
     if parked.slot is not slot:
-        if parked.slot is not None:  # (its own slot was taken meanwhile: copy it out)
-            save(L, ctx, parked)
+        # (its own slot, when untouched, is where it resumes: elsewhere, it was copied)
+        assert parked.slot is None
         restored = (parked.state is not None and
                     kvdisk.restore_sequence(L, ctx, mem, slot.seq, parked.state))
         if restored:
