@@ -144,7 +144,9 @@ def test_a_queued_stream_pings_its_position(url: str, busy: object) -> None:
     head = b"".join(resp.readline() for _ in range(6))
     events = sse(head)
     assert [name for name, _ in events] == ["message_start", "ping"]
-    assert events[1][1] == {"type": "ping", "queue_position": 1}
+    ping = events[1][1]
+    assert ping == {"type": "ping", "queue_position": 1, "eta_ms": ping["eta_ms"]}
+    assert isinstance(ping["eta_ms"], int) and ping["eta_ms"] > 0  # (when it should start)
     start = events[0][1]["message"]
     rid = resp.getheader("x-request-id")
     assert isinstance(start, dict) and start["id"] == rid and start["content"] == []
