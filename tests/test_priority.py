@@ -21,7 +21,7 @@ from enginehelp import Collector
 from httphelp import audit, blocker, fleet_http
 
 from everycycle.client import SyncClient
-from everycycle.daemon.eta import Rates, Work, start_in
+from everycycle.daemon.eta import Rates, Work, starts
 from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
 from everycycle.engine.runner import Runner
 from everycycle.errors import ErrorKind
@@ -336,13 +336,15 @@ def test_an_estimate_counts_the_work_running_and_ahead() -> None:
     # Nothing measured: one token a decode step of the engine's (2 slots busy: 0.1 s).
     steps = (0.05, 0.1)
     running = [Work(10, 100, "background", done=50, read=10), Work(10, 100, "background")]
-    # The first frees in 50 steps (5 s) and the next one ahead takes 100 more (10 s)
-    # plus its prompt; the other running one frees after its 100 (10 s, plus its prompt).
-    ahead = [Work(500, 100, "background")]
+    # The first running frees its slot in 50 steps (5 s): the first waiting takes it
+    # (and needs its 500-token prompt and 100 steps: 11 s more); the other running one
+    # frees its slot after its prompt and 100 steps, for the second waiting.
+    ahead = [Work(500, 100, "background"), Work(10, 100, "background")]
     prefill = 10 / rates.prefill.value
-    eta = start_in(rates, 2, running, ahead, steps)
-    assert eta == pytest.approx(10.0 + prefill)
-    assert start_in(rates, 2, running[:1], [], steps) == 0.0  # a slot is free
+    first, then = starts(rates, 2, running, ahead, steps)
+    assert first == pytest.approx(5.0)
+    assert then == pytest.approx(10.0 + prefill)
+    assert starts(rates, 2, running[:1], ahead[:1], steps) == [0.0]  # a slot is free
     # Measured for its lane and count, the measurement wins.
     rates.observe(lane="background", read=100, generated=101, beside=2, max_tokens=100,
                   prefill_s=0.1, decode_s=5.0)

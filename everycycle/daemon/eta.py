@@ -97,19 +97,25 @@ class Work:
     """Prompt tokens already in its slot (a running request that started reading)."""
 
 
-def start_in(rates: Rates, slots: int, running: Iterable[Work], ahead: Iterable[Work],
-             steps: tuple[float, ...] = ()) -> float:
-    """Seconds until a request waiting behind ``ahead`` gets one of ``slots`` slots that
-    ``running`` hold now: each slot frees when its request would finish; each request
-    ahead takes the first slot to free. Running requests beyond the slots (background
-    work parked for interactive work) are ahead of it too, with what they have left.
-    ``steps``: the engine's decode step seconds by rows, where no rate was measured."""
+def starts(rates: Rates, slots: int, running: Iterable[Work], queue: Iterable[Work],
+           steps: tuple[float, ...] = ()) -> list[float]:
+    """Seconds until each request of ``queue`` (in order) gets one of ``slots`` slots
+    that ``running`` hold now: each slot frees when its request would finish, and each
+    request waiting takes the first slot to free. Running requests beyond the slots
+    (background work parked for interactive work) take slots before the queue, with
+    what they have left. ``steps``: the engine's decode step seconds by rows, where no
+    rate was measured."""
     slots = max(slots, 1)
     # (someone waits: every slot is busy until then, so each runs beside ``slots``)
     left = sorted(rates.cost(w, slots, steps) for w in running)
     free, rest = left[:slots], left[slots:]
     free += [0.0] * (slots - len(free))
     heapq.heapify(free)
-    for cost in [*rest, *(rates.cost(w, slots, steps) for w in ahead)]:
+    for cost in rest:
         heapq.heappush(free, heapq.heappop(free) + cost)
-    return heapq.heappop(free)
+    out = []
+    for w in queue:
+        start = heapq.heappop(free)
+        out.append(start)
+        heapq.heappush(free, start + rates.cost(w, slots, steps))
+    return out

@@ -107,18 +107,16 @@ class FleetView:
     def _requests(self) -> tuple[ActiveRequest, ...] | None:
         now = time.monotonic()
         shown = sorted(self.requests.active.values(), key=lambda a: a.admitted)[:100]
+        etas: dict[Active, int] = {}
+        for name in {a.model for a in shown if a.state == "queued"}:
+            model = self.residency.models.get(name)
+            if model is not None and model.serving:
+                etas.update(self.requests.estimates(self.requests.lane(name), model.engine))
         return tuple(ActiveRequest(a.req.request_id, a.model or a.req.model,
                                    a.peer.principal.name, a.state,
                                    int((now - a.admitted) * 1000), a.n_out, a.lane,
-                                   self._eta(a))
+                                   etas.get(a))
                      for a in shown) or None
-
-    def _eta(self, active: Active) -> int | None:
-        """A queued request's estimated start from now (None: it is not queued)."""
-        model = self.residency.models.get(active.model)
-        if active.state != "queued" or model is None or not model.serving:
-            return None
-        return self.requests.eta(active, model.engine)
 
     def _loaded(self, m: Resident) -> LoadedModel:
         device_layers, total_layers = _device_layers(m)

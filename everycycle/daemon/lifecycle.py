@@ -47,7 +47,7 @@ from ..protocol import (
     TopLogprob,
     Usage,
 )
-from .eta import Rates, Work, start_in
+from .eta import Rates, Work, starts
 from .outcome import Outcome, Peer
 from .quota import Quotas
 
@@ -263,28 +263,35 @@ class Requests:
                 oldest.job.spec = replace(oldest.job.spec, background_age=None)
             lane.background_moved = now
 
-    def tell_position(self, active: Active, position: int, engine: Engine | None = None
-                      ) -> None:
-        """Send ``active`` an Accepted with ``position`` (and, while it waits behind
-        others on ``engine``, its estimated start) unless that is what it was told
-        last: the first from admission on (also while its model loads), then each move."""
-        eta = self.eta(active, engine) if position and engine is not None else None
+    @staticmethod
+    def tell_position(active: Active, position: int, eta: int | None = None) -> None:
+        """Send ``active`` an Accepted with ``position`` (and, while it waits, ``eta``:
+        its estimated start in ms) unless that is what it was told last: the first from
+        admission on (also while its model loads), then each move, or an estimate off
+        by more than a second."""
         if active.position != position or (eta is not None and active.eta_ms is not None
                                            and abs(eta - active.eta_ms) > 1000):
             active.position, active.eta_ms = position, eta
             active.peer.emit(Accepted(active.req.request_id, position, eta))
 
-    def eta(self, active: Active, engine: Engine) -> int:
-        """Milliseconds until ``active`` should start: the requests of its lane (and
-        before it) running and queued ahead, at its model's measured rates."""
-        lane = self.lane(active.model)
-        behind = active.background
-        running = [a.work() for a in lane.running if behind or not a.background]
-        ahead = [a.work() for a in lane.queue[:lane.queue.index(active)]
-                 ] if active in lane.queue else []
-        rates = self.rates.setdefault(active.model, Rates())
-        return int(1000 * start_in(rates, engine.parallel, running, ahead,
-                                   engine.step_seconds))
+    def estimates(self, lane: Lane, engine: Engine) -> dict[Active, int]:
+        """Milliseconds until each queued request of ``lane`` should start: the slots
+        free as what runs ends, each taken by the next in the queue (interactive ones
+        wait only for interactive work: the engine parks background work for them), at
+        its model's measured rates. One pass over the queue."""
+        if not lane.queue:
+            return {}
+        rates = self.rates.setdefault(lane.queue[0].model, Rates())
+        out: dict[Active, int] = {}
+        for background in (False, True):
+            running = [a.work() for a in lane.running if background or not a.background]
+            waiting = [a for a in lane.queue if background or not a.background]
+            for active, seconds in zip(waiting, starts(
+                    rates, engine.parallel, running, [a.work() for a in waiting],
+                    engine.step_seconds), strict=True):
+                if active.background == background:
+                    out[active] = int(1000 * seconds)
+        return out
 
     def _start(self, active: Active, engine: Engine) -> None:
         assert active.job is not None
@@ -320,9 +327,11 @@ class Requests:
             self._announce(lane, engine)
 
     def _announce(self, lane: Lane, engine: Engine | None = None) -> None:
-        """Tell every queued request its position (after the queue moved)."""
+        """Tell every queued request its position, and its estimated start when its
+        model serves on ``engine`` (after the queue moved)."""
+        etas = self.estimates(lane, engine) if engine is not None else {}
         for i, waiting in enumerate(lane.queue):
-            self.tell_position(waiting, i + 1, engine)
+            self.tell_position(waiting, i + 1, etas.get(waiting))
 
     # ------------------------------------------------------------------ endings
 
