@@ -3,6 +3,7 @@ daemon on a real port with real llama.cpp (the tiny model; tool use on the defau
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 from collections.abc import Iterator
@@ -139,21 +140,21 @@ def test_a_queued_stream_pings_its_position(url: str, busy: object) -> None:
     body = json.dumps({"model": "tiny", "messages": HI, "max_tokens": 2,
                        "stream": True}).encode()
     conn = http.client.HTTPConnection(*hostport(url), timeout=60)
-    conn.request("POST", "/v1/messages", body=body)
-    resp = conn.getresponse()
-    head = b"".join(resp.readline() for _ in range(6))
-    events = sse(head)
-    assert [name for name, _ in events] == ["message_start", "ping"]
-    ping = events[1][1]
-    assert ping == {"type": "ping", "queue_position": 1, "eta_ms": ping["eta_ms"]}
-    assert isinstance(ping["eta_ms"], int) and ping["eta_ms"] > 0  # (when it should start)
-    start = events[0][1]["message"]
-    rid = resp.getheader("x-request-id")
-    assert isinstance(start, dict) and start["id"] == rid and start["content"] == []
-    with SyncClient() as c:
-        c.cancel(rid)
-    rest = sse(resp.read())
-    conn.close()
+    with contextlib.closing(conn):  # (closed on a failed assertion too)
+        conn.request("POST", "/v1/messages", body=body)
+        resp = conn.getresponse()
+        head = b"".join(resp.readline() for _ in range(6))
+        events = sse(head)
+        assert [name for name, _ in events] == ["message_start", "ping"]
+        ping = events[1][1]
+        assert ping == {"type": "ping", "queue_position": 1, "eta_ms": ping["eta_ms"]}
+        assert isinstance(ping["eta_ms"], int) and ping["eta_ms"] > 0  # (its start)
+        start = events[0][1]["message"]
+        rid = resp.getheader("x-request-id")
+        assert isinstance(start, dict) and start["id"] == rid and start["content"] == []
+        with SyncClient() as c:
+            c.cancel(rid)
+        rest = sse(resp.read())
     name, fields = rest[-1]
     assert name == "error" and fields["error"]["type"] == "api_error"  # type: ignore[index]
     assert "message_stop" not in [n for n, _ in rest]

@@ -3,6 +3,7 @@ HTTP, against a real daemon on a real port with real llama.cpp."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
@@ -199,15 +200,15 @@ def test_a_queued_stream_gets_its_position_as_comments(url: str, busy: object) -
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                        "max_tokens": 2, "stream": True}).encode()
     conn = http.client.HTTPConnection(*hostport(url), timeout=60)
-    conn.request("POST", "/v1/chat/completions", body=body)
-    resp = conn.getresponse()
-    first = resp.readline() + resp.readline()
-    assert re.fullmatch(rb": queue_position 1 eta_ms [1-9][0-9]*\n\n", first), first
-    rid = resp.getheader("x-request-id")
-    with SyncClient() as c:
-        c.cancel(rid)  # cancel by the id from the header, as `everycycle cancel` does
-    rest = resp.read()
-    conn.close()
+    with contextlib.closing(conn):  # (closed on a failed assertion too)
+        conn.request("POST", "/v1/chat/completions", body=body)
+        resp = conn.getresponse()
+        first = resp.readline() + resp.readline()
+        assert re.fullmatch(rb": queue_position 1 eta_ms [1-9][0-9]*\n\n", first), first
+        rid = resp.getheader("x-request-id")
+        with SyncClient() as c:
+            c.cancel(rid)  # cancel by the id from the header, as `everycycle cancel` does
+        rest = resp.read()
     error = json.loads(rest.strip().removeprefix(b"data: "))
     assert error["error"]["code"] == "Cancelled" and b"[DONE]" not in rest
 
