@@ -340,7 +340,7 @@ def test_an_estimate_counts_the_work_running_and_ahead() -> None:
     # (and needs its 500-token prompt and 100 steps: 11 s more); the other running one
     # frees its slot after its prompt and 100 steps, for the second waiting.
     ahead = [Work(500, 100, "background"), Work(10, 100, "background")]
-    prefill = 10 / rates.prefill.value
+    prefill = 10 / rates.prefill_rate("background")
     first, then = starts(rates, 2, running, ahead, steps)
     assert first == pytest.approx(5.0)
     assert then == pytest.approx(10.0 + prefill)

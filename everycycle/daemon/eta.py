@@ -12,6 +12,8 @@ ALPHA = 0.3
 """The weight of the newest measurement in a rate's moving average."""
 DEFAULT_DECODE = 40.0
 """Tokens per second of a request alone, before any was measured."""
+DEFAULT_PREFILL = 500.0
+"""Prompt tokens per second, before any prompt was measured."""
 
 
 @dataclass(slots=True)
@@ -28,8 +30,9 @@ class Ewma:
 class Rates:
     """One model's recent rates, learnt from the requests it finished."""
 
-    prefill: Ewma = field(default_factory=lambda: Ewma(500.0))
-    """Prompt tokens read per second (of one request, as requests share the batch)."""
+    prefill: dict[str, Ewma] = field(default_factory=dict)
+    """Prompt tokens read per second by one request, by its lane (an interactive prompt
+    is read alone; a background one in short steps between others)."""
     decode: dict[tuple[str, int], Ewma] = field(default_factory=dict)
     """Tokens generated per second by one request, by its lane (interactive and batch
     work sample differently: greedy questions draft with prompt lookup) and how many
@@ -45,7 +48,7 @@ class Rates:
         (None: unknown), ``generated`` tokens took ``decode_s`` after the first, with
         ``beside`` requests running (it included)."""
         if prefill_s is not None and read >= 16 and prefill_s > 0:
-            self.prefill.add(read / prefill_s)
+            self.prefill.setdefault(lane, Ewma(0.0)).add(read / prefill_s)
         if generated >= 4 and decode_s > 0:
             self.decode.setdefault((lane, beside), Ewma(0.0)).add((generated - 1) / decode_s)
         if max_tokens:
@@ -80,8 +83,14 @@ class Rates:
         its prompt left to read and the rest of its tokens."""
         left_prompt = max(0, work.prompt - (work.read or 0))
         left = max(1.0, self.expected(work.max_tokens) - work.done)
-        return (left_prompt / self.prefill.value
+        return (left_prompt / self.prefill_rate(work.lane)
                 + left / self.decode_rate(work.lane, running, steps))
+
+    def prefill_rate(self, lane: str) -> float:
+        """Prompt tokens per second of a request of ``lane``: its lane's, else the
+        other's, else a guess."""
+        found = self.prefill.get(lane) or next(iter(self.prefill.values()), None)
+        return found.value if found is not None else DEFAULT_PREFILL
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,11 +4,13 @@ reads one row per decoding slot every step."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..errors import InternalError
+from .jobs import Logprob
 
 
 class RowLogits:
@@ -30,3 +32,19 @@ class RowLogits:
         if not address:
             raise InternalError(f"llama.cpp has no logits for batch row {row}")
         return np.ctypeslib.as_array(self._row.from_address(address))
+
+
+def logprob(row: np.ndarray[Any, np.dtype[np.float32]], tok: int, top: int,
+            text: Callable[[int], str]) -> Logprob:
+    """``tok``'s log-probability under the model's own distribution in ``row`` (its
+    logits, before any sampling setting), and the ``top`` likeliest tokens', each with
+    its ``text``."""
+    logits = row.astype(np.float64)
+    peak = logits.max()
+    lse = peak + np.log(np.exp(logits - peak).sum())
+    best: list[tuple[str, float]] = []
+    if top:
+        ids = np.argpartition(-logits, top - 1)[:top]
+        ids = ids[np.argsort(-logits[ids], kind="stable")]
+        best = [(text(int(i)), float(logits[i] - lse)) for i in ids]
+    return text(tok), float(logits[tok] - lse), tuple(best)

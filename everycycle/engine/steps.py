@@ -18,14 +18,12 @@ from collections import deque
 from functools import partial
 from typing import Any
 
-import numpy as np
-
 from ..errors import EverycycleError, InternalError, InvalidRequestError
 from . import kvdisk, promptcache
 from .constraint import Constraints
 from .contract import Notify
-from .jobs import EMBED_MAX_TOKENS, Job, Logprob, Output, common_prefix
-from .logits import RowLogits
+from .jobs import EMBED_MAX_TOKENS, Job, Output, common_prefix
+from .logits import RowLogits, logprob
 from .lookup import History, PromptLookup, StepCost, accepted_prefix, expected_accepted
 from .parking import Lanes
 from .probes import batch_probe, put
@@ -109,6 +107,9 @@ class EngineThread(Lanes):
                 self._parked.clear()
             self._safe_notify([(j, Output("", (), True, "error", err)) for j in jobs])
 
+    def _piece_text(self, tok: int) -> str:
+        return self.vocab.piece(tok, True).decode("utf-8", "replace")
+
     def _publish_steps(self) -> None:
         table = tuple(self._cost.estimate(rows) for rows in range(1, self.parallel + 1))
         self.step_seconds = tuple(t for t in table if t is not None)
@@ -145,7 +146,7 @@ class EngineThread(Lanes):
                 if s.job is not None and s.job.spec.images and s.prompt is None and not s.todo:
                     self._prepare_images(s, out)
             active = [s for s in self._slots if s.job is not None]
-            n, rows, prefill = self._build(active)
+            n, rows, prefilled = self._build(active)
             if n == 0:
                 self._safe_notify(out)
                 continue
@@ -158,12 +159,12 @@ class EngineThread(Lanes):
                     self._finish(s, out, "error", err)
                 self._safe_notify(out)
                 continue
-            if not prefill:
+            if not prefilled:
                 self._cost.observe(n, time.perf_counter() - started)
                 if self.steps % STEP_TABLE_EVERY == 0 or not self.step_seconds:
                     self._publish_steps()
             else:
-                for s in active:  # (a prompt read whole yields its first token instead)
+                for s in prefilled:  # (a prompt read whole yields its first token instead)
                     if s.todo and s.job is not None and s.job.spec.progress:
                         out.append((s.job, Output("", (), progress=s.n_past)))
             self._sample(rows, out)
@@ -202,10 +203,10 @@ class EngineThread(Lanes):
             self._schedule(out)
             return embeds
 
-    def _build(self, active: list[Slot]) -> tuple[int, list[tuple[Slot, int]], bool]:
+    def _build(self, active: list[Slot]) -> tuple[int, list[tuple[Slot, int]], list[Slot]]:
         """Fill the batch: a token per decoding slot first, then drafts, then prefill
-        chunks. Returns (rows, the slots whose logits come from which row, whether any
-        prefill is in it)."""
+        chunks. Returns (rows, the slots whose logits come from which row, the slots
+        that read some of their prompt)."""
         batch = self._batch
         n = 0
         rows: list[tuple[Slot, int]] = []
@@ -236,7 +237,7 @@ class EngineThread(Lanes):
                 s.cached.append(tok)
                 s.n_past += 1
                 n += 1
-        prefill = False
+        prefilled: list[Slot] = []
         background_room = BACKGROUND_CHUNK  # (short steps: an interactive job arriving
         for s in active:                    # never waits long for one to end)
             if not s.todo or n >= self._n_batch:
@@ -247,7 +248,7 @@ class EngineThread(Lanes):
                 if room <= 0:
                     continue
                 background_room -= room
-            prefill = True
+            prefilled.append(s)
             take = s.todo[:room]
             del s.todo[: len(take)]
             for j, tok in enumerate(take):
@@ -258,7 +259,7 @@ class EngineThread(Lanes):
                 if last:
                     rows.append((s, n))
                 n += 1
-        return n, rows, prefill
+        return n, rows, prefilled
 
     def _sample(self, rows: list[tuple[Slot, int]], out: list[tuple[Job, Output]]) -> None:
         """Each slot's next token from its row (or its draft verified)."""
@@ -287,24 +288,9 @@ class EngineThread(Lanes):
             else:
                 tok = L.llama_sampler_sample(s.sampler, self._ctx, row)
             if s.job.spec.logprobs is not None:
-                s.held_logprobs.append(self._logprob(row, tok, s.job.spec.logprobs))
+                s.held_logprobs.append(logprob(self._logits(row), tok, s.job.spec.logprobs,
+                                               self._piece_text))
             self._take(s, tok, s.n_past, out)
-
-    def _logprob(self, row: int, tok: int, top: int) -> Logprob:
-        """``tok``'s log-probability under the model's own distribution at ``row`` (its
-        logits, before any sampling setting), and the ``top`` likeliest tokens'."""
-        logits = self._logits(row).astype(np.float64)
-        peak = logits.max()
-        lse = peak + np.log(np.exp(logits - peak).sum())
-        best: list[tuple[str, float]] = []
-        if top:
-            ids = np.argpartition(-logits, top - 1)[:top]
-            ids = ids[np.argsort(-logits[ids], kind="stable")]
-            best = [(self._text(int(i)), float(logits[i] - lse)) for i in ids]
-        return self._text(tok), float(logits[tok] - lse), tuple(best)
-
-    def _text(self, tok: int) -> str:
-        return self.vocab.piece(tok, True).decode("utf-8", "replace")
 
     def _start(self, job: Job, out: list[tuple[Job, Output]]) -> None:
         """Put ``job`` in the free slot whose cached tokens share the longest prefix."""
