@@ -275,10 +275,8 @@ class Requests:
             active.peer.emit(Accepted(active.req.request_id, position, eta))
 
     def estimates(self, lane: Lane, engine: Engine) -> dict[Active, int]:
-        """Milliseconds until each queued request of ``lane`` should start: the slots
-        free as what runs ends, each taken by the next in the queue (interactive ones
-        wait only for interactive work: the engine parks background work for them), at
-        its model's measured rates. One pass over the queue."""
+        """Milliseconds until each queued request of ``lane`` should start (``starts``;
+        interactive ones wait only for interactive work: background work is parked)."""
         if not lane.queue:
             return {}
         rates = self.rates.setdefault(lane.queue[0].model, Rates())
@@ -348,14 +346,9 @@ class Requests:
             lane = self.lane(active.model)
             lane.queue.remove(active)
             self.finish(active, Error(rid, ErrorKind.CANCELLED, reason))
-            self._announce(lane, self._engine_of(lane))
+            self._announce(lane, next((a.engine for a in lane.running if a.engine), None))
         elif active.waiting is not None:
             active.waiting.cancel()
-
-    @staticmethod
-    def _engine_of(lane: Lane) -> Engine | None:
-        """The engine the lane's requests run on (None: none runs)."""
-        return next((a.engine for a in lane.running if a.engine is not None), None)
 
     def cancel_model(self, model: str, reason: str) -> None:
         lane = self.lane(model)
