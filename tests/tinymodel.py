@@ -128,3 +128,52 @@ def _no_write_to_dim0(rng: np.random.Generator, rows: int, cols: int) -> np.ndar
     m = (rng.standard_normal((rows, cols)) * 0.5).astype(np.float32)
     m[0, :] = 0.0
     return m
+
+
+RERANK_TEMPLATE = "<s>{query}</s>{document}"
+"""A ``rerank`` template, as Qwen3-Reranker ships one (its own is longer)."""
+
+
+def write_tiny_reranker(path: Path, *, seed: int = 4321, template: str | None = None
+                        ) -> Path:
+    """A tiny random-weight reranker: qwen3's architecture with rank pooling and a
+    two-label classifier head (``cls.output``), as Qwen3-Reranker GGUFs are; with
+    ``template``, its ``tokenizer.chat_template.rerank``. Returns ``path``."""
+    rng = np.random.default_rng(seed)
+    tokens, scores, types = vocabulary()
+    n_vocab, head = len(tokens), N_EMBD // N_HEAD
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_name("tiny-random-reranker")
+    write_hparams(w, n_ctx=2048, n_embd=N_EMBD, n_layer=N_LAYER, n_ff=N_FF, n_head=N_HEAD,
+                  file_type=gguf.LlamaFileType.ALL_F32, tokens=tokens, scores=scores,
+                  types=types, head_dim=head)
+    w.add_key_length(head)
+    w.add_value_length(head)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    w.add_pooling_type(gguf.PoolingType.RANK)
+    w.add_classifier_output_labels(["yes", "no"])
+    if template is not None:
+        w.add_chat_template([{"name": "rerank", "template": template}])
+
+    def t(name: str, *shape: int, scale: float = 0.5) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+
+    t("token_embd.weight", n_vocab, N_EMBD, scale=1.0)
+    w.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+    t("output.weight", n_vocab, N_EMBD)
+    t("cls.output.weight", 2, N_EMBD)
+    for i in range(N_LAYER):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        t(f"blk.{i}.attn_q.weight", N_HEAD * head, N_EMBD)
+        t(f"blk.{i}.attn_k.weight", N_HEAD * head, N_EMBD)
+        t(f"blk.{i}.attn_v.weight", N_HEAD * head, N_EMBD)
+        t(f"blk.{i}.attn_output.weight", N_EMBD, N_HEAD * head)
+        w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head, np.float32))
+        w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        t(f"blk.{i}.ffn_gate.weight", N_FF, N_EMBD)
+        t(f"blk.{i}.ffn_up.weight", N_FF, N_EMBD)
+        t(f"blk.{i}.ffn_down.weight", N_EMBD, N_FF)
+    finish(w)
+    return path

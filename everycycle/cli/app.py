@@ -6,14 +6,12 @@ Nothing heavy is imported at start: llama_cpp only on the embedded path.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
@@ -56,7 +54,10 @@ from .common import (
     exit_for,
     fail,
     hub_model,
+    open_client,
     prepull,
+    refuse_completion_model,
+    registry_default,
     report,
     sampling_fields,
     with_images,
@@ -66,8 +67,6 @@ from .runargs import read_text, tool_fields
 from .stats import RunStats
 from .thinking import Thoughts
 
-if TYPE_CHECKING:
-    from ..client.aio import BaseClient
 
 def _version(value: bool) -> None:
     if value:
@@ -81,30 +80,6 @@ def _main(
                                           help="Show the version and exit.")] = False,
 ) -> None:
     """A local LLM daemon and CLI over llama.cpp."""
-
-
-@contextlib.asynccontextmanager
-async def _client(socket: Path | None, models: Path | None, no_daemon: bool,
-                  status: Status) -> AsyncIterator[BaseClient]:
-    from ..client.aio import connect
-    from ..client.inprocess import embedded
-
-    async with contextlib.AsyncExitStack() as stack:
-        client: BaseClient | None = None
-        if not no_daemon:
-            try:  # (only the connecting: what the body raises is the caller's)
-                client = await stack.enter_async_context(connect(socket))
-            except DaemonUnavailableError:
-                status.show("no daemon: running in-process")
-        if client is None:
-            client = await stack.enter_async_context(embedded(models))
-        yield client
-
-
-def _registry_default(models: Path | None) -> str:
-    from ..models.registry import load_registry
-
-    return load_registry(models).default_name()
 
 
 @app.command()
@@ -173,7 +148,7 @@ def run(
         fail("usage: the prompt is empty: give a PROMPT or pipe text on stdin", 2)
     status = Status(verbose)
     try:
-        name = hub_model(model or _registry_default(models), models, offline)
+        name = hub_model(model or registry_default(models), models, offline)
         if image and raw:
             fail("usage: --image needs the chat template (not --raw)", 2)
         turn = tool_fields(tools, tool_choice, with_images(text, image))
@@ -211,7 +186,7 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
     stats = RunStats(req, status)
     thoughts = Thoughts(sys.stderr)
     try:
-        async with _client(socket, models, no_daemon, status) as client:
+        async with open_client(socket, models, no_daemon, status) as client:
             stats.begin()
             status.show("loading…")
             async with anyio.create_task_group() as tg:
@@ -277,60 +252,6 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
         return report(exc)
 
 
-@app.command()
-def embed(
-    texts: Annotated[list[str] | None, typer.Argument(
-        metavar="[TEXT]...", help="Texts to embed; with none, each line of stdin is one.")] = None,
-    model: ModelOpt = None,
-    background: Annotated[bool, typer.Option(
-        "--background/--interactive", help="Wait behind interactive requests (the "
-        "default: indexing is batch work), or not.")] = True,
-    no_daemon: NoDaemonOpt = False,
-    offline: OfflineOpt = False,
-    models: ModelsOpt = None,
-    socket: SocketOpt = None,
-    verbose: VerboseOpt = False,
-) -> None:
-    """Print one JSON line {"index", "embedding"} per text (L2-normalized).
-
-    \b
-    Example:
-      printf 'a cat\\na dog\\n' | everycycle embed > vectors.jsonl
-    """
-    items = list(texts or [])
-    if not items and not sys.stdin.isatty():
-        items = [ln for ln in sys.stdin.read().splitlines() if ln.strip()]
-    if not items:
-        fail("usage: give TEXT… or pipe lines on stdin", 2)
-    status = Status(verbose)
-    try:
-        name = hub_model(model or _registry_default(models), models, offline)
-        _refuse_completion_model(name, models)
-        prepull(name, models, offline)
-        from ..protocol import Embed
-
-        Embed(request_id="probe", model=name, input=tuple(items))  # validate first
-    except EverycycleError as exc:
-        exit_for(exc)
-    import anyio
-
-    async def go() -> int:
-        try:
-            async with _client(socket, models, no_daemon, status) as client:
-                vectors = await client.embed(
-                    name, items, priority=Priority.BACKGROUND if background else None)
-        except EverycycleError as exc:
-            status.clear()
-            return report(exc)
-        out = sys.stdout
-        for i, v in enumerate(vectors):
-            out.write(json.dumps({"index": i, "embedding": list(v)}) + "\n")
-        out.flush()
-        return 0
-
-    raise typer.Exit(anyio.run(go))
-
-
 @app.command("chat")
 def chat_cmd(
     model: ModelOpt = None,
@@ -365,8 +286,8 @@ def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
           models: Path | None, socket: Path | None, verbose: bool) -> None:
     status = Status(verbose)
     try:
-        name = hub_model(model or _registry_default(models), models, offline)
-        _refuse_completion_model(name, models)
+        name = hub_model(model or registry_default(models), models, offline)
+        refuse_completion_model(name, models)
         prepull(name, models, offline)
         options: dict[str, Any] = {**chosen, **({} if max_tokens is None
                                                 else {"max_tokens": max_tokens})}
@@ -388,7 +309,7 @@ def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
         reader = default_reader()
         while True:
             try:
-                async with _client(socket, models, no_daemon, status) as client:
+                async with open_client(socket, models, no_daemon, status) as client:
                     status.settle()  # "no daemon: running in-process" stays, on its own line
                     return await chat(client, name, options=options, on_loading=loading,
                                       reader=reader, convo=convo)
@@ -404,17 +325,6 @@ def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
                 return report(exc)
 
     raise typer.Exit(anyio.run(session))
-
-
-def _refuse_completion_model(name: str, models: Path | None) -> None:
-    """A chat with a completion model (``format = "raw"``: a base model) is a usage
-    error that says what works instead."""
-    from ..models.registry import load_registry
-
-    spec = load_registry(models).models.get(name)
-    if spec is not None and spec.format is Format.RAW:
-        fail(f"{name} is a completion model: it continues text and has no chat; try "
-             f'everycycle run -m {name} "Once upon a time"', 2)
 
 
 def _note_if_no_template(name: str, models: Path | None) -> None:
@@ -476,3 +386,4 @@ from . import keys as _keys_commands  # noqa: F401
 from . import launch as _launch_commands  # noqa: F401
 from . import models as _models_commands  # noqa: F401
 from . import rpc as _rpc_commands  # noqa: F401
+from . import vectors as _vector_commands  # noqa: F401

@@ -6,10 +6,12 @@ Nothing heavy is imported here: commands import what they need when they run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
@@ -21,6 +23,9 @@ from ..errors import (
     UnavailableError,
 )
 from ..protocol import MAX_TOKENS_LIMIT, ContentPart, sampling
+
+if TYPE_CHECKING:
+    from ..client.aio import BaseClient
 
 EXIT_CODES = {
     ErrorKind.INTERNAL: 1,
@@ -221,3 +226,42 @@ def with_images(text: str, images: list[Path] | None) -> str | tuple[ContentPart
     from ..protocol import PartType
 
     return (*(image_part(p) for p in images), ContentPart(PartType.TEXT, text))
+
+
+@contextlib.asynccontextmanager
+async def open_client(socket: Path | None, models: Path | None, no_daemon: bool,
+                      status: Status) -> AsyncIterator[BaseClient]:
+    """A client of the daemon on ``socket``, or (none running, or ``no_daemon``) of
+    one in this process."""
+    from ..client.aio import connect
+    from ..client.inprocess import embedded
+
+    async with contextlib.AsyncExitStack() as stack:
+        client: BaseClient | None = None
+        if not no_daemon:
+            try:  # (only the connecting: what the body raises is the caller's)
+                client = await stack.enter_async_context(connect(socket))
+            except DaemonUnavailableError:
+                status.show("no daemon: running in-process")
+        if client is None:
+            client = await stack.enter_async_context(embedded(models))
+        yield client
+
+
+def registry_default(models: Path | None) -> str:
+    """The registry's default model name. Raises ConfigError when none is set."""
+    from ..models.registry import load_registry
+
+    return load_registry(models).default_name()
+
+
+def refuse_completion_model(name: str, models: Path | None) -> None:
+    """A chat with a completion model (``format = "raw"``: a base model) is a usage
+    error that says what works instead."""
+    from ..models.registry import load_registry
+    from ..protocol import Format
+
+    spec = load_registry(models).models.get(name)
+    if spec is not None and spec.format is Format.RAW:
+        fail(f"{name} is a completion model: it continues text and has no chat; try "
+             f'everycycle run -m {name} "Once upon a time"', 2)

@@ -20,23 +20,31 @@ WideOpt = Annotated[bool, typer.Option("--wide", help="Also where each comes fro
 app.add_typer(models_app, name="models")
 
 
+AllOpt = Annotated[bool, typer.Option(
+    "--all", help="Also the GGUFs in other tools' stores (Ollama, LM Studio, llama.cpp's "
+    "cache, the Hugging Face cache), by the name `run -m` takes.")]
+
+
 @models_app.callback(invoke_without_command=True)
 def models_cmd(
     ctx: typer.Context,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON list of the models.")]
     = False,
     wide: WideOpt = False,
+    every: AllOpt = False,
     models: ModelsOpt = None,
 ) -> None:
-    """List the model registry.
+    """List the model registry (with --all, other tools' models too, read in place).
 
     \b
     Example:
       everycycle models --json
+      everycycle models --all
+      everycycle run -m ollama:llama3.2:3b "Hello"
     """
     if ctx.invoked_subcommand is not None:
         return
-    list_models(as_json, models, wide)
+    list_models(as_json, models, wide, every)
 
 
 @app.command("list")
@@ -44,6 +52,7 @@ def list_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON list of the models.")]
     = False,
     wide: WideOpt = False,
+    every: AllOpt = False,
     models: ModelsOpt = None,
 ) -> None:
     """List the model registry (as `models`; Ollama's name for it).
@@ -52,25 +61,28 @@ def list_cmd(
     Example:
       everycycle list
     """
-    list_models(as_json, models, wide)
+    list_models(as_json, models, wide, every)
 
 
-def list_models(as_json: bool, models: Path | None, wide: bool = False) -> None:
+def _row(spec: Any, default: bool, store: str | None) -> dict[str, Any]:
+    return {"name": spec.name, "default": default, "source": spec.source,
+            "store": store, "revision": spec.revision, "available": _available(spec),
+            "context": spec.context, "parallel": spec.parallel, "executor": spec.executor,
+            "kind": "completion" if spec.format is Format.RAW else "chat",
+            "kv_cache_type": spec.kv_cache_type, **_needs(spec)}
+
+
+def list_models(as_json: bool, models: Path | None, wide: bool = False,
+                every: bool = False) -> None:
     from ..models.registry import load_registry
 
     try:
         reg = load_registry(models)
     except EverycycleError as exc:
         exit_for(exc)
-    rows: list[dict[str, Any]] = []
-    for spec in reg.models.values():
-        rows.append({
-            "name": spec.name, "default": spec.name == reg.default, "source": spec.source,
-            "revision": spec.revision, "available": _available(spec), "context": spec.context,
-            "parallel": spec.parallel, "executor": spec.executor,
-            "kind": "completion" if spec.format is Format.RAW else "chat",
-            "kv_cache_type": spec.kv_cache_type, **_needs(spec),
-        })
+    rows = [_row(spec, spec.name == reg.default, None) for spec in reg.models.values()]
+    if every:
+        rows += _store_rows(rows)
     if as_json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return
@@ -89,22 +101,33 @@ def list_models(as_json: bool, models: Path | None, wide: bool = False) -> None:
 def models_add(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The name to record it by.")],
     url: Annotated[str, typer.Argument(
-        metavar="URL", help="hf://owner/repo[:QUANT][@revision] or "
-        "hf://owner/repo/file.gguf[@revision]")],
-    context: Annotated[int, typer.Option("--context", help="Tokens per slot.")] = 4096,
-    parallel: Annotated[int, typer.Option(
-        "--parallel", help="Slots: requests decoded at once.")] = 4,
+        metavar="SOURCE", help="hf://owner/repo[:QUANT][@revision], "
+        "hf://owner/repo/file.gguf[@revision], or a model in another tool's store: "
+        "ollama:MODEL[:TAG], lmstudio:PUBLISHER/REPO, llamacpp:NAME (see models --all)")],
+    context: Annotated[int | None, typer.Option(
+        "--context", help="Tokens per slot (default 4096, or the store's own).")] = None,
+    parallel: Annotated[int | None, typer.Option(
+        "--parallel", help="Slots: requests decoded at once (default 4).")] = None,
 ) -> None:
-    """Download a hub GGUF and record it, pinned (commit and sha256), in your models.toml.
+    """Record a model in your models.toml, pinned by sha256: a hub GGUF (downloaded, its
+    commit pinned), or one in another tool's store (read where it is, never copied).
 
     \b
     Example:
       everycycle models add qwen hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M
+      everycycle models add llama ollama:llama3.2:3b
     """
-    from ..models import manage
+    from ..models import manage, stores
 
     try:
-        where, got, digest = manage.add(name, url, context=context, parallel=parallel,
+        if stores.is_ref(url):
+            where, entry = manage.add_store_model(name, url, context=context,
+                                                  parallel=parallel)
+            sys.stderr.write(f"everycycle: added '{name}' ({entry['path']}, sha256 "
+                             f"{entry['sha256']}, read in place) to {where}\n")
+            return
+        where, got, digest = manage.add(name, url, context=context or 4096,
+                                        parallel=parallel or 4,
                                         progress=sys.stderr.isatty())
     except EverycycleError as exc:
         exit_for(exc)
@@ -139,6 +162,22 @@ def pull(
     except EverycycleError as exc:
         exit_for(exc)
     sys.stdout.write(f"{path}\n")
+
+
+def _store_rows(registry_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows for the models in other tools' stores (a hub download the registry already
+    names is left out); a line on stderr for each one left out for a fault."""
+    from ..models import stores
+
+    found, left = stores.discover()
+    for line in left:
+        sys.stderr.write(f"everycycle: left out: {line}\n")
+    named = {str(r["source"]) for r in registry_rows}
+    rows = []
+    for m in found:
+        if m.ref not in named:  # (a hub download the registry names is listed once)
+            rows.append(_row(stores.spec_of(m), False, m.store))
+    return rows
 
 
 def _needs(spec: Any) -> dict[str, int | str | None]:
@@ -197,7 +236,9 @@ def _available(spec: Any) -> bool:
 
 @app.command()
 def show(
-    model: Annotated[str, typer.Argument(metavar="MODEL", help="A registry name.")],
+    model: Annotated[str, typer.Argument(
+        metavar="MODEL", help="A registry name, or a model in another tool's store "
+        "(ollama:llama3.2:3b).")],
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
     models: ModelsOpt = None,
 ) -> None:
@@ -210,10 +251,16 @@ def show(
     """
     from ..chatfmt.chat import renderer_of
     from ..hardware.gguf import read_metadata
+    from ..models import stores
     from ..models.registry import load_registry, local_file
 
+    notes: tuple[str, ...] = ()
     try:
-        spec = load_registry(models).get(model)
+        if stores.is_ref(model) and model not in load_registry(models).models:
+            found = stores.find(model)
+            spec, notes = stores.spec_of(found), found.notes
+        else:
+            spec = load_registry(models).get(model)
         path = local_file(spec)
         meta = read_metadata(path)
     except EverycycleError as exc:
@@ -230,6 +277,7 @@ def show(
         "context": spec.context, "parallel": spec.parallel, "executor": spec.executor,
         "parameters": sampling.to_json(spec.sampling) or None,
         "chat_renderer": f"{renderer} ({note})" if note else renderer,
+        "notes": list(notes) or None,
         "chat_template": source,
     }
     if as_json:
@@ -240,7 +288,7 @@ def show(
         if key == "chat_template" or value is None:
             continue
         shown = (", ".join(f"{k} {v}" for k, v in value.items()) if isinstance(value, dict)
-                 else str(value))
+                 else "; ".join(value) if isinstance(value, list) else str(value))
         sys.stdout.write(f"{key.replace('_', ' '):<{width}}  {shown}\n")
     template = info["chat_template"]
     sys.stdout.write("chat template:\n" + ("".join(f"  {ln}\n" for ln in

@@ -100,6 +100,7 @@ class BaseClient:
                                                    request_id=request_id, **options))
 
     embed = calls.awaiting(calls.embed)
+    rerank = calls.awaiting(calls.rerank)
     describe_fleet = calls.awaiting(calls.describe_fleet)
     cancel = calls.awaiting(calls.cancel)
     cancel_if_active = calls.awaiting(calls.cancel_if_active)

@@ -25,6 +25,7 @@ from ..protocol import (
     ServerEvent,
     Shutdown,
     Unload,
+    ranked,
 )
 from .connection import new_request_id
 
@@ -81,6 +82,14 @@ def embed(model: str, texts: Sequence[str], **options: Any
           ) -> Call[list[tuple[float, ...]]]:
     """One normalized vector per text, in order. Raises RequestFailedError."""
     return Call(Embed(new_request_id(), model, tuple(texts), **options), _vectors)
+
+
+def rerank(model: str, query: str, documents: Sequence[str], top_n: int | None = None,
+           **options: Any) -> Call[list[tuple[int, float]]]:
+    """``documents`` ranked against ``query`` by a reranker: (index, relevance score),
+    best first, at most ``top_n``. Raises RequestFailedError."""
+    return Call(Embed(new_request_id(), model, tuple(documents), query=query, **options),
+                lambda event: ranked(_vectors(event), top_n))
 
 
 def describe_fleet() -> Call[FleetSnapshot]:

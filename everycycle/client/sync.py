@@ -118,6 +118,7 @@ class SyncClient:
                                                    request_id=request_id, **options))
 
     embed = calls.blocking(calls.embed)
+    rerank = calls.blocking(calls.rerank)
     describe_fleet = calls.blocking(calls.describe_fleet)
     cancel = calls.blocking(calls.cancel)
     cancel_if_active = calls.blocking(calls.cancel_if_active)

@@ -83,9 +83,11 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
     schema, grammar or tools that do not compile, a conversation for a completion model.
     """
     if isinstance(req, Embed):
-        inputs = [engine.tokenize(text, Format.RAW) for text in req.input]
+        inputs = ([engine.tokenize(text, Format.RAW) for text in req.input]
+                  if req.query is None else engine.rerank_tokens(req.query, req.input))
         job = Job(JobSpec(tokens=(), max_tokens=1, embed_inputs=inputs,
-                          background_age=background_age), tag=tag)
+                          rerank=req.query is not None, background_age=background_age),
+                  tag=tag)
         job.spec.check_fits(engine.n_ctx_slot)
         return job, None
     tools = _tools(req)

@@ -82,7 +82,7 @@ class Peer(Protocol):
 def prompt_bytes(req: Generate | Embed) -> int:
     """The UTF-8 size of what ``req`` asks the model to read."""
     if isinstance(req, Embed):
-        return sum(len(text.encode("utf-8")) for text in req.input)
+        return sum(len(text.encode("utf-8")) for text in (*req.input, req.query or ""))
     if req.messages is not None:
         return sum(len(m.text.encode("utf-8")) for m in req.messages)
     return len((req.prompt or "").encode("utf-8"))
@@ -110,8 +110,13 @@ def audit_record(outcome: Outcome, req: Generate | Embed, *, prompts: bool) -> d
     }
     if outcome.limit is not None:
         record["limit"] = outcome.limit
+    query = req.query if isinstance(req, Embed) else None
+    if query is not None:
+        record["kind"] = "rerank"
     if prompts:
-        record["prompt"] = (list(req.input) if isinstance(req, Embed) else
+        record["prompt"] = ({"query": query, "documents": list(req.input)}
+                            if isinstance(req, Embed) and query is not None
+                            else list(req.input) if isinstance(req, Embed) else
                             req.prompt if req.messages is None else
                             [[m.role.value, m.text] + [f"(image, {_size(i.data or '')} bytes)"
                                                        for i in m.images]

@@ -33,9 +33,10 @@ from ..errors import (
     InvalidRequestError,
     RejectedError,
     RequestCancelledError,
+    UnknownModelError,
 )
 from ..hardware import cpukernels
-from ..models import manage
+from ..models import manage, stores
 from ..models.registry import DEFAULT_KEEP_ALIVE, Registry
 from ..protocol import (
     Cancel,
@@ -154,10 +155,24 @@ class Supervisor:
 
     def knows(self, name: str) -> bool:
         """Whether a request may name ``name``: a registry entry (read again if need be),
-        or a hub URL the daemon pulls."""
+        a model in another tool's store, or a hub URL the daemon pulls."""
         self._know(name)
-        return name in self.registry.models or (
+        return name in self.registry.models or self._in_store(name) or (
             self._resolve is not None and manage.is_hub_url(name))
+
+    @staticmethod
+    def _in_store(name: str) -> bool:
+        """Whether another tool's store has ``name`` (one that will not load, a missing
+        blob, is there: its request hears why)."""
+        if not stores.is_ref(name):
+            return False
+        try:
+            stores.find(name)
+        except UnknownModelError:
+            return False
+        except EverycycleError:
+            pass
+        return True
 
     def _know(self, name: str) -> None:
         """Read the registry files again if they may name ``name`` now (a broken file

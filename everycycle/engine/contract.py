@@ -97,6 +97,11 @@ class Engine(Protocol):
         what the output will hold (``as_prompt``: one plain prompt, sent as is where the
         model has no template). Raises InvalidRequestError when it cannot render."""
 
+    def rerank_tokens(self, query: str, documents: Sequence[str]) -> list[list[int]]:
+        """Each (query, document) pair's tokens, laid out for this reranker. Raises
+        InvalidRequestError for a model that is not a reranker."""
+        ...
+
     def check_grammar(self, grammar: str) -> None:
         """Compile ``grammar`` (llguidance's) for this model's vocabulary, off the decode
         loop, and keep it for the job that asked. Raises InvalidRequestError saying what
@@ -272,6 +277,16 @@ class RenderChat(NamedTuple):
         return engine.chat_prompt(self.messages, self.tools, self.think, self.as_prompt)
 
 
+class RerankTokens(NamedTuple):
+    """``Engine.rerank_tokens``: answered by each pair's tokens."""
+
+    query: str
+    documents: Sequence[str]
+
+    def answer(self, engine: Engine) -> list[list[int]]:
+        return engine.rerank_tokens(self.query, self.documents)
+
+
 class CheckGrammar(NamedTuple):
     """``Engine.check_grammar``: answered by None, or its error."""
 
@@ -288,7 +303,7 @@ class DropPromptCache(NamedTuple):
         return engine.drop_prompt_cache()
 
 
-Question = Tokenize | RenderChat | CheckGrammar | DropPromptCache
+Question = Tokenize | RenderChat | RerankTokens | CheckGrammar | DropPromptCache
 """What a ``Call`` may ask: each answers itself from the child's Runner."""
 
 

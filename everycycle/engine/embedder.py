@@ -3,7 +3,8 @@
 The runner creates it on its engine thread at the first embedding job and runs every
 call into it there. Pooling is the model's own (llama.cpp reads it from the GGUF); a
 model that declares none (most causal LMs) is mean-pooled. Vectors are L2-normalized,
-as llama.cpp's embedding tool and llama-server do by default. Inputs are batched: as
+as llama.cpp's embedding tool and llama-server do by default. A reranker (rank pooling)
+gives each sequence its classifier's outputs instead, unnormalized (rerank.py). Inputs are batched: as
 many sequences per ``llama_decode`` as fit ``n_batch`` tokens and ``n_seq_max`` sequences,
 whichever requests they came from.
 """
@@ -16,11 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import EverycycleError, InternalError
+from ..errors import EverycycleError, InternalError, InvalidRequestError
 from .jobs import Job, Output
 
 POOLING_NONE = 0
 POOLING_MEAN = 1
+POOLING_RANK = 4
 
 
 class Embedder:
@@ -36,8 +38,11 @@ class Embedder:
             L.llama_free(self._ctx)
             self._ctx = self._context(model, n_threads, pooling=POOLING_MEAN)
         self.pooling = int(L.llama_pooling_type(self._ctx))
-        self._n_embd = int(L.llama_model_n_embd_out(model) if hasattr(L, "llama_model_n_embd_out")
+        self._n_embd = int(L.llama_model_n_cls_out(model) if self.pooling == POOLING_RANK
+                           else L.llama_model_n_embd_out(model)
+                           if hasattr(L, "llama_model_n_embd_out")
                            else L.llama_model_n_embd(model))
+        """Floats per sequence: its embedding, or a reranker's classifier outputs."""
         self._encoder_only = bool(L.llama_model_has_encoder(model)
                                   and not L.llama_model_has_decoder(model))
         self._batch = L.llama_batch_init(n_batch, 0, 1)
@@ -71,6 +76,15 @@ class Embedder:
             progress()
             return any(j._cancel_reason for j in jobs)
 
+        ranks = self.pooling == POOLING_RANK
+        for job in [j for j in jobs if j.spec.rerank != ranks]:
+            error = InvalidRequestError(
+                "this model is a reranker: it scores (query, document) pairs (rerank), "
+                "it does not embed" if ranks else "this model is not a reranker")
+            out.append((job, Output("", (), True, "error", error)))
+        jobs = [j for j in jobs if j.spec.rerank == ranks]
+        if not jobs:
+            return
         try:
             inputs = [tokens for job in jobs for tokens in job.spec.embed_inputs or ()]
             vectors = self.embed(inputs, cancelled=cancelled)
@@ -132,6 +146,9 @@ class Embedder:
                 raise InternalError("llama.cpp returned no embedding")
             v = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
                                       shape=(self._n_embd,)).astype(np.float64)
+            if self.pooling == POOLING_RANK:  # scores, as llama.cpp gives them
+                vectors.append(v.tolist())
+                continue
             norm = float(np.linalg.norm(v))
             vectors.append((v / norm if norm > 0 else v).tolist())
         return vectors

@@ -88,6 +88,9 @@ class JobSpec:
     stop: Sequence[str] = ()
     embed_inputs: Sequence[Sequence[int]] | None = None
     """Set for an embedding job: the token sequences to embed (no generation)."""
+    rerank: bool = False
+    """An embedding job that ranks: each input is a (query, document) pair's tokens for
+    a reranker, answered by its scores."""
     lookup: bool = True
     """Prompt-lookup drafts, verified in the batch (greedy jobs without a grammar)."""
     special: bool = False
@@ -112,8 +115,10 @@ class JobSpec:
         if self.embed_inputs is not None:
             for i, tokens in enumerate(self.embed_inputs):
                 if not 0 < len(tokens) <= EMBED_MAX_TOKENS:
+                    what = (f"documents[{i}] with the query" if self.rerank
+                            else f"input[{i}]")
                     raise InvalidRequestError(
-                        f"input[{i}] is {len(tokens)} tokens; at most {EMBED_MAX_TOKENS}")
+                        f"{what} is {len(tokens)} tokens; at most {EMBED_MAX_TOKENS}")
         elif not self.tokens:
             raise InvalidRequestError("the prompt is empty after tokenization")
         elif len(self.tokens) >= n_ctx_slot:

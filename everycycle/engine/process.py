@@ -52,6 +52,7 @@ from .contract import (
     Question,
     Ready,
     RenderChat,
+    RerankTokens,
     Returned,
     SubmitJob,
     Tokenize,
@@ -389,6 +390,10 @@ class EngineProcess:
                     ) -> tuple[list[int], ChatPrompt]:
         result: tuple[list[int], ChatPrompt] = self._call(
             RenderChat(tuple(messages), tools, think, as_prompt))
+        return result
+
+    def rerank_tokens(self, query: str, documents: Sequence[str]) -> list[list[int]]:
+        result: list[list[int]] = self._call(RerankTokens(query, tuple(documents)))
         return result
 
     def check_grammar(self, grammar: str) -> None:

@@ -40,6 +40,7 @@ from .llamaload import create_context, devices_for, load_model
 from .logits import RowLogits
 from .lookup import History, PromptLookup, StepCost
 from .parking import Parked
+from .rerank import Pairs
 from .sampling import Samplers
 from .slots import Slot
 from .steps import EngineThread
@@ -117,6 +118,7 @@ class Runner(EngineThread):
         """(layers on the devices, layers + output head), as llama.cpp reported them."""
         self._model = model
         self.vocab = Vocab(L, model)
+        self._pairs = Pairs(L, model, self.vocab)
         self._n_vocab = self.vocab.n_vocab
         self._samplers = Samplers(L, self.vocab.handle, self._n_vocab)
         self._constraints = Constraints(L, self.vocab.handle, self._n_vocab)
@@ -208,6 +210,14 @@ class Runner(EngineThread):
                 self._check_alive()
                 return self.vocab.tokenize(prompt, special=False)
         return self.chat_prompt((Message(Role.USER, prompt),), as_prompt=True)[0]
+
+    def rerank_tokens(self, query: str, documents: Sequence[str]) -> list[list[int]]:
+        """Each (query, document) pair's tokens, laid out for this reranker. Raises
+        InvalidRequestError for a model that is not one, InternalError once unloaded."""
+        with self._life:
+            self._check_alive()
+            self._pairs.check(self.label)
+            return [self._pairs.tokens(query, doc) for doc in documents]
 
     def chat_prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None
                     = None, think: bool | None = None, as_prompt: bool = False

@@ -33,15 +33,17 @@ class Vocab:
         self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
         """Whether tokenizing adds BOS itself."""
 
-    def tokenize(self, text: str, *, special: bool) -> list[int]:
+    def tokenize(self, text: str, *, special: bool, add_special: bool = True) -> list[int]:
+        """``text``'s tokens; ``special``: control tokens' text is parsed as them;
+        ``add_special``: BOS (and EOS) added where the vocabulary says."""
         L = self._L
         data = text.encode("utf-8")
         n_max = len(data) + 8
         buf = (L.llama_token * n_max)()
-        n = L.llama_tokenize(self._vocab, data, len(data), buf, n_max, True, special)
+        n = L.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, special)
         if n < 0:
             buf = (L.llama_token * -n)()
-            n = L.llama_tokenize(self._vocab, data, len(data), buf, -n, True, special)
+            n = L.llama_tokenize(self._vocab, data, len(data), buf, -n, add_special, special)
         return list(buf[:n])
 
     def piece(self, token: int, special: bool = False) -> bytes:

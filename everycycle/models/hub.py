@@ -238,10 +238,7 @@ def verify(path: Path, expected: str) -> None:
     """
     real = path.resolve()
     st = real.stat()
-    key = str(real)
-    stamp = [st.st_size, st.st_mtime_ns, expected]
-    memo_path = paths.state_dir() / "verified.json"
-    if _read_memo(memo_path).get(key) == stamp:
+    if _read_memo(_memo_path()).get(str(real)) == [st.st_size, st.st_mtime_ns, expected]:
         return
     actual = sha256_of(real)
     if actual != expected:
@@ -249,10 +246,33 @@ def verify(path: Path, expected: str) -> None:
             f"{path}: sha256 is {actual}, but the registry pins {expected}; "
             "the file was not used (nothing was deleted)"
         )
+    _remember(real, st, actual)
+
+
+def file_sha256(path: Path) -> str:
+    """``path``'s sha256: from the memo of verified files while the file is unchanged
+    (by size and mtime), else read (and remembered)."""
+    real = path.resolve()
+    st = real.stat()
+    stamp = _read_memo(_memo_path()).get(str(real))
+    if isinstance(stamp, list) and len(stamp) == 3 and stamp[:2] == [st.st_size,
+                                                                     st.st_mtime_ns]:
+        return str(stamp[2])
+    digest = sha256_of(real)
+    _remember(real, st, digest)
+    return digest
+
+
+def _memo_path() -> Path:
+    return paths.state_dir() / "verified.json"
+
+
+def _remember(real: Path, st: os.stat_result, digest: str) -> None:
     # (a memo that cannot be kept costs a re-hash next time, nothing more)
+    memo_path = _memo_path()
     with contextlib.suppress(OSError, FileBusyError), statefile.locked(memo_path):
         memo = _read_memo(memo_path)  # afresh, under the lock: others' entries kept
-        memo[key] = stamp
+        memo[str(real)] = [st.st_size, st.st_mtime_ns, digest]
         statefile.replace(memo_path, json.dumps(memo))
 
 
@@ -267,7 +287,7 @@ def _read_memo(memo_path: Path) -> dict[str, Any]:
 def verified_path(expected: str) -> Path | None:
     """A file verified before to have sha256 ``expected`` and unchanged since (by size
     and mtime), without reading it; None when there is none."""
-    for key, stamp in _read_memo(paths.state_dir() / "verified.json").items():
+    for key, stamp in _read_memo(_memo_path()).items():
         if isinstance(stamp, list) and len(stamp) == 3 and stamp[2] == expected:
             with contextlib.suppress(OSError):
                 st = Path(key).stat()

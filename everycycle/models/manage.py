@@ -81,6 +81,25 @@ def add(name: str, url: str, *, context: int = 4096, parallel: int = 4,
     return where, got, digest
 
 
+def add_store_model(name: str, ref: str, *, context: int | None = None,
+                    parallel: int | None = None) -> tuple[Path, dict[str, object]]:
+    """Record ``ref`` (a model in another tool's store, ``ollama:llama3.2``) as ``name``:
+    its file where it is, pinned by sha256 (an Ollama blob checked against its name
+    once). (The models.toml written, the entry.) Raises ConfigError when the name is
+    taken, UnknownModelError / InvalidRequestError naming the store."""
+    from ..protocol import check_model_name
+    from . import stores
+    from .userfile import add_user_entry
+
+    check_model_name(name)
+    entry = stores.entry_of(stores.find(ref))
+    if context is not None:
+        entry["context"] = context
+    if parallel is not None:
+        entry["parallel"] = parallel
+    return add_user_entry(name, entry), entry
+
+
 def short_name(url: str) -> str:
     """The registry name a hub URL is recorded under: the repo's name, lower-case,
     without a ``-GGUF`` suffix, with its quantization (``hf://acme/Tiny-GGUF:Q8_0`` →

@@ -20,6 +20,13 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, float):
+        return repr(value)  # (TOML's float forms, inf and nan included)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}"
+                               for k, v in value.items()) + "}"
     return json.dumps(str(value), ensure_ascii=False)  # a TOML basic string
 
 

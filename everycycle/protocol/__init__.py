@@ -51,6 +51,7 @@ from .requests import (
     ToolCall,
     ToolChoice,
     Unload,
+    ranked,
 )
 from .validation import (
     MAX_EMBED_INPUTS,
@@ -109,5 +110,6 @@ __all__ = [
     "decode_request",
     "encode",
     "is_terminal",
+    "ranked",
     "validate_request_id",
 ]

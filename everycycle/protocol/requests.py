@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
+from collections.abc import Sequence
 from dataclasses import field
 
 from ..errors import ProtocolError, TooLargeError
@@ -322,7 +323,12 @@ class Auth:
 @message(ranges={"keep_alive_ms": KEEP_ALIVE, "deadline_ms": DEADLINE})
 class Embed:
     """Embed each string of ``input`` with ``model`` (an extension); answered by one
-    Embeddings event, after Accepted like a Generate."""
+    Embeddings event, after Accepted like a Generate.
+
+    With a ``query`` (an extension) it ranks instead: ``model`` must be a reranker, each
+    string of ``input`` is a document scored against the query, and each "vector" of
+    the Embeddings event is that document's scores (the first its relevance score, as
+    llama-server's ``/rerank`` reports it; ``ranked`` sorts them)."""
 
     request_id: str
     model: str
@@ -332,14 +338,27 @@ class Embed:
     keep_alive_ms: int | None = field(default=None, metadata=_EXT)
     priority: Priority | None = field(default=None, metadata=_EXT)
     """Its lane (an extension; absent: interactive)."""
+    query: str | None = field(default=None, metadata=_EXT)
 
     def _validate(self) -> None:
+        what = "`input`" if self.query is None else "`documents`"
         if not self.input:
-            raise ProtocolError("`input` must hold at least one string")
+            raise ProtocolError(f"{what} must hold at least one string")
         if len(self.input) > MAX_EMBED_INPUTS:
-            raise ProtocolError(f"at most {MAX_EMBED_INPUTS} inputs per request")
+            raise ProtocolError(f"at most {MAX_EMBED_INPUTS} {what} per request")
         if any(not s for s in self.input):
-            raise ProtocolError("`input` strings must not be empty")
+            raise ProtocolError(f"{what} strings must not be empty")
+        if self.query is not None and not self.query:
+            raise ProtocolError("`query` must not be empty")
+
+
+def ranked(vectors: Sequence[Sequence[float]], top_n: int | None = None
+           ) -> list[tuple[int, float]]:
+    """A rerank's answer (an Embed with a query): (document index, relevance score),
+    best first, at most ``top_n``."""
+    order = sorted(((i, float(v[0])) for i, v in enumerate(vectors)),
+                   key=lambda pair: -pair[1])
+    return order if top_n is None else order[:max(0, top_n)]
 
 
 Request = Generate | DescribeFleet | Cancel | Load | Unload | Shutdown | Auth | Embed

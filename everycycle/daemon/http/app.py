@@ -21,7 +21,7 @@ from starlette.routing import Route
 from ..keys import KeyStore
 from ..metrics import CONTENT_TYPE, Metrics
 from ..supervisor import Supervisor
-from . import anthropic, ollama, ollama_meta
+from . import anthropic, ollama, ollama_meta, rerank
 from .common import HttpError, Reader
 from .guard import Guard
 from .openai import OpenAI, error_response
@@ -55,6 +55,7 @@ class HttpApi:
             *anthropic.Anthropic(self, self.reader).routes(),
             *Responses(self, self.reader).routes(),
             *ollama.Ollama(self, self.reader).routes(),
+            *rerank.Rerank(self, self.reader).routes(),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])

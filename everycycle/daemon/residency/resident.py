@@ -10,7 +10,6 @@ comes back.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from ...errors import (
 from ...hardware import cpukernels
 from ...hardware import executors as ex
 from ...hardware.memory import MemoryPlan, plan
+from ...models import lookup
 from ...models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry, local_file, projector_file
 from ..lifecycle import Requests
 from . import room
@@ -168,24 +168,10 @@ class Residency:
         return next((m for m in self.models.values() if m.remote == endpoint), None)
 
     def spec_for(self, name: str, *, allow_paths: bool) -> ModelSpec:
-        """The registry's entry for ``name``, or an entry for an absolute GGUF path of
-        this user's (where the connection may name paths). Raises InvalidRequestError."""
-        if name in self.registry.models:
-            return self.registry.get(name)
-        if name.endswith(".gguf") and ("/" in name):
-            if not allow_paths:
-                raise InvalidRequestError("model paths are not allowed on this connection")
-            path = Path(name)
-            if not path.is_absolute():
-                raise InvalidRequestError("a model path must be absolute")
-            try:
-                owner = path.stat().st_uid
-            except OSError as exc:
-                raise InvalidRequestError(f"{path}: {exc.strerror}") from None
-            if owner != os.getuid():
-                raise InvalidRequestError(f"{path} belongs to another user")
-            return ModelSpec(name=name, origin=path, path=path)
-        return self.registry.get(name)
+        """The registry's entry for ``name``, an entry for a model in another tool's
+        store (``ollama:…``), or one for an absolute GGUF path of this user's (where
+        the connection may name paths). Raises InvalidRequestError."""
+        return lookup.spec_for(self.registry, name, allow_paths=allow_paths)
 
     # ------------------------------------------------------------------ loading
 

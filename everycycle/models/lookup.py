@@ -1,0 +1,35 @@
+"""What a request's model name names: a registry entry, a model in another tool's store
+(``ollama:llama3.2``, read in place), or a GGUF path of this user's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import InvalidRequestError
+from . import stores
+from .registry import ModelSpec, Registry
+
+
+def spec_for(registry: Registry, name: str, *, allow_paths: bool) -> ModelSpec:
+    """The entry ``name`` names; an absolute GGUF path only where ``allow_paths`` (the
+    connection may name paths) and the file is this user's. Raises InvalidRequestError
+    (UnknownModelError for a name nothing has)."""
+    if name in registry.models:
+        return registry.get(name)
+    if stores.is_ref(name):
+        return stores.spec_of(stores.find(name))
+    if name.endswith(".gguf") and ("/" in name):
+        if not allow_paths:
+            raise InvalidRequestError("model paths are not allowed on this connection")
+        path = Path(name)
+        if not path.is_absolute():
+            raise InvalidRequestError("a model path must be absolute")
+        try:
+            owner = path.stat().st_uid
+        except OSError as exc:
+            raise InvalidRequestError(f"{path}: {exc.strerror}") from None
+        if owner != os.getuid():
+            raise InvalidRequestError(f"{path} belongs to another user")
+        return ModelSpec(name=name, origin=path, path=path)
+    return registry.get(name)
