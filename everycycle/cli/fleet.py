@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -77,20 +76,58 @@ def fleet(
     if not watch:
         console.print(fleet_view(snap))
         return
+    import anyio
     from rich.live import Live
 
     gone: DaemonUnavailableError | None = None
     with contextlib.suppress(KeyboardInterrupt), Live(fleet_view(snap), console=console) as live:
-        while True:
-            time.sleep(1)
-            try:
-                live.update(fleet_view(_fleet(socket)))
-            except DaemonUnavailableError as exc:
-                gone = exc
-                break
+        try:
+            anyio.run(_watch, socket, live, snap.active_requests)
+        except DaemonUnavailableError as exc:
+            gone = exc
+        except ExceptionGroup as group:  # (from the watch's task group)
+            found, _ = group.split(DaemonUnavailableError)
+            if found is None:
+                raise
+            first: BaseException = found
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            gone = first if isinstance(first, DaemonUnavailableError) else None
     if gone is not None:  # the frame above is the last one the daemon gave
         sys.stderr.write(f"everycycle: the daemon went away ({gone.message})\n")
         raise typer.Exit(EXIT_UNAVAILABLE)
+
+
+async def _watch(socket: Path | None, live: Any, active: int) -> None:
+    """Redraw ``live`` when the daemon says something happened (a Subscribe), and each
+    second while requests run (their token counts move without events). Raises
+    DaemonUnavailableError when the daemon goes away."""
+    import anyio
+
+    from ..client.aio import connect
+    from ..client.connection import new_request_id
+    from ..protocol import Subscribe
+    from .render import fleet_view
+
+    changed = anyio.Event()
+
+    async def listen(client: Any) -> None:
+        nonlocal changed
+        async for _ in client.request(Subscribe(new_request_id())):
+            changed.set()
+        raise DaemonUnavailableError("the subscription ended")
+
+    async with connect(socket) as events, connect(socket) as asks, \
+            anyio.create_task_group() as tg:
+        tg.start_soon(listen, events)
+        while True:
+            with anyio.move_on_after(1.0 if active else 3600.0):
+                await changed.wait()
+            changed = anyio.Event()
+            snap = await asks.describe_fleet()
+            active = snap.active_requests
+            live.update(fleet_view(snap))
+            await anyio.sleep(0.05)  # (a burst of events is one redraw)
 
 
 def _fleets(hosts: list[str], token: str | None, as_json: bool) -> int:

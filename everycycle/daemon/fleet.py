@@ -17,7 +17,9 @@ import anyio.to_thread
 
 from ..hardware import cpukernels
 from ..protocol import ActiveRequest, FleetSnapshot, LoadedModel, PrincipalLoad
-from .lifecycle import Active, Requests
+from .active import Active
+from .events import RequestState
+from .lifecycle import Requests
 from .residency import Residency, Resident
 
 log = logging.getLogger(__name__)
@@ -108,12 +110,12 @@ class FleetView:
         now = time.monotonic()
         shown = sorted(self.requests.active.values(), key=lambda a: a.admitted)[:100]
         etas: dict[Active, int] = {}
-        for name in {a.model for a in shown if a.state == "queued"}:
+        for name in {a.model for a in shown if a.state is RequestState.QUEUED}:
             model = self.residency.models.get(name)
             if model is not None and model.serving:
                 etas.update(self.requests.estimates(self.requests.lane(name), model.engine))
         return tuple(ActiveRequest(a.req.request_id, a.model or a.req.model,
-                                   a.peer.principal.name, a.state,
+                                   a.peer.principal.name, a.state.value,
                                    int((now - a.admitted) * 1000), a.n_out, a.lane,
                                    etas.get(a))
                      for a in shown) or None

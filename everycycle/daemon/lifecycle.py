@@ -21,13 +21,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import anyio
 import anyio.abc
 
-from ..chatfmt.chatoutput import ChatOutput
 from ..engine.contract import Engine
 from ..engine.jobs import Job, Output
 from ..errors import ErrorKind, EverycycleError, RejectedError
@@ -47,86 +46,15 @@ from ..protocol import (
     TopLogprob,
     Usage,
 )
-from .eta import Rates, Work, starts
+from .active import Active, Lane
+from .eta import Rates, starts
+from .events import RequestState
 from .outcome import Outcome, Peer
 from .quota import Quotas
 
 log = logging.getLogger(__name__)
 
 Report = Callable[[Outcome, Generate | Embed], None]
-
-
-@dataclass(eq=False)
-class Active:
-    """One Generate or Embed request from admission to its terminal event."""
-
-    req: Generate | Embed
-    peer: Peer
-    admitted: float
-    model: str = ""
-    """Its model's name once known (the request may name an alias or a path)."""
-    state: str = "admitting"  # admitting | queued | running
-    job: Job | None = None
-    engine: Engine | None = None
-    """The engine it runs on, once running."""
-    executor: str | None = None
-    started: float | None = None
-    cancel_reason: str | None = None
-    deadline: anyio.CancelScope | None = None
-    first_token: float | None = None
-    n_prompt: int = 0
-    n_out: int = 0
-    output: ChatOutput | None = None
-    """What splits its output into answer, thinking and tool calls (None: all answer)."""
-    context_limit: int | None = None
-    """The context its prompt did not fit, when it ended so."""
-    position: int | None = None
-    """The queue position it was last told (None: none yet)."""
-    waiting: anyio.CancelScope | None = None
-    """While it waits for its model (a load, or room for it): cancelling ends the wait."""
-    promoted: bool = False
-    """A background request served as an interactive one (its lane starved)."""
-    concurrency: float = 0.0
-    """Requests running on its model with it: at its start, then the mean of its start's
-    and its end's (what its measured rates were measured beside)."""
-    eta_ms: int | None = None
-    """The start it was last told to expect, while it waits."""
-
-    @property
-    def lane(self) -> str:
-        """``interactive`` or ``background``: the lane it asked for."""
-        return "background" if self.req.priority is Priority.BACKGROUND else "interactive"
-
-    @property
-    def background(self) -> bool:
-        """Whether it waits behind interactive requests (and gives its slot up to them)."""
-        return self.req.priority is Priority.BACKGROUND and not self.promoted
-
-    def work(self) -> Work:
-        """What it asks of its engine, for queue estimates."""
-        job = self.job
-        prompt = len(job.spec.tokens) if job is not None else self.n_prompt
-        max_tokens = self.req.max_tokens if isinstance(self.req, Generate) else 1
-        if self.state != "running":
-            return Work(prompt, max_tokens, self.lane)
-        return Work(prompt, max_tokens, self.lane, self.n_out,
-                    prompt if self.first_token is not None else None)
-
-
-@dataclass(eq=False)
-class Lane:
-    """One model's requests: running on its engine, queued for a slot, being admitted."""
-
-    running: set[Active] = field(default_factory=set)
-    queue: list[Active] = field(default_factory=list)
-    admitting: int = 0
-    """Requests between admission and a slot or the queue: never unload under them."""
-    background_moved: float = 0.0
-    """When background work last started or ended, or began to wait (monotonic)."""
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.running or self.queue or self.admitting)
 
 
 class Tasks:
@@ -235,7 +163,7 @@ class Requests:
             at = len(lane.queue) if behind else next(
                 (i for i, a in enumerate(lane.queue) if a.background), len(lane.queue))
             lane.queue.insert(at, active)
-            active.state = "queued"
+            active.move(RequestState.QUEUED)
             self._announce(lane, engine)
         else:
             self._start(active, engine)
@@ -273,6 +201,7 @@ class Requests:
                                            and abs(eta - active.eta_ms) > 1000):
             active.position, active.eta_ms = position, eta
             active.peer.emit(Accepted(active.req.request_id, position, eta))
+            active.told()
 
     def estimates(self, lane: Lane, engine: Engine) -> dict[Active, int]:
         """Milliseconds until each queued request of ``lane`` should start (``starts``;
@@ -293,7 +222,7 @@ class Requests:
 
     def _start(self, active: Active, engine: Engine) -> None:
         assert active.job is not None
-        active.state = "running"
+        active.move(RequestState.RUNNING)
         active.started = time.monotonic()
         active.engine = engine
         lane = self.lane(active.model)
@@ -339,10 +268,10 @@ class Requests:
             return
         if active.cancel_reason is None:
             active.cancel_reason = reason
-        if active.state == "running":
+        if active.state is RequestState.RUNNING:
             if active.engine is not None and active.job is not None:
                 active.engine.cancel(active.job, reason)
-        elif active.state == "queued":
+        elif active.state is RequestState.QUEUED:
             lane = self.lane(active.model)
             lane.queue.remove(active)
             self.finish(active, Error(rid, ErrorKind.CANCELLED, reason))
@@ -414,6 +343,7 @@ class Requests:
         try:
             self._report(outcome, active.req)
         finally:
+            active.move(RequestState.FINISHED, outcome)
             active.peer.emit(event, outcome)
 
     def _learn(self, active: Active, now: float) -> None:

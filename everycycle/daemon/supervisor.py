@@ -51,17 +51,21 @@ from ..protocol import (
     Priority,
     Request,
     Shutdown,
+    Subscribe,
     Unload,
 )
+from .active import Active
 from .audit import AuditLog
+from .events import Bus, RequestState
 from .fleet import FleetView
 from .handoff import Handoff
 from .jobbuild import build_job
-from .lifecycle import Active, Requests, Tasks
+from .lifecycle import Requests, Tasks
 from .outcome import Limits, Outcome, Peer, audit_record, prompt_bytes
 from .quota import Quotas
 from .residency import EngineFactory, Residency, Resident, room
 from .residency.remote import RemoteHosts
+from .subscribe import Subscribers
 
 __all__ = ["EngineFactory", "Limits", "Outcome", "Peer", "Supervisor"]
 
@@ -117,6 +121,10 @@ class Supervisor:
             audit=audit.write if audit is not None else None,
             hang_after=self.limits.hang_timeout,
             room_waits=room.RoomWaits(self.limits.swap_after, self.limits.min_residency))
+        self.bus = Bus()
+        """What happens, told as it happens (GET /v1/events, Subscribe)."""
+        self.residency.publish = self.bus.publish
+        self.subscribers = Subscribers(self.bus)
         self.fleet = FleetView(self.residency, self.requests)
         self._admission: dict[str, anyio.Lock] = {}
         self._deaths: deque[Engine] = deque()
@@ -229,7 +237,7 @@ class Supervisor:
         for active in list(self.requests.active.values()):
             self.requests.cancel(active, "daemon shutting down")
         for name in list(self.residency.models):
-            await self.residency.unload(name, "daemon shutting down")
+            await self.residency.unload(name, "daemon shutting down", "shutdown")
         # A request still being admitted (tokenizing on a worker thread, or waiting for
         # the one ahead of it) ends when its admission finishes; the listeners close
         # their connections once this returns, so its Cancelled event must come first.
@@ -248,12 +256,17 @@ class Supervisor:
                 await self._generate(peer, request)
             elif isinstance(request, DescribeFleet):
                 peer.emit(FleetDescription(await self.fleet.snapshot()))
+            elif isinstance(request, Subscribe):
+                await self.subscribers.serve(peer, request)
             elif isinstance(request, Cancel):
                 target = self.requests.active.get(request.target)
-                if target is None:
+                if target is None and self.subscribers.cancel(request.target):
+                    peer.emit(Done(rid))
+                elif target is None:
                     raise InvalidRequestError(f"no active request '{request.target}'")
-                self.requests.cancel(target, f"cancelled by request {request.request_id}")
-                peer.emit(Done(rid))
+                else:
+                    self.requests.cancel(target, f"cancelled by request {rid}")
+                    peer.emit(Done(rid))
             elif isinstance(request, Load):
                 self._know(request.model)
                 spec = self.residency.spec_for(request.model, allow_paths=peer.allow_paths)
@@ -305,7 +318,8 @@ class Supervisor:
         self._report(outcome, request)
 
     def disconnect(self, peer: Peer) -> None:
-        """The peer went away: cancel all of its requests."""
+        """The peer went away: cancel all of its requests, end its subscriptions."""
+        self.subscribers.disconnect(peer)
         for active in self.requests.of(peer):
             self.requests.cancel(active, "client disconnected")
 
@@ -334,7 +348,7 @@ class Supervisor:
         self._check_principal(peer, req)
         if peer.principal.limits.background and req.priority is not Priority.BACKGROUND:
             req = dataclasses.replace(req, priority=Priority.BACKGROUND)  # (its key's lane)
-        active = Active(req=req, peer=peer, admitted=time.monotonic())
+        active = Active(req=req, peer=peer, admitted=time.monotonic(), bus=self.bus)
         self.requests.track(active)
         allow_load = self.auto_load and req.auto_load is not False
         name = req.model
@@ -357,7 +371,7 @@ class Supervisor:
                 if ahead > self.limits.max_queue:
                     raise RejectedError(f"queue full ({ahead} waiting for model "
                                         f"'{spec.name}' to load)")
-                active.state = "loading"  # with every other request waiting for this load
+                active.move(RequestState.LOADING)  # (with every request waiting for it)
                 # Admitted: its place from now on (those ahead of it past the slots).
                 self.requests.tell_position(active, max(0, ahead - spec.parallel + 1))
             model = None
@@ -367,7 +381,7 @@ class Supervisor:
             active.waiting = None
             if model is None:  # cancelled while it waited: the load goes on for others
                 raise RequestCancelledError(active.cancel_reason or "cancelled")
-            active.state = "admitting"
+            active.move(RequestState.ADMITTING)
             # Admission is FIFO per model (anyio locks are fair, and a load's waiters wake
             # in order): requests queue in arrival order though tokenizing yields.
             async with self._admission.setdefault(spec.name, anyio.Lock()):
@@ -384,7 +398,7 @@ class Supervisor:
                 model, time.monotonic()):
             if active.position is None:
                 self.requests.tell_position(active, len(self.requests.lane(name).queue) + 1)
-            active.state = "waiting"
+            active.move(RequestState.WAITING)
             await anyio.sleep(room.POLL_S)
 
     def _check_principal(self, peer: Peer, req: Generate | Embed) -> None:

@@ -271,12 +271,23 @@ class ToolCalls:
     calls: tuple[ToolCall, ...]
 
 
+@message()
+class Notice:
+    """One daemon event for a Subscribe (an extension): its ``type`` (``request``,
+    ``model_loaded``, …) and ``data``, the event as a JSON object's text (what
+    ``GET /v1/events`` sends as its ``data``)."""
+
+    request_id: str
+    type: str
+    data: str
+
+
 ServerEvent = (Accepted | Tokens | FleetDescription | Error | Done | Embeddings | Usage
-               | ToolCalls | Progress)
+               | ToolCalls | Progress | Notice)
 
 EVENTS: dict[str, type[ServerEvent]] = {
     c.__name__: c for c in (Accepted, Tokens, FleetDescription, Error, Done, Embeddings, Usage,
-                            ToolCalls, Progress)
+                            ToolCalls, Progress, Notice)
 }
 
 
@@ -284,4 +295,4 @@ def is_terminal(event: ServerEvent) -> bool:
     """True for the one event that ends a request."""
     if isinstance(event, Tokens):
         return event.finished
-    return not isinstance(event, Accepted | Usage | ToolCalls | Progress)
+    return not isinstance(event, Accepted | Usage | ToolCalls | Progress | Notice)

@@ -361,9 +361,20 @@ def ranked(vectors: Sequence[Sequence[float]], top_n: int | None = None
     return order if top_n is None else order[:max(0, top_n)]
 
 
-Request = Generate | DescribeFleet | Cancel | Load | Unload | Shutdown | Auth | Embed
+@message()
+class Subscribe:
+    """The daemon's events as they happen (an extension): ``Accepted`` once subscribed,
+    then a ``Notice`` for each event of ``types`` (all when absent), until a Cancel of
+    this request id (then ``Done``) or the connection ends. A subscriber that falls far
+    behind is cut off with ``Error{Rejected}``."""
+
+    request_id: str
+    types: tuple[str, ...] | None = None
+
+
+Request = Generate | DescribeFleet | Cancel | Load | Unload | Shutdown | Auth | Embed | Subscribe
 
 REQUESTS: dict[str, type[Request]] = {
     c.__name__: c for c in (Generate, DescribeFleet, Cancel, Load, Unload, Shutdown, Auth,
-                            Embed)
+                            Embed, Subscribe)
 }

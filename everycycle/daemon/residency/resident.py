@@ -38,6 +38,7 @@ from ...hardware import executors as ex
 from ...hardware.memory import MemoryPlan, plan
 from ...models import lookup
 from ...models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry, local_file, projector_file
+from .. import events
 from ..lifecycle import Requests
 from . import room
 from .remote import RemoteHosts
@@ -153,6 +154,8 @@ class Residency:
         self.max_loaded_models = max_loaded_models
         """At most this many resident; None: as many as memory holds."""
         self._audit = self.audit = audit or (lambda record: None)
+        self.publish: Callable[[events.DaemonEvent], None] = lambda event: None
+        """Where what happens here is told (the supervisor's bus)."""
         self.evictions: dict[str, int] = {}
         """Models unloaded to make room for another, by reason (memory, max_loaded_models)."""
         self.last_eviction: room.Eviction | None = None
@@ -182,13 +185,13 @@ class Residency:
         if model is not None and model.engine.dead and model.remote and model.failed is None:
             # Its remote host went away: load it again (or fail, naming the host).
             self.remote.mark_down(model.remote, str(model.engine.dead))
-            await self.unload(spec.name, str(model.engine.dead))
+            await self.unload(spec.name, str(model.engine.dead), "gone")
             model = None
         if model is not None and model.failed is not None:
             if not retry_failed:
                 raise InternalError(model.failed)
             log.info("loading %s again after it failed", spec.name)
-            await self.unload(spec.name, model.failed)  # `load` clears the failed state
+            await self.unload(spec.name, model.failed, "failed")  # (`load` clears it)
             model = None
         if model is not None:
             if executor is not None and executor != model.executor:
@@ -233,6 +236,7 @@ class Residency:
                 self.models[name] = attempt.model = model
                 log.info("loaded %s on %s", name, model.executor)
                 self._audit({"event": "load", "model": name, "executor": model.executor})
+                self.publish(events.ModelLoaded(model=name, executor=model.executor))
         finally:
             if attempt.model is None and attempt.error is None:  # cancelled: shutting down
                 attempt.error = RejectedError("daemon shutting down")
@@ -289,8 +293,10 @@ class Residency:
         self.last_eviction = room.Eviction(model.name, for_model, reason, idle, time.time())
         self._audit({"event": "evict", "model": model.name, "for_model": for_model,
                      "reason": reason, "idle_s": round(idle, 3)})
+        self.publish(events.ModelEvicted(model=model.name, for_model=for_model, reason=reason,
+                                  idle_s=round(idle, 3)))
         await self.unload(model.name, f"model '{model.name}' unloaded to make room for "
-                                      f"'{for_model}'")
+                                      f"'{for_model}'", "evicted")
 
     def options(self, spec: ModelSpec, placement: ex.Placement,
                 projector: Path | None = None) -> LoadOptions:
@@ -342,11 +348,13 @@ class Residency:
         except Exception as exc:
             raise InternalError(f"loading {spec.name} failed: {exc}") from exc
 
-    async def unload(self, name: str, reason: str) -> None:
-        """Cancel ``name``'s requests (with ``reason``) and release it."""
+    async def unload(self, name: str, reason: str, why: str = "unload") -> None:
+        """Cancel ``name``'s requests (with ``reason``) and release it (``why``, a word:
+        unload, idle, evicted, shutdown, gone, failed)."""
         model = self.models.pop(name, None)
         if model is None:
             return
+        self.publish(events.ModelUnloaded(model=name, why=why, message=reason))
         if model.up is not None:  # restarting: its waiters learn it is gone
             model.up.set()
             model.up = None
@@ -399,7 +407,7 @@ class Residency:
                     continue
                 if left <= 0 and self.models.get(name) is model:
                     log.info("unloading %s: idle for %gs", name, model.keep_alive)
-                    await self.unload(name, f"model '{name}' unloaded: idle")
+                    await self.unload(name, f"model '{name}' unloaded: idle", "idle")
                 else:
                     delay = min(delay, left)
             with anyio.move_on_after(max(0.02, delay)):
@@ -431,6 +439,7 @@ class Residency:
         log.error("%s", message)
         self._audit({"event": "engine_death", "model": name, "cause": cause,
                      "message": message})
+        self.publish(events.EngineDied(model=name, cause=cause, message=message))
         # (Their errors normally came first.)
         self.requests.end_running(name, ErrorKind.INTERNAL, message, engine)
         if model.remote:
@@ -479,6 +488,7 @@ class Residency:
             return
         model.engine = engine
         model.restarts += 1
+        self.publish(events.EngineRestarted(model=name, restarts=model.restarts, pid=engine.pid))
         up, model.up = model.up, None
         if up is not None:
             up.set()

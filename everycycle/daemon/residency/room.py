@@ -30,6 +30,7 @@ from ...errors import AllocationError, EverycycleError, RejectedError, RequestCa
 from ...hardware import executors as ex
 from ...hardware.memory import MemoryPlan
 from ...models.registry import ModelSpec
+from ..events import DaemonEvent, RoomWait
 from .remote import in_order
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ class Host(Protocol):
     remote: RemoteHosts
 
     def audit(self, record: dict[str, Any]) -> None: ...
+
+    def publish(self, event: DaemonEvent) -> None: ...
 
     async def measure(self) -> list[ex.Executor]:
         """This machine's executors and their free memory, now."""
@@ -207,6 +210,8 @@ async def make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
             res.audit({"event": "room_wait", "model": spec.name, "waited_s": round(seconds, 3),
                        "outcome": outcome, "held_by": waited[1].removeprefix(
                            "waiting for memory: held by ")})
+            res.publish(RoomWait(model=spec.name, waited_s=round(seconds, 3),
+                                 outcome=outcome))
 
 
 async def _make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str

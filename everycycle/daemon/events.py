@@ -1,0 +1,226 @@
+"""What the daemon does, told as it happens: typed events on one bus, and the one request
+state machine whose transitions publish them.
+
+A request moves through ``RequestState`` by ``transition`` only (``TRANSITIONS`` is the
+whole table; an illegal move raises, as h11's state machine does). Residency publishes
+models loaded and unloaded (and why), engines that die and restart, and loads that wait
+for room. Outside subscribers — ``GET /v1/events`` (Server-Sent Events), the socket's
+``Subscribe`` (``fleet --watch``) — read bounded queues: one that falls ``LIMIT`` events
+behind is cut off with a last ``cut_off`` event, so a slow reader costs bounded memory
+and never slows a decode step. Publishing never blocks and does no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from ..errors import InternalError, InvalidRequestError
+from ..mailbox import Mailbox
+
+LIMIT = 1024
+"""Events a subscriber may fall behind before it is cut off."""
+
+
+class RequestState(enum.Enum):
+    ADMITTING = "admitting"
+    WAITING = "waiting"
+    """For room: its model gives way to a load that waited for the memory it holds."""
+    LOADING = "loading"
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_S = RequestState
+TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    _S.ADMITTING: frozenset({_S.WAITING, _S.LOADING, _S.QUEUED, _S.RUNNING}),
+    _S.WAITING: frozenset({_S.ADMITTING, _S.LOADING, _S.QUEUED, _S.RUNNING}),
+    _S.LOADING: frozenset({_S.ADMITTING, _S.QUEUED, _S.RUNNING}),
+    _S.QUEUED: frozenset({_S.RUNNING}),
+    _S.RUNNING: frozenset(),
+    _S.FINISHED: frozenset(),
+}
+"""Where each state may go next (besides FINISHED, which every live state may reach)."""
+
+
+class IllegalTransition(InternalError):
+    """A request asked to move where the table does not go: a bug, said as one."""
+
+
+def check(old: RequestState, new: RequestState) -> None:
+    """Raises IllegalTransition unless ``old`` may become ``new``."""
+    if old is _S.FINISHED or (new is not _S.FINISHED and new not in TRANSITIONS[old]):
+        raise IllegalTransition(f"a request cannot go from {old.value} to {new.value}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DaemonEvent:
+    """One thing that happened; ``wire`` is what subscribers read."""
+
+    TYPE: ClassVar[str] = ""
+    at: float = field(default_factory=time.time)
+
+    def wire(self) -> dict[str, Any]:
+        """``{"type", "at", …fields}``, fields that are None left out."""
+        return {"type": self.TYPE, **{k: v for k, v in asdict(self).items() if v is not None}}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestStateChanged(DaemonEvent):
+    TYPE: ClassVar[str] = "request"
+    request_id: str
+    model: str
+    principal: str
+    lane: str
+    state: str
+    position: int | None = None
+    """Its queue position, while it waits."""
+    eta_ms: int | None = None
+    outcome: str | None = None
+    """How it finished: ``finished`` (with ``finish_reason``) or an error kind."""
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelLoaded(DaemonEvent):
+    TYPE: ClassVar[str] = "model_loaded"
+    model: str
+    executor: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelUnloaded(DaemonEvent):
+    TYPE: ClassVar[str] = "model_unloaded"
+    model: str
+    why: str
+    """``idle``, ``evicted``, ``unload``, ``shutdown``, ``crash``…, said as a sentence in
+    ``message``."""
+    message: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelEvicted(DaemonEvent):
+    TYPE: ClassVar[str] = "model_evicted"
+    model: str
+    for_model: str
+    reason: str
+    idle_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineDied(DaemonEvent):
+    TYPE: ClassVar[str] = "engine_died"
+    model: str
+    cause: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineRestarted(DaemonEvent):
+    TYPE: ClassVar[str] = "engine_restarted"
+    model: str
+    restarts: int
+    pid: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoomWait(DaemonEvent):
+    TYPE: ClassVar[str] = "room_wait"
+    model: str
+    waited_s: float
+    outcome: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CutOff(DaemonEvent):
+    TYPE: ClassVar[str] = "cut_off"
+    dropped: int
+    message: str
+
+
+TYPES = {c.TYPE: c for c in (RequestStateChanged, ModelLoaded, ModelUnloaded, ModelEvicted,
+                             EngineDied, EngineRestarted, RoomWait)}
+"""What a subscriber may ask for by name (``cut_off`` always comes)."""
+
+
+def types_of(names: Iterable[str] | None) -> frozenset[str] | None:
+    """The event types a subscriber asked for (None: all). Raises InvalidRequestError
+    naming one that does not exist."""
+    if names is None:
+        return None
+    wanted = frozenset(n.strip() for n in names if n.strip())
+    unknown = sorted(wanted - set(TYPES))
+    if unknown:
+        raise InvalidRequestError(f"no event type {', '.join(map(repr, unknown))} (types: "
+                                  f"{', '.join(TYPES)})")
+    return wanted or None
+
+
+class Subscription:
+    """One outside reader's events: ``box`` holds what it has not read yet."""
+
+    def __init__(self, bus: Bus, types: frozenset[str] | None, limit: int) -> None:
+        self.bus = bus
+        self.types = types
+        self.limit = limit
+        self.box: Mailbox[DaemonEvent] = Mailbox()
+        self.queued = 0
+
+    def offer(self, event: DaemonEvent) -> None:
+        if self.types is not None and event.TYPE not in self.types:
+            return
+        if self.queued >= self.limit:  # (it has read nothing for LIMIT events)
+            self.box.put(CutOff(dropped=1, message=f"cut off: {self.limit} events unread"))
+            self.close()
+            return
+        self.queued += 1
+        self.box.put(event)
+
+    async def next(self) -> list[DaemonEvent]:
+        """What came since the last call (at least one event). Raises anyio.EndOfStream
+        once it is closed and read."""
+        events = await self.box.take()
+        self.queued = max(0, self.queued - len(events))
+        return events
+
+    def close(self) -> None:
+        self.bus.unsubscribe(self)
+        self.box.close()
+
+
+class Bus:
+    """The daemon's events: ``publish`` from the event loop; subscribers read theirs."""
+
+    def __init__(self) -> None:
+        self._subs: list[Subscription] = []
+        self.published = 0
+
+    def publish(self, event: DaemonEvent) -> None:
+        self.published += 1
+        for sub in list(self._subs):
+            sub.offer(event)
+
+    def subscribe(self, types: frozenset[str] | None = None, limit: int = LIMIT
+                  ) -> Subscription:
+        sub = Subscription(self, types, limit)
+        self._subs.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        if sub in self._subs:
+            self._subs.remove(sub)
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subs)
+
+
+def dumps(event: DaemonEvent) -> str:
+    """An event as one line of JSON."""
+    return json.dumps(event.wire(), separators=(",", ":"), ensure_ascii=False)
