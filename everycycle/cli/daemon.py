@@ -205,7 +205,7 @@ def _detach(sock: Path, argv: list[str]) -> None:
             http = ""
             if "--http" in args:
                 http = call(sock, lambda c: c.describe_fleet()).http
-                http = f" and {http}/v1" if http else ""
+                http = f" and {http}/v1 (console: {http}/console/)" if http else ""
             sys.stderr.write(f"everycycle: daemon pid {proc.pid} serving {sock}{http}\n")
             return
         time.sleep(0.05)

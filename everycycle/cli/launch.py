@@ -206,3 +206,32 @@ def launch(
         sys.stderr.write(warning + "\n")
     sys.stderr.flush()
     os.execve(binary, argv, env)
+
+
+@app.command()
+def console(
+    socket: Annotated[Path | None, typer.Option("--socket", help="The daemon's socket.")]
+    = None,
+    http: Annotated[str | None, typer.Option(
+        "--http", metavar="ADDR", help="Where a daemon that this starts listens "
+        "(default 127.0.0.1:11777).")] = None,
+    no_browser: Annotated[bool, typer.Option(
+        "--no-browser", help="Print the console's address only.")] = False,
+) -> None:
+    """Open the web console (fleet, requests, chat, models, usage) in a browser, starting
+    a daemon with HTTP on loopback if none runs.
+
+    \b
+    Example:
+      everycycle console
+    """
+    import webbrowser
+
+    try:
+        where = endpoint(None, None, socket, http)
+    except EverycycleError as exc:
+        exit_for(exc)
+    url = f"{where.base}/console/"
+    sys.stderr.write(f"everycycle: the console is at {url}\n")
+    if not no_browser and not webbrowser.open(url):
+        sys.stderr.write("everycycle: no browser found here: open that address in one\n")

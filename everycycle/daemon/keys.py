@@ -79,6 +79,15 @@ class Principal:
 
 LOCAL = Principal("local")
 
+ADMINS = frozenset({"local", "default"})
+"""Principals that may cancel anyone's requests and read everyone's usage: the socket's
+own user and the daemon's token; any other key acts on its own requests only."""
+
+
+def may_act_for(actor: Principal, owner: Principal) -> bool:
+    """Whether ``actor`` may cancel (or see) a request of ``owner``'s."""
+    return actor.name in ADMINS or actor.name == owner.name
+
 
 @dataclass(frozen=True, slots=True)
 class Key:

@@ -303,6 +303,8 @@ class Daemon:
         self.http_port = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
         self.supervisor.http_address = f"http://{shown}:{self.http_port}"
+        log.info("HTTP API on %s/v1; the console at %s/console/",
+                 self.supervisor.http_address, self.supervisor.http_address)
         return sock
 
     async def _serve_http(self, sock: Any) -> None:

@@ -60,6 +60,7 @@ from .events import Bus, RequestState
 from .fleet import FleetView
 from .handoff import Handoff
 from .jobbuild import build_job
+from .keys import may_act_for
 from .lifecycle import Requests, Tasks
 from .outcome import Limits, Outcome, Peer, audit_record, prompt_bytes
 from .quota import Quotas
@@ -262,7 +263,7 @@ class Supervisor:
                 target = self.requests.active.get(request.target)
                 if target is None and self.subscribers.cancel(request.target):
                     peer.emit(Done(rid))
-                elif target is None:
+                elif target is None or not may_act_for(peer.principal, target.peer.principal):
                     raise InvalidRequestError(f"no active request '{request.target}'")
                 else:
                     self.requests.cancel(target, f"cancelled by request {rid}")

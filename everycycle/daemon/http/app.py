@@ -21,7 +21,7 @@ from starlette.routing import Route
 from ..keys import KeyStore
 from ..metrics import CONTENT_TYPE, Metrics
 from ..supervisor import Supervisor
-from . import anthropic, eventstream, ollama, ollama_meta, rerank
+from . import anthropic, console, eventstream, ollama, ollama_meta, rerank
 from .common import HttpError, Reader
 from .guard import Guard
 from .openai import OpenAI, error_response
@@ -57,6 +57,7 @@ class HttpApi:
             *ollama.Ollama(self, self.reader).routes(),
             *rerank.Rerank(self, self.reader).routes(),
             *eventstream.EventStream(self, self.reader).routes(),
+            *console.Console(self, self.reader).routes(),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])

@@ -8,7 +8,8 @@ to 127.0.0.1) makes the page same-origin with the daemon, with full read access.
    ``localhost``, or a name the operator allows (``--allow-host``): a rebinding page's
    requests carry its own name and get 403.
 2. A request with an ``Origin`` is cross-origin unless that origin is allowed
-   (``--cors-origin``, repeatable; ``*`` allows any): 403 otherwise. Allowed origins get
+   (``--cors-origin``, repeatable; ``*`` allows any) or is this daemon's own (the
+   console's page: ``http://`` and the very Host checked by rule 1): 403 otherwise. Allowed origins get
    CORS headers, and their preflight (``OPTIONS``) is answered; nobody else's is.
 3. A POST body with a Content-Type must say ``application/json``: 415 otherwise, so a
    form or a ``text/plain`` body never reaches a route. Under the ``lenient`` prefixes
@@ -107,7 +108,8 @@ class Guard:
                              "answers 127.0.0.1, ::1 and localhost (`everycycle daemon "
                              "--allow-host NAME` adds a name)")
         origin = headers.get("origin")
-        if origin is not None and not self._origin_allowed(origin):
+        if origin is not None and not self._origin_allowed(origin) and not self._same_origin(
+                origin, headers):
             return 403, (f"origin {origin!r} may not use this API (`everycycle daemon "
                          "--cors-origin ORIGIN` allows one)")
         if scope["method"] == "POST":
@@ -120,6 +122,13 @@ class Guard:
                 return 415, (f"the body must be JSON with Content-Type: application/json "
                              f"(got {kind or 'none'})")
         return None
+
+    @staticmethod
+    def _same_origin(origin: str, headers: dict[str, str]) -> bool:
+        """The page this daemon serves (the console) calling its own API: the Origin is
+        this very Host (which rule 1 has checked: a rebinding page's is not)."""
+        host = headers.get("host", "").strip().lower()
+        return bool(host) and origin.rstrip("/").lower() == f"http://{host}"
 
     def _origin_allowed(self, origin: str) -> bool:
         return "*" in self.cors_origins or origin.rstrip("/") in self.cors_origins

@@ -131,6 +131,9 @@ class OllamaMeta(Dialect):
         ]
 
     async def root(self, request: HttpRequest) -> Response:
+        """What Ollama's clients probe; a browser (it asks for HTML) gets the console."""
+        if "text/html" in request.headers.get("accept", ""):
+            return Response(status_code=307, headers={"location": "/console/"})
         return PlainTextResponse("Ollama is running")
 
     async def version(self, request: HttpRequest) -> Response:

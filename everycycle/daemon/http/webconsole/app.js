@@ -1,0 +1,406 @@
+// everycycle's console: the fleet, requests and activity live from /v1/events, a chat,
+// the models, and usage. Everything shown is text (textContent, never HTML): model
+// names, prompts and answers are data. No dependencies, nothing from the network.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+let key = sessionStorage.getItem("everycycle-key") || "";
+const positions = new Map();   // request id -> its last queue position (from events)
+const finished = [];           // the last finished requests (from events)
+const minutes = new Map();     // minute -> tokens generated (from events, this session)
+let refreshTimer = null;
+let running = 0;
+
+function el(tag, attrs, ...kids) {
+  const n = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k.startsWith("on")) n.addEventListener(k.slice(2), v);
+    else if (k === "class") n.className = v;
+    else n.setAttribute(k, v);
+  }
+  for (const kid of kids) if (kid !== null && kid !== undefined) n.append(kid instanceof Node ? kid : String(kid));
+  return n;
+}
+
+function short(id) {
+  const n = el("span", { title: id }, id.length > 16 ? id.slice(0, 16) + "…" : id);
+  return n;
+}
+
+function fill(id, rows) {
+  $(id).tBodies[0].replaceChildren(...rows.map((cells) => el("tr", {}, ...cells.map((c) => el("td", {}, c)))));
+}
+
+function bytes(n) {
+  if (n === null || n === undefined) return "";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return (i ? n.toFixed(1) : String(n)) + " " + units[i];
+}
+
+function age(ms) {
+  const s = Math.round(ms / 1000);
+  return s < 60 ? s + "s" : Math.floor(s / 60) + "m" + String(s % 60).padStart(2, "0") + "s";
+}
+
+function setStatus(text) { $("status").textContent = text; }
+const sleep = (ms) => new Promise((done) => setTimeout(done, ms));
+
+async function api(path, opts) {
+  opts = opts || {};
+  const headers = Object.assign({}, opts.headers || {});
+  if (key) headers["Authorization"] = "Bearer " + key;
+  const r = await fetch(path, Object.assign({}, opts, { headers }));
+  if (r.status === 401) {
+    $("key-form").hidden = false;
+    setStatus("this daemon wants an API key");
+    throw new Error("an API key is needed");
+  }
+  return r;
+}
+
+async function errorOf(r) {
+  try { const body = await r.json(); return (body.error && body.error.message) || r.statusText; }
+  catch (e) { return r.statusText; }
+}
+
+// ------------------------------------------------------------------ fleet and requests
+
+function refreshSoon() {
+  if (!refreshTimer) refreshTimer = setTimeout(() => { refreshTimer = null; refreshFleet(); }, 100);
+}
+
+async function refreshFleet() {
+  const r = await api("/v1/fleet");
+  if (!r.ok) return;
+  const s = await r.json();
+  $("host").textContent = s.hostname + (s.http ? " · " + s.http : "");
+  fill("executors", s.executors.map((x) => {
+    const used = x.memory_total && x.memory_free !== null ? x.memory_total - x.memory_free : 0;
+    const fillBar = el("span", {});
+    fillBar.style.width = (x.memory_total ? Math.round(100 * used / x.memory_total) : 0) + "%";  // (CSSOM: CSP allows it)
+    const bar = el("span", { class: "bar", title: bytes(used) + " of " + bytes(x.memory_total) + " in use" }, fillBar);
+    return [x.name, x.vendor, el("span", {}, bar, " " + bytes(x.memory_free) + " free")];
+  }));
+  fill("loaded", s.loaded_models.map((m) => [
+    m.name,
+    (m.state || "resident") + (m.unload_in_ms ? " (unloads in " + age(m.unload_in_ms) + ")" : ""),
+    m.assigned_executor,
+    (m.busy || 0) + "/" + (m.slots || 0) + (m.queued ? " +" + m.queued + " queued" : ""),
+    bytes((m.weights_bytes || 0) + (m.kv_bytes || 0)),
+    m.engine_pid ? "pid " + m.engine_pid : "",
+    m.engine_restarts || 0,
+    el("button", { type: "button", class: "unload", "data-model": m.name, onclick: () => unload(m.name) }, "Unload"),
+  ]));
+  const reqs = s.requests || [];
+  running = reqs.length;
+  fill("active", reqs.map((q) => {
+    const pos = positions.get(q.request_id);
+    const state = q.state + (q.lane === "background" ? " bg" : "") +
+      (q.state !== "running" && pos ? " #" + pos : "") + (q.eta_ms ? " ~" + age(q.eta_ms) : "");
+    return [short(q.request_id), q.model, q.principal, state, q.tokens, age(q.age_ms),
+      el("button", { type: "button", class: "cancel", "data-id": q.request_id, onclick: () => cancel(q.request_id) }, "Cancel")];
+  }));
+}
+
+function renderFinished() {
+  fill("finished", finished.map((e) => [short(e.request_id), e.model, e.principal,
+    e.outcome + (e.finish_reason ? " (" + e.finish_reason + ")" : ""),
+    e.usage ? e.usage.prompt_tokens : "", e.usage ? e.usage.cached_tokens : "",
+    e.usage ? e.usage.output_tokens : ""]));
+}
+
+async function cancel(id) {
+  const r = await api("/v1/requests/" + encodeURIComponent(id) + "/cancel", { method: "POST" });
+  if (!r.ok) note("cancel " + id + ": " + await errorOf(r));
+}
+
+function note(text) {
+  $("log").prepend(el("li", {}, new Date().toLocaleTimeString() + " " + text));
+  while ($("log").children.length > 200) $("log").lastChild.remove();
+}
+
+function describe(e) {
+  switch (e.type) {
+    case "request": return "request " + e.request_id + " " + e.model + " " + e.state +
+      (e.position ? " at " + e.position : "") + (e.outcome ? " " + e.outcome : "");
+    case "model_loaded": return "loaded " + e.model + " on " + e.executor;
+    case "model_unloaded": return "unloaded " + e.model + " (" + e.why + ")";
+    case "model_evicted": return "evicted " + e.model + " for " + e.for_model + " (" + e.reason + ")";
+    case "engine_died": return "engine of " + e.model + " died: " + e.cause;
+    case "engine_restarted": return "engine of " + e.model + " restarted (" + e.restarts + ")";
+    case "room_wait": return e.model + " waited " + e.waited_s + " s for memory: " + e.outcome;
+    default: return e.type;
+  }
+}
+
+function onEvent(e) {
+  note(describe(e));
+  if (e.type === "request") {
+    if (e.position) positions.set(e.request_id, e.position);
+    if (e.state === "finished") {
+      positions.delete(e.request_id);
+      finished.unshift(e);
+      finished.length = Math.min(finished.length, 30);
+      renderFinished();
+      if (e.usage) {
+        const m = Math.floor(e.at / 60);
+        minutes.set(m, (minutes.get(m) || 0) + e.usage.output_tokens);
+        chart();
+      }
+    }
+  }
+  if (e.type !== "request") refreshModels();
+  refreshSoon();
+}
+
+async function listen() {
+  for (;;) {
+    try {
+      const r = await api("/v1/events");
+      if (!r.ok) throw new Error(await errorOf(r));
+      setStatus("live");
+      refreshFleet();
+      const reader = r.body.getReader();
+      const text = new TextDecoder();
+      let buf = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buf += text.decode(value, { stream: true });
+        let i;
+        while ((i = buf.indexOf("\n\n")) >= 0) {
+          const block = buf.slice(0, i);
+          buf = buf.slice(i + 2);
+          const data = block.split("\n").find((line) => line.startsWith("data: "));
+          if (data) onEvent(JSON.parse(data.slice(6)));
+        }
+      }
+    } catch (err) {
+      if (!$("key-form").hidden) return;  // (started again once a key is given)
+    }
+    setStatus("reconnecting…");
+    await sleep(2000);
+  }
+}
+
+// ------------------------------------------------------------------ models
+
+async function refreshModels() {
+  const r = await api("/v1/models");
+  if (!r.ok) return;
+  const models = (await r.json()).data;
+  fill("registry", models.map((m) => [m.id + (m.default ? " *" : ""), m.context_length,
+    m.loaded ? "on " + m.executor : "",
+    m.loaded ? el("button", { type: "button", onclick: () => unload(m.id) }, "Unload")
+      : el("button", { type: "button", class: "load", "data-model": m.id, onclick: () => load(m.id) }, "Load")]));
+  const select = $("chat-model");
+  const chosen = select.value;
+  select.replaceChildren(...models.map((m) => el("option", { value: m.id }, m.id)));
+  const fallback = models.find((m) => m.default);
+  select.value = chosen || (fallback ? fallback.id : (models[0] ? models[0].id : ""));
+}
+
+async function load(name) {
+  note("loading " + name + "…");
+  const r = await api("/v1/models/" + encodeURIComponent(name) + "/load", { method: "POST" });
+  if (!r.ok) note("load " + name + ": " + await errorOf(r));
+}
+
+async function unload(name) {
+  const r = await api("/v1/models/" + encodeURIComponent(name) + "/unload", { method: "POST" });
+  if (!r.ok) note("unload " + name + ": " + await errorOf(r));
+}
+
+async function pull(event) {
+  event.preventDefault();
+  const name = $("pull-name").value.trim();
+  if (!name) return;
+  const bar = $("pull-progress");
+  bar.hidden = false;
+  $("pull-status").textContent = "pulling " + name + "…";
+  const r = await api("/api/pull", { method: "POST", headers: { "content-type": "application/json" },
+    body: JSON.stringify({ model: name, stream: true }) });
+  if (!r.ok) { $("pull-status").textContent = await errorOf(r); bar.hidden = true; return; }
+  await lines(r, (obj) => {
+    if (obj.error) $("pull-status").textContent = obj.error;
+    else $("pull-status").textContent = obj.status || "";
+    if (obj.total) { bar.max = obj.total; bar.value = obj.completed || 0; }
+  }, "\n");
+  refreshModels();
+}
+
+async function lines(r, each, sep) {
+  const reader = r.body.getReader();
+  const text = new TextDecoder();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buf += text.decode(value, { stream: true });
+    let i;
+    while ((i = buf.indexOf(sep)) >= 0) {
+      const line = buf.slice(0, i).trim();
+      buf = buf.slice(i + sep.length);
+      if (line) each(JSON.parse(line));
+    }
+  }
+}
+
+// ------------------------------------------------------------------ chat
+
+const history = [];
+let current = null;
+
+function turn(kind, text) {
+  const t = el("div", { class: "turn " + kind }, text);
+  $("transcript").append(t);
+  $("transcript").scrollTop = $("transcript").scrollHeight;
+  return t;
+}
+
+function imageOf(file) {
+  return new Promise((done, fail) => {
+    const reader = new FileReader();
+    reader.onload = () => done(reader.result);
+    reader.onerror = () => fail(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function send(event) {
+  event.preventDefault();
+  const text = $("chat-input").value;
+  const file = $("chat-image").files[0];
+  if (!text.trim() && !file) return;
+  $("chat-input").value = "";
+  $("chat-image").value = "";
+  const content = file ? [{ type: "text", text }, { type: "image_url", image_url: { url: await imageOf(file) } }] : text;
+  history.push({ role: "user", content });
+  turn("user", text + (file ? " [" + file.name + "]" : ""));
+  const answer = turn("assistant", "");
+  const body = el("span", {});
+  let thoughts = null;
+  answer.append(body);
+  $("chat-send").disabled = true;
+  $("chat-stop").disabled = false;
+  const sent = performance.now();
+  let first = 0;
+  let said = "";
+  current = { id: null };
+  try {
+    const r = await api("/v1/chat/completions", { method: "POST", headers: { "content-type": "application/json" },
+      body: JSON.stringify({ model: $("chat-model").value, messages: history, stream: true,
+        stream_options: { include_usage: true } }) });
+    current.id = r.headers.get("x-request-id");
+    $("chat-figures").textContent = "request " + current.id;
+    if (!r.ok) { answer.className = "turn error"; body.textContent = await errorOf(r); history.pop(); return; }
+    const reader = r.body.getReader();
+    const dec = new TextDecoder();
+    let buf = "";
+    let usage = null;
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buf += dec.decode(value, { stream: true });
+      let i;
+      while ((i = buf.indexOf("\n\n")) >= 0) {
+        const block = buf.slice(0, i);
+        buf = buf.slice(i + 2);
+        if (block.startsWith(": queue_position")) {
+          $("chat-figures").textContent = "request " + current.id + " · queued: " + block.slice(2);
+          continue;
+        }
+        if (!block.startsWith("data: ") || block === "data: [DONE]") continue;
+        const obj = JSON.parse(block.slice(6));
+        if (obj.error) { answer.className = "turn error"; body.textContent = said + " (" + obj.error.message + ")"; continue; }
+        if (obj.usage) usage = obj.usage;
+        const delta = (obj.choices && obj.choices[0] && obj.choices[0].delta) || {};
+        if (delta.reasoning_content) {
+          if (!thoughts) { thoughts = el("details", { class: "thinking" }, el("summary", {}, "thinking")); answer.prepend(thoughts); }
+          thoughts.append(delta.reasoning_content);
+        }
+        if (delta.content) {
+          first = first || performance.now();
+          said += delta.content;
+          body.textContent = said;
+        }
+      }
+    }
+    history.push({ role: "assistant", content: said });
+    if (usage) {
+      const secs = first ? (performance.now() - first) / 1000 : 0;
+      $("chat-figures").textContent = "request " + current.id + " · prompt " + usage.prompt_tokens +
+        " tokens (" + ((usage.prompt_tokens_details || {}).cached_tokens || 0) + " cached), generated " +
+        usage.completion_tokens + "; first token " + Math.round((first || performance.now()) - sent) + " ms" +
+        (secs > 0 ? ", " + (usage.completion_tokens / secs).toFixed(1) + " tokens/s" : "");
+    }
+  } catch (err) {
+    answer.className = "turn error";
+    body.textContent = said + " (" + err.message + ")";
+  } finally {
+    $("chat-send").disabled = false;
+    $("chat-stop").disabled = true;
+    current = null;
+  }
+}
+
+async function stop() {
+  if (current && current.id) await cancel(current.id);
+}
+
+// ------------------------------------------------------------------ usage
+
+async function refreshUsage() {
+  for (const by of ["key", "model"]) {
+    const r = await api("/v1/usage?by=" + by);
+    if (!r.ok) continue;
+    fill("usage-" + by, (await r.json()).rows.map((row) => [row[by], row.requests, row.prompt_tokens, row.generated_tokens]));
+  }
+}
+
+function chart() {
+  const svg = $("usage-chart");
+  const ns = "http://www.w3.org/2000/svg";
+  const now = Math.floor(Date.now() / 60000);
+  const values = Array.from({ length: 30 }, (_, i) => minutes.get(now - 29 + i) || 0);
+  const top = Math.max(1, ...values);
+  svg.replaceChildren(...values.map((v, i) => {
+    const r = document.createElementNS(ns, "rect");
+    const h = Math.round(110 * v / top);
+    r.setAttribute("x", String(i * 20));
+    r.setAttribute("y", String(115 - h));
+    r.setAttribute("width", "16");
+    r.setAttribute("height", String(h));
+    const title = document.createElementNS(ns, "title");
+    title.textContent = v + " tokens";
+    r.append(title);
+    return r;
+  }));
+  refreshUsage();
+}
+
+// ------------------------------------------------------------------ start
+
+function start() {
+  refreshModels().catch(() => {});
+  refreshUsage().catch(() => {});
+  chart();
+  listen();
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("key-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    key = $("key").value.trim();
+    sessionStorage.setItem("everycycle-key", key);
+    $("key-form").hidden = true;
+    start();
+  });
+  $("chat-form").addEventListener("submit", send);
+  $("chat-stop").addEventListener("click", stop);
+  $("pull-form").addEventListener("submit", pull);
+  setInterval(() => { if (running) refreshFleet(); }, 1000);
+  start();
+});
