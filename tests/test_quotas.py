@@ -27,7 +27,7 @@ from everycycle.daemon.keys import KeyLimits, KeyStore, Principal, hash_secret
 from everycycle.daemon.quota import Quotas, TokenBucket
 from everycycle.daemon.server import Daemon
 from everycycle.daemon.usage import audit_records, summarize
-from everycycle.errors import ConfigError, ErrorKind, RejectedError
+from everycycle.errors import ConfigError, ErrorKind, RejectedError, RequestFailedError
 from everycycle.protocol import Error, Tokens
 
 # ---------------------------------------------------------------------- arithmetic
@@ -407,3 +407,23 @@ async def test_fleet_and_metrics_show_principals(served: Daemon) -> None:
     assert 'everycycle_rejections_total{limit="requests_per_minute",principal="k"} 1.0' in text
     assert re.search(r'everycycle_principal_tokens_total\{kind="generated",principal="k"\} '
                      r'[1-9]', text)
+
+
+@pytest.mark.anyio
+async def test_a_key_cancels_only_its_own_requests(served: Daemon) -> None:
+    store = KeyStore()
+    a = store.add("a", KeyLimits())
+    b = store.add("b", KeyLimits())
+    async with tcp(served, a) as ca, tcp(served, b) as cb, connect() as local:
+        stream = ca.generate("tiny4", "long", max_tokens=400, temperature=1.0,
+                             request_id="of-a")
+        async for event in stream:
+            if isinstance(event, Tokens) and not event.finished:
+                break
+        # Another key hears the same words as for no request at all; the owner and the
+        # socket's user (an admin) may cancel it.
+        with pytest.raises(RequestFailedError, match="no active request 'of-a'"):
+            await cb.cancel("of-a")
+        await local.cancel("of-a")
+        ended = [e async for e in stream]
+        assert isinstance(ended[-1], Error) and ended[-1].kind is ErrorKind.CANCELLED
