@@ -89,6 +89,7 @@ def test_a_load_and_a_chat_stream_live(page: Any) -> None:
     assert "request chatcmpl-" in page.inner_text("#chat-figures")
     page.wait_for_selector("#finished td:has-text('chatcmpl-')")
     page.wait_for_selector("#usage-model td:text-is('tiny')")
+    page.wait_for_selector("#usage-chart rect[height]:not([height='0'])")  # (this hour's)
     shot(page, "chat")
     page.click("#loaded button.unload[data-model='tiny']")
     page.wait_for_selector("#loaded td:text-is('tiny')", state="detached")

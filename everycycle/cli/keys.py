@@ -166,7 +166,7 @@ def usage(
     since: Annotated[str | None, typer.Option(
         "--since", help="From a date (2026-11-30), a time (2026-11-30T12:00) or an age "
         "(7d, 12h).")] = None,
-    by: Annotated[str, typer.Option("--by", help="Group by key, model or day.")] = "key",
+    by: Annotated[str, typer.Option("--by", help="Group by key, model, day or hour.")] = "key",
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
 ) -> None:
     """What each key (or model, or day) asked for and got, from the audit log.

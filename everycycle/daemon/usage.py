@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-GROUPS = ("key", "model", "day")
+GROUPS = ("key", "model", "day", "hour")
 
 
 @dataclass(slots=True)
@@ -87,8 +87,10 @@ def summarize(records: Iterator[dict[str, Any]], *, by: str = "key",
             group = str(r.get("principal") or "local")
         elif by == "model":
             group = str(r["model"] or "(default)")
-        else:
+        elif by == "day":
             group = dt.datetime.fromtimestamp(when).astimezone().date().isoformat()
+        else:
+            group = dt.datetime.fromtimestamp(when).astimezone().strftime("%Y-%m-%dT%H:00")
         row = rows.setdefault(group, UsageRow(group))
         row.requests += 1
         outcome = r.get("outcome")
@@ -102,6 +104,6 @@ def summarize(records: Iterator[dict[str, Any]], *, by: str = "key",
             row.failed += 1
         row.prompt_tokens += int(r.get("prompt_tokens") or 0)
         row.generated_tokens += int(r.get("output_tokens") or 0)
-    order = (lambda row: row.group) if by == "day" else (
+    order = (lambda row: row.group) if by in ("day", "hour") else (
         lambda row: (-row.generated_tokens, row.group))
     return sorted(rows.values(), key=order)

@@ -6,7 +6,7 @@
     POST /v1/requests/{id}/cancel   cancel a request by id (as `everycycle cancel`)
     POST /v1/models/{name}/load     load a model (as `everycycle load`)
     POST /v1/models/{name}/unload   unload it (as `everycycle unload`)
-    GET  /v1/usage?by=key|model     totals from the audit log (as `everycycle usage`)
+    GET  /v1/usage?by=key|model|hour  totals from the audit log (as `everycycle usage`)
 
 A browser's ``GET /`` (it asks for ``text/html``) is sent to ``/console/``; every other
 ``GET /`` still answers "Ollama is running". The page is served under a strict
@@ -113,8 +113,8 @@ class Console(Dialect):
 
         principal = self.reader.auth(request)
         by = request.query_params.get("by", "key")
-        if by not in ("key", "model"):
-            raise HttpError(400, "`by` must be key or model", "invalid_by")
+        if by not in ("key", "model", "hour"):
+            raise HttpError(400, "`by` must be key, model or hour", "invalid_by")
         audit = self.api.supervisor.audit
         records: Any = audit_records(audit.path) if audit is not None else iter(())
         if principal.name not in ADMINS:

@@ -7,7 +7,6 @@ const $ = (id) => document.getElementById(id);
 let key = sessionStorage.getItem("everycycle-key") || "";
 const positions = new Map();   // request id -> its last queue position (from events)
 const finished = [];           // the last finished requests (from events)
-const minutes = new Map();     // minute -> tokens generated (from events, this session)
 let refreshTimer = null;
 let running = 0;
 
@@ -144,11 +143,7 @@ function onEvent(e) {
       finished.unshift(e);
       finished.length = Math.min(finished.length, 30);
       renderFinished();
-      if (e.usage) {
-        const m = Math.floor(e.at / 60);
-        minutes.set(m, (minutes.get(m) || 0) + e.usage.output_tokens);
-        chart();
-      }
+      usageSoon();
     }
   }
   if (e.type !== "request") refreshModels();
@@ -360,33 +355,46 @@ async function refreshUsage() {
   }
 }
 
-function chart() {
+async function chart() {
+  // Tokens generated each hour of the last day, from the audit log.
+  const r = await api("/v1/usage?by=hour");
+  if (!r.ok) return;
+  const hours = new Map((await r.json()).rows.map((row) => [row.hour, row.generated_tokens]));
   const svg = $("usage-chart");
   const ns = "http://www.w3.org/2000/svg";
-  const now = Math.floor(Date.now() / 60000);
-  const values = Array.from({ length: 30 }, (_, i) => minutes.get(now - 29 + i) || 0);
-  const top = Math.max(1, ...values);
-  svg.replaceChildren(...values.map((v, i) => {
-    const r = document.createElementNS(ns, "rect");
+  const now = new Date();
+  const values = Array.from({ length: 24 }, (_, i) => {
+    const t = new Date(now.getTime() - (23 - i) * 3600000);
+    const label = t.getFullYear() + "-" + String(t.getMonth() + 1).padStart(2, "0") + "-" +
+      String(t.getDate()).padStart(2, "0") + "T" + String(t.getHours()).padStart(2, "0") + ":00";
+    return [label, hours.get(label) || 0];
+  });
+  const top = Math.max(1, ...values.map((v) => v[1]));
+  svg.replaceChildren(...values.map(([label, v], i) => {
+    const bar = document.createElementNS(ns, "rect");
     const h = Math.round(110 * v / top);
-    r.setAttribute("x", String(i * 20));
-    r.setAttribute("y", String(115 - h));
-    r.setAttribute("width", "16");
-    r.setAttribute("height", String(h));
+    bar.setAttribute("x", String(i * 25));
+    bar.setAttribute("y", String(115 - h));
+    bar.setAttribute("width", "20");
+    bar.setAttribute("height", String(h));
     const title = document.createElementNS(ns, "title");
-    title.textContent = v + " tokens";
-    r.append(title);
-    return r;
+    title.textContent = label + ": " + v + " tokens";
+    bar.append(title);
+    return bar;
   }));
-  refreshUsage();
 }
 
 // ------------------------------------------------------------------ start
 
+let usageTimer = null;
+function usageSoon() {
+  if (!usageTimer) usageTimer = setTimeout(() => { usageTimer = null; refreshUsage(); chart(); }, 500);
+}
+
 function start() {
   refreshModels().catch(() => {});
   refreshUsage().catch(() => {});
-  chart();
+  chart().catch(() => {});
   listen();
 }
 
