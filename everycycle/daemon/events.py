@@ -135,6 +135,8 @@ class RoomWait(DaemonEvent):
     model: str
     waited_s: float
     outcome: str
+    held_by: str | None = None
+    """Who held the memory it waited for: ``'b' (300 MiB, busy)``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -92,7 +92,8 @@ class FleetView:
             loaded_models=(*(self._loaded(m) for m in residency.models.values()),
                            *(LoadedModel(name, load.spec.revision, load.spec.executor,
                                          queued=load.waiters,
-                                         state=residency.room_waits.why(name) or "loading")
+                                         state=residency.room_waits.why(name) or "loading",
+                                         held_by=residency.room_waits.held_by(name))
                              for name, load in residency.loading.items()
                              if name not in residency.models)),
             active_requests=len(self.requests.active),

@@ -148,6 +148,9 @@ class LoadedModel:
     """Prompts restored from its prompt cache (RAM or disk) since it loaded."""
     prompt_cache_evictions: int | None = field(default=None, metadata=_EXT)
     """Conversations its prompt cache moved out of RAM (to disk, or gone)."""
+    held_by: str | None = field(default=None, metadata=_EXT)
+    """While its load waits for memory: who holds it (``'b' (300 MiB, busy)``); its
+    ``state`` says the same in a sentence."""
 
 
 @message(names=(), ranges={"age_ms": COUNT, "tokens": COUNT, "eta_ms": COUNT})

@@ -83,12 +83,18 @@ class RoomWaits:
     swap_after: float = SWAP_AFTER_S
     min_residency: float = MIN_RESIDENCY_S
     waiting: dict[str, tuple[float, str, frozenset[str]]] = field(default_factory=dict)
-    """Each waiting load: since when, why, and the busy models it waits on."""
+    """Each waiting load: since when, who holds the memory (``'b' (300 MiB, busy)``),
+    and the busy models it waits on."""
     total: dict[str, float] = field(default_factory=dict)
     """Seconds each model's loads have waited, in all (``/metrics``)."""
 
     def why(self, name: str) -> str | None:
         """``waiting for memory: held by 'b' (300 MiB, busy)``, while ``name`` waits."""
+        found = self.waiting.get(name)
+        return f"waiting for memory: held by {found[1]}" if found else None
+
+    def held_by(self, name: str) -> str | None:
+        """Who holds the memory ``name``'s load waits for, while it waits."""
         found = self.waiting.get(name)
         return found[1] if found else None
 
@@ -208,10 +214,9 @@ async def make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
             waits = res.room_waits.total
             waits[spec.name] = waits.get(spec.name, 0.0) + seconds
             res.audit({"event": "room_wait", "model": spec.name, "waited_s": round(seconds, 3),
-                       "outcome": outcome, "held_by": waited[1].removeprefix(
-                           "waiting for memory: held by ")})
+                       "outcome": outcome, "held_by": waited[1]})
             res.publish(RoomWait(model=spec.name, waited_s=round(seconds, 3),
-                                 outcome=outcome))
+                                 outcome=outcome, held_by=waited[1]))
 
 
 async def _make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
@@ -252,8 +257,7 @@ async def _make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
             full or refusal is not None) else frozenset()
         if holding:
             since = res.room_waits.waiting.get(spec.name, (time.monotonic(), "", holding))[0]
-            res.room_waits.waiting[spec.name] = (
-                since, f"waiting for memory: held by {holders(residents, busy)}", holding)
+            res.room_waits.waiting[spec.name] = (since, holders(residents, busy), holding)
             load = res.loading.get(spec.name)
             if load is not None and load.waiters == 0:
                 raise RequestCancelledError(f"nobody waits for model '{spec.name}' any more")
