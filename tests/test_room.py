@@ -118,6 +118,7 @@ async def test_a_request_for_memory_a_busy_model_holds_waits_for_it(
             assert loading.state is not None
             assert loading.state.startswith("waiting for memory: held by 'a' (")
             assert loading.state.endswith("busy)")
+            assert loading.state == f"waiting for memory: held by {loading.held_by}"
             assert set(sup.residency.models) == {"a"}  # a is never cut off
             rest = [e async for e in stream]
             assert answered(rest)
