@@ -109,8 +109,10 @@ def stream(port: int, body: dict[str, Any]) -> Stream:
                   "".join(text))
 
 
-def schema_rounds(ours: int, theirs: int | None, n: int, rounds: int) -> None:
-    body = {"model": "bench", "messages": ASK, "max_tokens": n, "temperature": 0.0,
+def schema_rounds(ours: int, theirs: int | None, n: int, rounds: int,
+                  temperature: float = 0.0) -> None:
+    body = {"model": "bench", "messages": ASK, "max_tokens": n, "temperature": temperature,
+            "seed": 42,
             "response_format": {"type": "json_schema",
                                 "json_schema": {"name": "films", "schema": FILMS}}}
     sides = {"everycycle": ours, **({"llama-server": theirs} if theirs else {})}
@@ -124,7 +126,8 @@ def schema_rounds(ours: int, theirs: int | None, n: int, rounds: int) -> None:
                 raise SystemExit(f"{name} did other work than asked: {s.completion_tokens} "
                                  f"tokens, finish {s.finish}, text {s.text[:60]!r}")
             rates[name].append(s.decode)
-    print(f"1. response_format json_schema, {n} tokens each, greedy, one slot, {rounds} "
+    how = "greedy" if temperature == 0 else f"temperature {temperature:g}, seed 42"
+    print(f"1. response_format json_schema, {n} tokens each, {how}, one slot, {rounds} "
           "alternating rounds (both sides cut by length at exactly n tokens)")
     for name, r in rates.items():
         print(f"   {name:<12} decode {statistics.median(r):6.1f} tok/s median, "
@@ -184,6 +187,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--model", type=Path)
     ap.add_argument("--llama-server", type=Path)
+    ap.add_argument("--temperature", type=float, default=0.0, help="for the schema rounds "
+                    "(llama-server's grammar sampler is cheap while the model's first choice "
+                    "is allowed: greedy on a likely schema; sampled, it is refused oftener)")
+    ap.add_argument("--schema-only", action="store_true", help="skip the tool rounds")
     args = ap.parse_args()
     reg = load_registry()
     model = (args.model or local_file(reg.get(reg.default_name()))).resolve()
@@ -204,8 +211,9 @@ def main() -> None:
         with contextlib.ExitStack() as stack:
             theirs = (stack.enter_context(llama_server(args.llama_server, model, 1, threads))
                       if args.llama_server else None)
-            schema_rounds(ours, theirs, args.n, args.rounds)
-        tools_rounds(ours, args.n, args.rounds)
+            schema_rounds(ours, theirs, args.n, args.rounds, args.temperature)
+        if not args.schema_only:
+            tools_rounds(ours, args.n, args.rounds)
 
 
 if __name__ == "__main__":
