@@ -9,6 +9,7 @@ const positions = new Map();   // request id -> its last queue position (from ev
 const finished = [];           // the last finished requests (from events)
 let refreshTimer = null;
 let running = 0;
+const seenTokens = new Map();  // request id -> [tokens, when] at the last redraw (tokens/s)
 
 function el(tag, attrs, ...kids) {
   const n = document.createElement(tag);
@@ -94,11 +95,24 @@ async function refreshFleet() {
   ]));
   const reqs = s.requests || [];
   running = reqs.length;
+  const now = performance.now();
+  const rates = new Map();
+  for (const q of reqs) {
+    const before = seenTokens.get(q.request_id);
+    if (before && now > before[1] && q.tokens >= before[0]) {
+      rates.set(q.request_id, (q.tokens - before[0]) / ((now - before[1]) / 1000));
+    }
+  }
+  seenTokens.clear();
+  for (const q of reqs) seenTokens.set(q.request_id, [q.tokens, now]);
   fill("active", reqs.map((q) => {
     const pos = positions.get(q.request_id);
+    const rate = rates.get(q.request_id);
     const state = q.state + (q.lane === "background" ? " bg" : "") +
       (q.state !== "running" && pos ? " #" + pos : "") + (q.eta_ms ? " ~" + age(q.eta_ms) : "");
-    return [short(q.request_id), q.model, q.principal, state, q.tokens, age(q.age_ms),
+    return [short(q.request_id), q.model, q.principal, state,
+      q.tokens + (rate !== undefined && q.state === "running" ? " (" + rate.toFixed(1) + "/s)" : ""),
+      age(q.age_ms),
       el("button", { type: "button", class: "cancel", "data-id": q.request_id, onclick: () => cancel(q.request_id) }, "Cancel")];
   }));
 }
