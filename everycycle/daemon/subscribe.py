@@ -9,6 +9,7 @@ import anyio
 from ..errors import ErrorKind, InvalidRequestError
 from ..protocol import Accepted, Done, Error, Notice, Subscribe
 from .events import Bus, CutOff, Subscription, dumps, types_of
+from .keys import Principal, may_act_for
 from .outcome import Peer
 
 
@@ -42,10 +43,11 @@ class Subscribers:
             self.open.pop(rid, None)
             sub.close()
 
-    def cancel(self, rid: str) -> bool:
-        """End subscription ``rid`` (its Done follows); False when there is none."""
+    def cancel(self, rid: str, by: Principal) -> bool:
+        """End subscription ``rid`` (its Done follows); False when there is none that
+        ``by`` may end (its own, unless an admin's)."""
         found = self.open.get(rid)
-        if found is None:
+        if found is None or not may_act_for(by, found[0].principal):
             return False
         found[1].close()
         return True

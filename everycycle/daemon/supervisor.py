@@ -261,7 +261,7 @@ class Supervisor:
                 await self.subscribers.serve(peer, request)
             elif isinstance(request, Cancel):
                 target = self.requests.active.get(request.target)
-                if target is None and self.subscribers.cancel(request.target):
+                if target is None and self.subscribers.cancel(request.target, peer.principal):
                     peer.emit(Done(rid))
                 elif target is None or not may_act_for(peer.principal, target.peer.principal):
                     raise InvalidRequestError(f"no active request '{request.target}'")
