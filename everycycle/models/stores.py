@@ -63,7 +63,6 @@ class StoreModel:
     """``ollama``, ``lmstudio``, ``llamacpp`` or ``hf``."""
     root: Path
     path: Path
-    size: int
     sha256: str | None = None
     """Known without reading the file (Ollama's blob name)."""
     projector: Path | None = None
@@ -114,13 +113,6 @@ def _inside(path: Path, root: Path, what: str) -> Path:
     if not real.is_relative_to(root.resolve()):
         raise InvalidRequestError(f"{what}: {path} leads out of the store ({root}): refused")
     return real
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 # ---------------------------------------------------------------------- Ollama
@@ -231,7 +223,7 @@ def ollama_model(root: Path, name: str) -> StoreModel:
     if "template" in kinds:
         notes.insert(0, "Ollama's template (Go text/template) is not used: the GGUF's "
                         "own chat template is")
-    return StoreModel(ref, OLLAMA, root, path, _size(path), digest, projector, projector_sha,
+    return StoreModel(ref, OLLAMA, root, path, digest, projector, projector_sha,
                       context, taken, tuple(notes))
 
 
@@ -284,7 +276,7 @@ def lmstudio_models(root: Path) -> Iterator[StoreModel | str]:
         base = f"{LMSTUDIO}:{folder.parent.name}/{folder.name}"
         for path in found:
             ref = base if len(found) == 1 else f"{base}/{path.name}"
-            yield StoreModel(ref, LMSTUDIO, root, path, _size(path), projector=projector)
+            yield StoreModel(ref, LMSTUDIO, root, path, projector=projector)
 
 
 def llamacpp_models(root: Path) -> Iterator[StoreModel | str]:
@@ -292,31 +284,29 @@ def llamacpp_models(root: Path) -> Iterator[StoreModel | str]:
     if not root.is_dir():
         return
     for path in _models_in(root):
-        yield StoreModel(f"{LLAMACPP}:{path.stem}", LLAMACPP, root, path, _size(path))
-    for ref, path, projector in _hub_layout(root):
-        yield StoreModel(f"{LLAMACPP}:{ref}", LLAMACPP, root, path, _size(path),
+        yield StoreModel(f"{LLAMACPP}:{path.stem}", LLAMACPP, root, path)
+    for repo, _, path, projector in _hub_layout(root):
+        yield StoreModel(f"{LLAMACPP}:{repo}/{path.name}", LLAMACPP, root, path,
                          projector=projector)
 
 
-def _hub_layout(root: Path) -> Iterator[tuple[str, Path, Path | None]]:
-    """(owner/repo/file, path, projector) of each model in a Hugging Face-layout cache."""
+def _hub_layout(root: Path) -> Iterator[tuple[str, str, Path, Path | None]]:
+    """(owner/repo, snapshot, path, projector) of each model in a Hugging Face-layout
+    cache."""
     for repo in sorted(root.glob("models--*--*")):
         owner, _, name = repo.name.removeprefix("models--").partition("--")
         for snapshot in sorted((repo / "snapshots").glob("*")):
             for path in _models_in(snapshot):
-                yield f"{owner}/{name}/{path.name}", path, _projector_in(snapshot)
+                yield f"{owner}/{name}", snapshot.name, path, _projector_in(snapshot)
 
 
 def hf_models(root: Path) -> Iterator[StoreModel | str]:
     """Every GGUF in the Hugging Face cache, as the hub URL that records it."""
     if not root.is_dir():
         return
-    for repo in sorted(root.glob("models--*--*")):
-        owner, _, name = repo.name.removeprefix("models--").partition("--")
-        for snapshot in sorted((repo / "snapshots").glob("*")):
-            for path in _models_in(snapshot):
-                yield StoreModel(f"hf://{owner}/{name}/{path.name}@{snapshot.name}", HF,
-                                 root, path, _size(path), projector=_projector_in(snapshot))
+    for repo, snapshot, path, projector in _hub_layout(root):
+        yield StoreModel(f"hf://{repo}/{path.name}@{snapshot}", HF, root, path,
+                         projector=projector)
 
 
 # ---------------------------------------------------------------------- all of them

@@ -171,21 +171,10 @@ async function listen() {
       if (!r.ok) throw new Error(await errorOf(r));
       setStatus("live");
       refreshFleet();
-      const reader = r.body.getReader();
-      const text = new TextDecoder();
-      let buf = "";
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        buf += text.decode(value, { stream: true });
-        let i;
-        while ((i = buf.indexOf("\n\n")) >= 0) {
-          const block = buf.slice(0, i);
-          buf = buf.slice(i + 2);
-          const data = block.split("\n").find((line) => line.startsWith("data: "));
-          if (data) onEvent(JSON.parse(data.slice(6)));
-        }
-      }
+      await blocks(r, "\n\n", (block) => {
+        const data = block.split("\n").find((line) => line.startsWith("data: "));
+        if (data) onEvent(JSON.parse(data.slice(6)));
+      });
     } catch (err) {
       if (!$("key-form").hidden) return;  // (started again once a key is given)
     }
@@ -232,15 +221,19 @@ async function pull(event) {
   const r = await api("/api/pull", { method: "POST", headers: { "content-type": "application/json" },
     body: JSON.stringify({ model: name, stream: true }) });
   if (!r.ok) { $("pull-status").textContent = await errorOf(r); bar.hidden = true; return; }
-  await lines(r, (obj) => {
+  await blocks(r, "\n", (line) => {
+    if (!line.trim()) return;
+    const obj = JSON.parse(line);
     if (obj.error) $("pull-status").textContent = obj.error;
     else $("pull-status").textContent = obj.status || "";
     if (obj.total) { bar.max = obj.total; bar.value = obj.completed || 0; }
-  }, "\n");
+  });
   refreshModels();
 }
 
-async function lines(r, each, sep) {
+async function blocks(r, sep, each) {
+  // Each ``sep``-separated block of a streamed body, as it arrives (SSE: "\n\n";
+  // JSON lines: "\n").
   const reader = r.body.getReader();
   const text = new TextDecoder();
   let buf = "";
@@ -250,9 +243,9 @@ async function lines(r, each, sep) {
     buf += text.decode(value, { stream: true });
     let i;
     while ((i = buf.indexOf(sep)) >= 0) {
-      const line = buf.slice(0, i).trim();
+      const block = buf.slice(0, i);
       buf = buf.slice(i + sep.length);
-      if (line) each(JSON.parse(line));
+      each(block);
     }
   }
 }
@@ -305,38 +298,27 @@ async function send(event) {
     current.id = r.headers.get("x-request-id");
     $("chat-figures").textContent = "request " + current.id;
     if (!r.ok) { answer.className = "turn error"; body.textContent = await errorOf(r); history.pop(); return; }
-    const reader = r.body.getReader();
-    const dec = new TextDecoder();
-    let buf = "";
     let usage = null;
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buf += dec.decode(value, { stream: true });
-      let i;
-      while ((i = buf.indexOf("\n\n")) >= 0) {
-        const block = buf.slice(0, i);
-        buf = buf.slice(i + 2);
-        if (block.startsWith(": queue_position")) {
-          $("chat-figures").textContent = "request " + current.id + " · queued: " + block.slice(2);
-          continue;
-        }
-        if (!block.startsWith("data: ") || block === "data: [DONE]") continue;
-        const obj = JSON.parse(block.slice(6));
-        if (obj.error) { answer.className = "turn error"; body.textContent = said + " (" + obj.error.message + ")"; continue; }
-        if (obj.usage) usage = obj.usage;
-        const delta = (obj.choices && obj.choices[0] && obj.choices[0].delta) || {};
-        if (delta.reasoning_content) {
-          if (!thoughts) { thoughts = el("details", { class: "thinking" }, el("summary", {}, "thinking")); answer.prepend(thoughts); }
-          thoughts.append(delta.reasoning_content);
-        }
-        if (delta.content) {
-          first = first || performance.now();
-          said += delta.content;
-          body.textContent = said;
-        }
+    await blocks(r, "\n\n", (block) => {
+      if (block.startsWith(": queue_position")) {
+        $("chat-figures").textContent = "request " + current.id + " · queued: " + block.slice(2);
+        return;
       }
-    }
+      if (!block.startsWith("data: ") || block === "data: [DONE]") return;
+      const obj = JSON.parse(block.slice(6));
+      if (obj.error) { answer.className = "turn error"; body.textContent = said + " (" + obj.error.message + ")"; return; }
+      if (obj.usage) usage = obj.usage;
+      const delta = (obj.choices && obj.choices[0] && obj.choices[0].delta) || {};
+      if (delta.reasoning_content) {
+        if (!thoughts) { thoughts = el("details", { class: "thinking" }, el("summary", {}, "thinking")); answer.prepend(thoughts); }
+        thoughts.append(delta.reasoning_content);
+      }
+      if (delta.content) {
+        first = first || performance.now();
+        said += delta.content;
+        body.textContent = said;
+      }
+    });
     history.push({ role: "assistant", content: said });
     if (usage) {
       const secs = first ? (performance.now() - first) / 1000 : 0;
