@@ -123,6 +123,51 @@ def test_a_load_a_queue_an_eviction_and_a_crash_are_seen_as_they_happen(
     assert seen.events.index(died[0]) < seen.events.index(seen.of("engine_restarted")[0])
 
 
+def test_each_cancel_says_its_cause(stream: tuple[str, Reader], models_file: Path) -> None:
+    """A deadline, a client's Cancel, a client that goes away and a model unloaded under
+    its requests end them all as Cancelled, each with its own cause (their messages are
+    what users always read)."""
+    _, seen = stream
+    long = {"max_tokens": 8000, "temperature": 1.0}
+    with SyncClient() as c:
+        c.load("tiny")
+        ended = list(c.generate("tiny", "x", request_id="by-deadline", deadline_ms=300, **long))
+        assert isinstance(ended[-1], Error) and "deadline of 300 ms" in ended[-1].message
+        got: list[Any] = []
+
+        def held(rid: str) -> threading.Thread:
+            def run() -> None:
+                with SyncClient() as mine:
+                    got.extend(mine.generate("tiny", "x", request_id=rid, **long))
+            t = threading.Thread(target=run)
+            t.start()
+            wait_until(lambda: seen.of("request", request_id=rid, state="running"), rid)
+            return t
+
+        t = held("by-cancel")
+        c.cancel("by-cancel")
+        t.join(30)
+        t = held("by-unload")
+        c.unload("tiny")
+        t.join(30)
+    before = {e["request_id"] for e in seen.of("request")}
+    gone = subprocess.Popen([*EC, "run", "--models", str(models_file), "-n", "8000",
+                             "--temperature", "1", "x"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert gone.stdout is not None
+    gone.stdout.read(1)
+    gone.kill()
+    gone.communicate()
+    (leaving,) = {e["request_id"] for e in seen.of("request")} - before
+    causes = {"by-deadline": "deadline", "by-cancel": "client", "by-unload": "unload",
+              leaving: "disconnect"}
+    wait_until(lambda: all(seen.of("request", request_id=r, state="finished") for r in causes),
+               "every request's end")
+    for rid, cause in causes.items():
+        (end,) = seen.of("request", request_id=rid, state="finished")
+        assert (end["outcome"], end.get("cause")) == ("Cancelled", cause), end
+
+
 def test_a_type_filter_and_bad_types(stream: tuple[str, Reader]) -> None:
     url, _ = stream
     only = Reader(f"{url}/v1/events?types=model_loaded")

@@ -24,7 +24,7 @@ from everycycle.client import SyncClient
 from everycycle.daemon.http import ollama_request
 from everycycle.daemon.http.ollama import _Shape
 from everycycle.daemon.keys import load_or_create_token
-from everycycle.protocol import Role, ToolCall, ToolCalls
+from everycycle.protocol import Role, ToolCall
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 HI = [{"role": "user", "content": "hello"}]
@@ -264,7 +264,7 @@ def test_delete_needs_the_daemon_token(tiny_gguf: Path) -> None:
 
 
 def test_tool_calls_are_shaped_as_ollama_does() -> None:
-    calls = ToolCalls("r", (ToolCall("call_1", "add", '{"a": 1}'),))
+    calls = (ToolCall("call_1", "add", '{"a": 1}'),)
     line = _Shape(chat=True, model="m").line("", calls=calls)
     assert line["message"]["tool_calls"] == [
         {"id": "call_1", "function": {"name": "add", "arguments": {"a": 1}}}]

@@ -218,7 +218,8 @@ def test_chat_image_command_on_a_terminal(vision_models: Path, tmp_path: Path) -
 
 
 def test_an_audited_prompt_notes_an_image_by_its_size() -> None:
-    from everycycle.daemon.outcome import Outcome, audit_record
+    from everycycle.daemon.audit import audit_record
+    from everycycle.daemon.outcome import Outcome
     from everycycle.protocol import Generate
 
     req = Generate("r1", "tv", messages=(user(image(RED), "what is it?"),))

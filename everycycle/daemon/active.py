@@ -13,7 +13,7 @@ from ..engine.contract import Engine
 from ..engine.jobs import Job
 from ..protocol import Embed, Generate, Priority
 from .eta import Work
-from .events import Bus, RequestState, RequestStateChanged, check
+from .events import Bus, Cancelled, RequestState, RequestStateChanged, check
 from .outcome import Outcome, Peer
 
 
@@ -35,7 +35,8 @@ class Active:
     """The engine it runs on, once running."""
     executor: str | None = None
     started: float | None = None
-    cancel_reason: str | None = None
+    cancelled: Cancelled | None = None
+    """Its cancel, once asked (the first one counts)."""
     deadline: anyio.CancelScope | None = None
     first_token: float | None = None
     n_prompt: int = 0
@@ -74,7 +75,7 @@ class Active:
                 request_id=self.req.request_id, model=outcome.model,
                 principal=outcome.principal, lane=self.lane, state=state.value,
                 outcome=outcome.kind.value if outcome.kind else "finished",
-                finish_reason=outcome.finish_reason, usage={
+                finish_reason=outcome.finish_reason, cause=outcome.cancel_cause, usage={
                     "prompt_tokens": outcome.prompt_tokens,
                     "cached_tokens": outcome.cached_tokens,
                     "output_tokens": outcome.generated_tokens}))

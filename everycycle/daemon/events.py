@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import InternalError, InvalidRequestError
 from ..mailbox import Mailbox
+from ..protocol import Embed, Generate
+from .outcome import Outcome
+
+log = logging.getLogger(__name__)
 
 LIMIT = 1024
 """Events a subscriber may fall behind before it is cut off."""
@@ -48,6 +53,44 @@ TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
 """Where each state may go next (besides FINISHED, which every live state may reach)."""
 
 
+class CancelCause(enum.Enum):
+    """Why a request was cancelled: typed, so nothing has to read its message."""
+
+    CLIENT = "client"
+    """A Cancel for it (the socket's, the console's)."""
+    DEADLINE = "deadline"
+    DISCONNECT = "disconnect"
+    """Its client went away."""
+    UNLOAD = "unload"
+    """Its model went (unloaded, evicted, idle, failed)."""
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    """A request's cancel: its cause, and what its client is told (the words users
+    have always read)."""
+
+    cause: CancelCause
+    message: str
+
+    @classmethod
+    def by(cls, who: str) -> Cancelled:
+        return cls(CancelCause.CLIENT, f"cancelled by {who}")
+
+    @classmethod
+    def deadline(cls, ms: int) -> Cancelled:
+        return cls(CancelCause.DEADLINE, f"deadline of {ms} ms passed")
+
+    @classmethod
+    def disconnect(cls) -> Cancelled:
+        return cls(CancelCause.DISCONNECT, "client disconnected")
+
+    @classmethod
+    def shutdown(cls) -> Cancelled:
+        return cls(CancelCause.SHUTDOWN, "daemon shutting down")
+
+
 class IllegalTransition(InternalError):
     """A request asked to move where the table does not go: a bug, said as one."""
 
@@ -63,6 +106,8 @@ class DaemonEvent:
     """One thing that happened; ``wire`` is what subscribers read."""
 
     TYPE: ClassVar[str] = ""
+    INTERNAL: ClassVar[bool] = False
+    """Heard by the daemon's own listeners only (audit, metrics), never by subscribers."""
     at: float = field(default_factory=time.time)
 
     def wire(self) -> dict[str, Any]:
@@ -84,6 +129,8 @@ class RequestStateChanged(DaemonEvent):
     outcome: str | None = None
     """How it finished: ``finished`` (with ``finish_reason``) or an error kind."""
     finish_reason: str | None = None
+    cause: str | None = None
+    """Why it was cancelled (``CancelCause``), when it was."""
     usage: dict[str, int] | None = None
 
 
@@ -140,6 +187,25 @@ class RoomWait(DaemonEvent):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RequestEnded(DaemonEvent):
+    """A Generate or Embed request ended (or was refused before admission): how."""
+
+    TYPE: ClassVar[str] = "request_ended"
+    INTERNAL: ClassVar[bool] = True
+    outcome: Outcome
+    request: Generate | Embed
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AuthRefused(DaemonEvent):
+    """A socket connection presented a key we do not know (or none, where one is needed)."""
+
+    TYPE: ClassVar[str] = "auth_refused"
+    INTERNAL: ClassVar[bool] = True
+    outcome: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CutOff(DaemonEvent):
     TYPE: ClassVar[str] = "cut_off"
     dropped: int
@@ -175,7 +241,7 @@ class Subscription:
         self.queued = 0
 
     def offer(self, event: DaemonEvent) -> None:
-        if self.types is not None and event.TYPE not in self.types:
+        if event.INTERNAL or (self.types is not None and event.TYPE not in self.types):
             return
         if self.queued >= self.limit:  # (it has read nothing for LIMIT events)
             self.box.put(CutOff(dropped=1, message=f"cut off: {self.limit} events unread"))
@@ -197,14 +263,26 @@ class Subscription:
 
 
 class Bus:
-    """The daemon's events: ``publish`` from the event loop; subscribers read theirs."""
+    """The daemon's events: ``publish`` from the event loop. Listeners (audit, metrics)
+    are called at once, in order, before ``publish`` returns; subscribers read theirs
+    from their own bounded queues."""
 
     def __init__(self) -> None:
         self._subs: list[Subscription] = []
+        self._listeners: list[Callable[[DaemonEvent], None]] = []
         self.published = 0
+
+    def listen(self, listener: Callable[[DaemonEvent], None]) -> None:
+        """Call ``listener`` with every event as it is published (it must not block)."""
+        self._listeners.append(listener)
 
     def publish(self, event: DaemonEvent) -> None:
         self.published += 1
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a listener's bug must not cost the request
+                log.exception("event listener failed on %s", event.TYPE)
         for sub in list(self._subs):
             sub.offer(event)
 

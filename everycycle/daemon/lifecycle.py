@@ -48,7 +48,7 @@ from ..protocol import (
 )
 from .active import Active, Lane
 from .eta import Rates, starts
-from .events import RequestState
+from .events import Cancelled, RequestState
 from .outcome import Outcome, Peer
 from .quota import Quotas
 
@@ -143,7 +143,7 @@ class Requests:
             await anyio.sleep_forever()
         # Reached by the deadline, or by finish cancelling the scope; then the request
         # is gone and cancel does nothing.
-        self.cancel(active, f"deadline of {ms} ms passed")
+        self.cancel(active, Cancelled.deadline(ms))
 
     # ------------------------------------------------------------------ slots and queue
 
@@ -262,12 +262,13 @@ class Requests:
 
     # ------------------------------------------------------------------ endings
 
-    def cancel(self, active: Active, reason: str) -> None:
+    def cancel(self, active: Active, why: Cancelled) -> None:
         rid = active.req.request_id
         if self.active.get(rid) is not active:
             return
-        if active.cancel_reason is None:
-            active.cancel_reason = reason
+        if active.cancelled is None:
+            active.cancelled = why
+        reason = active.cancelled.message
         if active.state is RequestState.RUNNING:
             if active.engine is not None and active.job is not None:
                 active.engine.cancel(active.job, reason)
@@ -279,10 +280,10 @@ class Requests:
         elif active.waiting is not None:
             active.waiting.cancel()
 
-    def cancel_model(self, model: str, reason: str) -> None:
+    def cancel_model(self, model: str, why: Cancelled) -> None:
         lane = self.lane(model)
         for active in list(lane.queue) + list(lane.running):
-            self.cancel(active, reason)
+            self.cancel(active, why)
 
     def end_running(self, model: str, kind: ErrorKind, message: str,
                     engine: Engine | None = None) -> None:
@@ -317,11 +318,12 @@ class Requests:
                 if active.req.priority is Priority.BACKGROUND:
                     lane.background_moved = now
         started = active.started or now
+        outcome_kind = event.kind if isinstance(event, Error) else None
         outcome = Outcome(
             request_id=rid,
             model=active.model or active.req.model,
             executor=active.executor,
-            kind=event.kind if isinstance(event, Error) else None,
+            kind=outcome_kind,
             finish_reason=reason,
             prompt_tokens=active.n_prompt,
             cached_tokens=active.job.n_reused if active.job else 0,
@@ -334,6 +336,8 @@ class Requests:
             malformed_calls=active.output.malformed if active.output else 0,
             context_limit=active.context_limit,
             lane=active.lane,
+            cancel_cause=(active.cancelled.cause.value if active.cancelled is not None
+                          and outcome_kind is ErrorKind.CANCELLED else None),
         )
         if outcome.kind is None and active.job is not None and active.model:
             self._learn(active, now)
@@ -389,7 +393,7 @@ class Requests:
                 continue
             freed.add(active.model)
             if out.reason == "cancelled":
-                reason = active.cancel_reason or "cancelled"
+                reason = active.cancelled.message if active.cancelled else "cancelled"
                 self.finish(active, Error(rid, ErrorKind.CANCELLED, reason))
             elif out.reason == "error":
                 error = out.error

@@ -21,6 +21,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .events import DaemonEvent, RequestEnded
+
 if TYPE_CHECKING:
     from .supervisor import Outcome, Supervisor
 
@@ -157,7 +159,11 @@ class Metrics:
             registry=self.registry)
         self._supervisor = supervisor
         self.registry.register(_Fleet(supervisor))
-        supervisor.observers.append(self.observe)
+        supervisor.bus.listen(self.on_event)
+
+    def on_event(self, event: DaemonEvent) -> None:
+        if isinstance(event, RequestEnded):
+            self.observe(event.outcome)
 
     def observe(self, outcome: Outcome) -> None:
         model = outcome.model

@@ -4,7 +4,7 @@ Outcome each generation ends with (what metrics, the audit log and HTTP usage re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..errors import ErrorKind
 from ..protocol import MAX_TOKENS_LIMIT, Embed, Generate, ServerEvent
@@ -64,6 +64,8 @@ class Outcome:
     the prompt's), for the dialects' own "too long" errors."""
     lane: str = "interactive"
     """The lane it asked for: ``interactive`` or ``background``."""
+    cancel_cause: str | None = None
+    """Why it was cancelled (``events.CancelCause``'s value), when it was."""
 
 
 class Peer(Protocol):
@@ -86,39 +88,3 @@ def prompt_bytes(req: Generate | Embed) -> int:
     if req.messages is not None:
         return sum(len(m.text.encode("utf-8")) for m in req.messages)
     return len((req.prompt or "").encode("utf-8"))
-
-
-def _size(b64: str) -> int:
-    """The byte count base64 text decodes to."""
-    return len(b64) * 3 // 4 - b64[-2:].count("=")
-
-
-def audit_record(outcome: Outcome, req: Generate | Embed, *, prompts: bool) -> dict[str, Any]:
-    """The audit log's line for a request (its prompt only with ``prompts``)."""
-    record: dict[str, Any] = {
-        "request_id": outcome.request_id,
-        "principal": outcome.principal,
-        "model": outcome.model,
-        "executor": outcome.executor,
-        "prompt_tokens": outcome.prompt_tokens,
-        "cached_tokens": outcome.cached_tokens,
-        "output_tokens": outcome.generated_tokens,
-        "queue_wait_ms": round(outcome.queue_wait_s * 1000, 1),
-        "duration_ms": round(outcome.duration_s * 1000, 1),
-        "outcome": outcome.kind.value if outcome.kind else "Finished",
-        "lane": outcome.lane,
-    }
-    if outcome.limit is not None:
-        record["limit"] = outcome.limit
-    query = req.query if isinstance(req, Embed) else None
-    if query is not None:
-        record["kind"] = "rerank"
-    if prompts:
-        record["prompt"] = ({"query": query, "documents": list(req.input)}
-                            if isinstance(req, Embed) and query is not None
-                            else list(req.input) if isinstance(req, Embed) else
-                            req.prompt if req.messages is None else
-                            [[m.role.value, m.text] + [f"(image, {_size(i.data or '')} bytes)"
-                                                       for i in m.images]
-                             for m in req.messages])
-    return record

@@ -34,6 +34,7 @@ from ..protocol import Error, ServerEvent
 from ..sockets import wake_reader
 from .audit import AuditLog
 from .connection import AuthFailed, ServerConnection
+from .events import AuthRefused
 from .keys import LOCAL, KeyStore, Principal, load_or_create_token
 from .supervisor import Limits, Outcome, Supervisor
 
@@ -448,7 +449,7 @@ class Daemon:
                 if isinstance(item, Error):
                     conn.emit(item)
                 elif isinstance(item, AuthFailed):
-                    self.audit.write({"event": "auth", "outcome": item.outcome})
+                    self.supervisor.bus.publish(AuthRefused(outcome=item.outcome))
                 else:
                     tg.start_soon(conn.handle, self.supervisor, item)
         if protocol.closed == "end of stream":

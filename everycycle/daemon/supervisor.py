@@ -56,13 +56,13 @@ from ..protocol import (
 )
 from .active import Active
 from .audit import AuditLog
-from .events import Bus, RequestState
+from .events import Bus, CancelCause, Cancelled, RequestEnded, RequestState
 from .fleet import FleetView
 from .handoff import Handoff
 from .jobbuild import build_job
 from .keys import may_act_for
 from .lifecycle import Requests, Tasks
-from .outcome import Limits, Outcome, Peer, audit_record, prompt_bytes
+from .outcome import Limits, Outcome, Peer, prompt_bytes
 from .quota import Quotas
 from .residency import EngineFactory, Residency, Resident, room
 from .residency.remote import RemoteHosts
@@ -106,8 +106,6 @@ class Supervisor:
         self.auto_load = auto_load
         self.audit = audit
         self.quotas = Quotas()
-        self.observers: list[Callable[[Outcome], None]] = []
-        """Called with every Generate and Embed request's Outcome (metrics)."""
         self._on_shutdown = on_shutdown
         self.tasks = Tasks()
         self.requests = Requests(self.quotas, self._report, self.tasks)
@@ -119,12 +117,13 @@ class Supervisor:
             on_death=self._outputs.put, isolate=isolate, engine_factory=engine_factory,
             keep_alive=keep_alive,
             max_loaded_models=max_loaded_models or registry.max_loaded_models,
-            audit=audit.write if audit is not None else None,
             hang_after=self.limits.hang_timeout,
             room_waits=room.RoomWaits(self.limits.swap_after, self.limits.min_residency))
         self.bus = Bus()
         """What happens, told as it happens (GET /v1/events, Subscribe)."""
         self.residency.publish = self.bus.publish
+        if audit is not None:
+            self.bus.listen(audit.on_event)
         self.subscribers = Subscribers(self.bus)
         self.fleet = FleetView(self.residency, self.requests)
         self._admission: dict[str, anyio.Lock] = {}
@@ -236,7 +235,7 @@ class Supervisor:
         every request has had its terminal event (or after CLOSE_WAIT_S)."""
         self.residency.closing = True
         for active in list(self.requests.active.values()):
-            self.requests.cancel(active, "daemon shutting down")
+            self.requests.cancel(active, Cancelled.shutdown())
         for name in list(self.residency.models):
             await self.residency.unload(name, "daemon shutting down", "shutdown")
         # A request still being admitted (tokenizing on a worker thread, or waiting for
@@ -266,7 +265,7 @@ class Supervisor:
                 elif target is None or not may_act_for(peer.principal, target.peer.principal):
                     raise InvalidRequestError(f"no active request '{request.target}'")
                 else:
-                    self.requests.cancel(target, f"cancelled by request {rid}")
+                    self.requests.cancel(target, Cancelled.by(f"request {rid}"))
                     peer.emit(Done(rid))
             elif isinstance(request, Load):
                 self._know(request.model)
@@ -299,8 +298,8 @@ class Supervisor:
         rid = getattr(request, "request_id", "")
         active = self.requests.active.get(rid)
         if isinstance(request, Generate | Embed) and active is not None and active.peer is peer:
-            if active.cancel_reason is not None:  # cancelled while admitting
-                exc = RequestCancelledError(active.cancel_reason)
+            if active.cancelled is not None:  # cancelled while admitting
+                exc = RequestCancelledError(active.cancelled.message)
             elif isinstance(exc, ContextOverflowError):
                 active.n_prompt, active.context_limit = exc.prompt_tokens, exc.context
             self.requests.finish(active, Error(rid, exc.kind, exc.message))
@@ -322,7 +321,7 @@ class Supervisor:
         """The peer went away: cancel all of its requests, end its subscriptions."""
         self.subscribers.disconnect(peer)
         for active in self.requests.of(peer):
-            self.requests.cancel(active, "client disconnected")
+            self.requests.cancel(active, Cancelled.disconnect())
 
     def inflight(self, peer: Peer) -> int:
         return len(self.requests.of(peer))
@@ -363,8 +362,8 @@ class Supervisor:
         active.waiting = anyio.CancelScope()  # a Cancel or deadline ends these waits
         with active.waiting:
             await self._give_way(spec.name, active)
-        if active.cancel_reason is not None:
-            raise RequestCancelledError(active.cancel_reason)
+        if active.cancelled is not None:
+            raise RequestCancelledError(active.cancelled.message)
         lane.admitting += 1  # (never unloaded under it, from here to a slot or the queue)
         try:
             if spec.name not in self.residency.models and allow_load:
@@ -381,7 +380,8 @@ class Supervisor:
                 model = await self.residency.ensure_loaded(spec, None, allow_load=allow_load)
             active.waiting = None
             if model is None:  # cancelled while it waited: the load goes on for others
-                raise RequestCancelledError(active.cancel_reason or "cancelled")
+                raise RequestCancelledError(
+                    active.cancelled.message if active.cancelled else "cancelled")
             active.move(RequestState.ADMITTING)
             # Admission is FIFO per model (anyio locks are fair, and a load's waiters wake
             # in order): requests queue in arrival order though tokenizing yields.
@@ -426,11 +426,11 @@ class Supervisor:
         req = active.req
         self.residency.touch(model, req.keep_alive_ms)
         job, active.output = await self._job_on(model, active)
-        if active.cancel_reason is None and self.residency.models.get(model.name) is not model:
-            active.cancel_reason = f"model '{model.name}' unloaded"
-        if active.cancel_reason is not None:
+        if active.cancelled is None and self.residency.models.get(model.name) is not model:
+            active.cancelled = Cancelled(CancelCause.UNLOAD, f"model '{model.name}' unloaded")
+        if active.cancelled is not None:
             self.requests.finish(active, Error(req.request_id, ErrorKind.CANCELLED,
-                                               active.cancel_reason))
+                                               active.cancelled.message))
             return
         active.job = job
         active.executor = model.executor
@@ -461,13 +461,7 @@ class Supervisor:
             resident = self.residency.models.get(outcome.model)
             if resident is not None:
                 self.residency.touch(resident)
-        for observe in self.observers:
-            try:
-                observe(outcome)
-            except Exception:  # an observer's bug must not cost the request
-                log.exception("outcome observer failed")
-        if self.audit is not None:
-            self.audit.write(audit_record(outcome, req, prompts=self.audit.include_prompts))
+        self.bus.publish(RequestEnded(outcome=outcome, request=req))
 
     # ------------------------------------------------------------------ engine outputs
 

@@ -30,12 +30,25 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Route
 
 from ...errors import ErrorKind
-from ...protocol import Accepted, Error, Generate, ServerEvent, Tokens, ToolCalls
+from ...protocol import Error, Generate
 from ..keys import Principal
 from ..outcome import Outcome
 from . import anthropic_request as parse
-from .common import protocol_errors, queue_eta, request_id, stream_flag
-from .exchange import STATUS, Dialect, Events, Exchange, Send, Spawner, Whole, dumps, sse_event
+from .answer import (
+    Answer,
+    Calls,
+    Failed,
+    Finished,
+    FinishReason,
+    Part,
+    Queued,
+    Running,
+    Text,
+    Thinking,
+    Usage,
+)
+from .common import protocol_errors, request_id, stream_flag
+from .exchange import STATUS, Dialect, Exchange, Spawner, dumps, sse_event
 
 OVERLOADED = 529
 
@@ -51,8 +64,9 @@ _TYPE = {
     OVERLOADED: "overloaded_error",
 }
 
-_STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens",
-                "context": "max_tokens", "tool_calls": "tool_use"}
+_STOP_REASON = {FinishReason.EOS: "end_turn", FinishReason.STOP: "stop_sequence",
+                FinishReason.LENGTH: "max_tokens", FinishReason.CONTEXT: "max_tokens",
+                FinishReason.TOOL_CALLS: "tool_use"}
 
 
 def _too_long(outcome: Outcome | None) -> str | None:
@@ -82,12 +96,10 @@ def status_of(event: Error, outcome: Outcome | None) -> int:
     return STATUS[event.kind]
 
 
-def _usage(outcome: Outcome | None) -> dict[str, int]:
+def _usage(usage: Usage) -> dict[str, int]:
     """Anthropic's usage: ``input_tokens`` are those prefilled, the cached ones apart."""
-    prompt = outcome.prompt_tokens if outcome else 0
-    cached = outcome.cached_tokens if outcome else 0
-    return {"input_tokens": prompt - cached, "output_tokens":
-            outcome.generated_tokens if outcome else 0, "cache_read_input_tokens": cached}
+    return {"input_tokens": usage.prefilled, "output_tokens": usage.generated,
+            "cache_read_input_tokens": usage.cached}
 
 
 class _Exchange(Exchange):
@@ -109,99 +121,100 @@ class _Message(_Exchange):
         self.blocks = -1  # the index of the content block open now, or the last one
         self.open: str | None = None  # its type, while it is open
 
-    def _stop(self, outcome: Outcome | None) -> dict[str, Any]:
+    def _stop(self, reason: FinishReason) -> dict[str, Any]:
         """Why it stopped; the stop sequence where there was only one it could be
         (the engine says a stop string matched, not which)."""
-        reason = outcome.finish_reason if outcome else None
         stops = self.gen.stop or ()
-        return {"stop_reason": _STOP_REASON.get(reason or "", "end_turn"),
-                "stop_sequence": stops[0] if reason == "stop" and len(stops) == 1 else None}
+        return {"stop_reason": _STOP_REASON[reason],
+                "stop_sequence": stops[0] if reason is FinishReason.STOP and len(stops) == 1
+                else None}
 
-    def _message(self, content: list[dict[str, Any]], outcome: Outcome | None,
+    def _message(self, content: list[dict[str, Any]], reason: FinishReason | None,
                  usage: dict[str, int]) -> dict[str, Any]:
         stop: dict[str, Any] = ({"stop_reason": None, "stop_sequence": None}
-                                if outcome is None else self._stop(outcome))
+                                if reason is None else self._stop(reason))
         return {"id": self.req.request_id, "type": "message", "role": "assistant",
                 "model": self.gen.model, "content": content, **stop, "usage": usage}
 
-    async def answer(self, send: Send, whole: Whole) -> None:
-        content = whole.parts(
+    def whole(self, answer: Answer) -> dict[str, Any]:
+        content = answer.first.parts(
             lambda thought: {"type": "thinking", "thinking": thought, "signature": ""},
             lambda text: {"type": "text", "text": text},
             lambda call: {"type": "tool_use", "id": call.id, "name": call.name,
                           "input": json.loads(call.arguments)})
-        await self.send_json(send, 200, dumps(self._message(content, whole.outcome,
-                                                            _usage(whole.outcome))))
+        return self._message(content, answer.first.reason, _usage(answer.usage))
 
     # ------------------------------------------------------------------ streaming
 
-    async def _block(self, send: Send, kind: str, start: dict[str, Any]) -> None:
+    def _block(self, kind: str, start: dict[str, Any]) -> bytes:
         """Close the open block and open one of ``kind``."""
-        await self._close(send)
+        out = self._close()
         self.blocks += 1
         self.open = kind
-        await self.write(send, sse_event("content_block_start", {
-            "index": self.blocks, "content_block": {"type": kind, **start}}))
+        return out + sse_event("content_block_start", {
+            "index": self.blocks, "content_block": {"type": kind, **start}})
 
-    async def _delta(self, send: Send, kind: str, delta: dict[str, Any]) -> None:
-        await self.write(send, sse_event("content_block_delta", {
-            "index": self.blocks, "delta": {"type": kind, **delta}}))
+    def _delta(self, kind: str, delta: dict[str, Any]) -> bytes:
+        return sse_event("content_block_delta", {"index": self.blocks,
+                                                 "delta": {"type": kind, **delta}})
 
-    async def _text(self, send: Send, kind: str, text: str) -> None:
+    def _text(self, kind: str, text: str) -> bytes:
         """Text of a ``text`` or ``thinking`` block, in the open one if it is that kind."""
+        out = b""
         if self.open != kind:
-            await self._block(send, kind, {kind: "", **({"signature": ""} if kind == "thinking"
-                                                        else {})})
-        await self._delta(send, f"{kind}_delta", {kind: text})
+            out = self._block(kind, {kind: "", **({"signature": ""} if kind == "thinking"
+                                                  else {})})
+        return out + self._delta(f"{kind}_delta", {kind: text})
 
-    async def _close(self, send: Send) -> None:
-        if self.open is not None:
-            await self.write(send, sse_event("content_block_stop", {"index": self.blocks}))
-            self.open = None
+    def _close(self) -> bytes:
+        if self.open is None:
+            return b""
+        self.open = None
+        return sse_event("content_block_stop", {"index": self.blocks})
 
-    async def begin(self, send: Send, event: ServerEvent) -> None:
-        await self.write(send, sse_event("message_start", {"message": self._message(
-            [], None, {"input_tokens": 0, "output_tokens": 0})}))
+    def begin(self, part: Part) -> bytes:
+        return sse_event("message_start", {"message": self._message(
+            [], None, {"input_tokens": 0, "output_tokens": 0})})
 
-    async def heartbeat(self, send: Send) -> None:
-        await self.write(send, sse_event("ping", {}))
+    def heartbeat(self) -> bytes:
+        return sse_event("ping", {})
 
-    async def answer_stream(self, events: Events, send: Send) -> None:
-        async for event, outcome in self.streamed(events, send):
-            if isinstance(event, Accepted):
-                await self.write(send, sse_event("ping", {
-                    "queue_position": event.queue_position, **queue_eta(event)}))
-            elif isinstance(event, ToolCalls):
-                for call in event.calls:
-                    await self._block(send, "tool_use", {"id": call.id, "name": call.name,
-                                                         "input": {}})
-                    await self._delta(send, "input_json_delta", {"partial_json": call.arguments})
-            elif isinstance(event, Tokens):
-                if event.chunk.reasoning:
-                    await self._text(send, "thinking", event.chunk.reasoning)
-                if event.chunk.text:
-                    await self._text(send, "text", event.chunk.text)
-                if event.finished:
-                    await self._close(send)
-                    await self.write(send, sse_event("message_delta", {
-                        "delta": self._stop(outcome), "usage": _usage(outcome)}))
-                    await self.write(send, sse_event("message_stop", {}))
-                    break
-            elif isinstance(event, Error):
-                body = error_body(status_of(event, outcome),
-                                  _too_long(outcome) or event.message)
-                await self.write(send, sse_event("error", {"error": body["error"]}))
-                break
-        if self.started:
-            await self.end_stream(send)
+    def on_queued(self, part: Queued) -> bytes:
+        return sse_event("ping", {"queue_position": part.position, **part.eta()})
+
+    def on_running(self, part: Running) -> bytes:
+        return sse_event("ping", {"queue_position": 0})
+
+    def on_calls(self, part: Calls) -> bytes:
+        out = b""
+        for call in part.calls:
+            out += self._block("tool_use", {"id": call.id, "name": call.name, "input": {}})
+            out += self._delta("input_json_delta", {"partial_json": call.arguments})
+        return out
+
+    def on_thinking(self, part: Thinking) -> bytes:
+        return self._text("thinking", part.text)
+
+    def on_text(self, part: Text) -> bytes:
+        return self._text("text", part.text) if part.text else b""
+
+    def on_finished(self, part: Finished) -> bytes:
+        return (self._close()
+                + sse_event("message_delta", {"delta": self._stop(part.reason),
+                                              "usage": _usage(part.usage)})
+                + sse_event("message_stop", {}))
+
+    def on_failed(self, part: Failed) -> bytes:
+        body = error_body(status_of(part.error, part.outcome),
+                          _too_long(part.outcome) or part.error.message)
+        return sse_event("error", {"error": body["error"]})
 
 
 class _Count(_Exchange):
     """count_tokens: the prompt tokens of a one-token generation."""
 
-    async def answer(self, send: Send, whole: Whole) -> None:
-        tokens = whole.outcome.prompt_tokens if whole.outcome else 0
-        await self.send_json(send, 200, dumps({"input_tokens": tokens}))
+    def whole(self, answer: Answer) -> dict[str, Any]:
+        return {"input_tokens": answer.usage.prompt}
 
 
 class Anthropic(Dialect):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio.abc
@@ -18,17 +19,42 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ...protocol import sampling
 from ..keys import KeyStore
 from ..metrics import CONTENT_TYPE, Metrics
 from ..supervisor import Supervisor
-from . import anthropic, console, eventstream, ollama, ollama_meta, rerank
+from . import anthropic, console, eventstream, ollama, ollama_meta, openai, rerank, responses
 from .common import HttpError, Reader
+from .exchange import Dialect
 from .guard import Guard
-from .openai import OpenAI, error_response
-from .responses import Responses
 
 ErrorRenderer = Callable[[int, str, str | None, dict[str, str] | None], Response]
 """How a dialect shapes an error answer: (status, message, code, headers)."""
+
+
+@dataclass(frozen=True)
+class Registered:
+    """One dialect as the app serves it: its routes (the class's), the path prefixes whose
+    errors it shapes and how, and its names in the sampling table (None: it samples
+    nothing)."""
+
+    dialect: type[Dialect]
+    errors: tuple[str, ...] = ()
+    render: ErrorRenderer = openai.error_response
+    sampling: str | None = None
+
+
+DIALECTS = (
+    Registered(openai.OpenAI, sampling=sampling.OPENAI),
+    Registered(anthropic.Anthropic, ("/v1/messages",), anthropic.error_response,
+               sampling.ANTHROPIC),
+    Registered(responses.Responses, sampling=sampling.RESPONSES),
+    Registered(ollama.Ollama, ("/api/",), ollama_meta.error_response, sampling.OLLAMA),
+    Registered(rerank.Rerank),
+    Registered(eventstream.EventStream),
+    Registered(console.Console),
+)
+"""Every dialect the daemon speaks; errors elsewhere are OpenAI's."""
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +73,10 @@ class HttpApi:
         self.metrics = metrics
         self.reader = Reader(supervisor, keys, require_key=require_key)
         self._tg: anyio.abc.TaskGroup | None = None
-        self.renderers: list[tuple[str, ErrorRenderer]] = [
-            ("/api/", ollama_meta.error_response), ("/v1/messages", anthropic.error_response)]
+        self.renderers = [(prefix, d.render) for d in DIALECTS for prefix in d.errors]
         """Error shapes by path prefix (the first that matches); OpenAI's elsewhere."""
         self.app = Starlette(routes=[
-            *OpenAI(self, self.reader).routes(),
-            *anthropic.Anthropic(self, self.reader).routes(),
-            *Responses(self, self.reader).routes(),
-            *ollama.Ollama(self, self.reader).routes(),
-            *rerank.Rerank(self, self.reader).routes(),
-            *eventstream.EventStream(self, self.reader).routes(),
-            *console.Console(self, self.reader).routes(),
+            *(route for d in DIALECTS for route in d.dialect(self, self.reader).routes()),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])
@@ -89,7 +108,7 @@ class HttpApi:
 
     def _render(self, path: str) -> ErrorRenderer:
         return next((r for prefix, r in self.renderers if path.startswith(prefix)),
-                    error_response)
+                    openai.error_response)
 
     async def _http_error(self, request: HttpRequest, exc: HttpError) -> Response:
         headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None

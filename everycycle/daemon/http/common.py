@@ -11,7 +11,7 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 
 from ...errors import EverycycleError, ProtocolError, TooLargeError
-from ...protocol import Accepted, ContentPart, PartType, Priority, sampling, validate_request_id
+from ...protocol import ContentPart, PartType, Priority, sampling, validate_request_id
 from ..keys import LOCAL, KeyStore, Principal
 from ..supervisor import Supervisor
 
@@ -190,11 +190,6 @@ def priority(request: HttpRequest, data: dict[str, Any] | None = None) -> dict[s
     if data is not None and data.get("service_tier") == "flex":
         return {"priority": Priority.BACKGROUND}
     return {}
-
-
-def queue_eta(event: Accepted) -> dict[str, Any]:
-    """``{"eta_ms": N}`` beside a queue position where the daemon estimated a start."""
-    return {} if event.eta_ms is None else {"eta_ms": event.eta_ms}
 
 
 def protocol_errors(fn: Any, *args: Any, **kwargs: Any) -> Any:

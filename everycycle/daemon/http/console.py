@@ -29,6 +29,7 @@ from starlette.routing import BaseRoute, Route
 
 from ...errors import EverycycleError
 from ...protocol import FleetDescription, encode
+from ..events import Cancelled
 from ..keys import ADMINS, may_act_for
 from .common import HttpError
 from .exchange import STATUS, Dialect
@@ -83,7 +84,7 @@ class Console(Dialect):
         if target is None or not may_act_for(principal, target.peer.principal):
             # (The same words whether it is someone else's or none at all.)
             raise HttpError(404, f"no active request '{rid}'", "not_found")
-        sup.requests.cancel(target, f"cancelled by {principal.name} (HTTP)")
+        sup.requests.cancel(target, Cancelled.by(f"{principal.name} (HTTP)"))
         return JSONResponse({"request_id": rid, "cancelled": True})
 
     async def load(self, request: HttpRequest) -> Response:

@@ -2,10 +2,11 @@
 runs as one protocol request with an id, on the same supervisor as the socket, with
 the same queue positions, deadlines, quotas, audit and metrics.
 
-An ``Exchange`` is the ASGI response: it hands the request to the supervisor, then
-gives the dialect's ``respond`` the request's events as they come, each terminal
-event with its Outcome. A client that disconnects (or a write that fails) cancels
-the request on the supervisor within one decode step.
+An ``Exchange`` is the ASGI response: it hands the request to the supervisor, folds the
+request's events into answer parts as they come (``answer.fold``), and lets the dialect
+shape them: part by part for a stream (``on_text``, ``on_finished``, …), or gathered
+whole (``whole``). A client that disconnects (or a write that fails) cancels the request
+on the supervisor within one decode step.
 
 A stream never goes quiet while we work: when nothing was written for ``heartbeat_s``
 (waiting in the queue, a model loading, a long prompt's prefill), the dialect's
@@ -27,25 +28,44 @@ from collections.abc import (
     MutableMapping,
     Sequence,
 )
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import anyio
 from starlette.routing import BaseRoute
 
 from ...errors import ErrorKind
 from ...mailbox import Mailbox
-from ...protocol import Embed, Error, Generate, ServerEvent, Tokens, ToolCall, ToolCalls
+from ...protocol import Done, Embed, Error, Generate, Load, ServerEvent, Unload
 from ..keys import Principal
 from ..outcome import Outcome
 from ..supervisor import Supervisor
+from .answer import (
+    Answer,
+    Calls,
+    Events,
+    Failed,
+    Finished,
+    Part,
+    Prefill,
+    Queued,
+    Running,
+    Text,
+    Thinking,
+    Vectors,
+    fold,
+    gather,
+)
 from .common import Reader
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-Events = AsyncIterator[tuple[ServerEvent, Outcome | None]]
-T = TypeVar("T")
+
+_ON: dict[type[Part], str] = {
+    Queued: "on_queued", Running: "on_running", Prefill: "on_prefill",
+    Thinking: "on_thinking", Text: "on_text", Calls: "on_calls", Finished: "on_finished",
+    Failed: "on_failed", Vectors: "on_vectors"}
+"""Which method of an Exchange shapes each part of a streamed answer."""
 
 STATUS = {
     ErrorKind.INVALID: 400,
@@ -108,6 +128,21 @@ class HttpPeer:
                     await self.tick()
 
 
+async def control(api: Spawner, principal: Principal, req: Load | Unload) -> Error | None:
+    """Run a Load or Unload on the supervisor; its Error, or None once Done."""
+    peer = HttpPeer(principal)
+    api.spawn(api.supervisor.handle, peer, req)
+    try:
+        async for event, _ in peer.events():
+            if isinstance(event, Error):
+                return event
+            if isinstance(event, Done):
+                return None
+        return None
+    finally:
+        peer.box.close()
+
+
 def retry_after(outcome: Outcome | None) -> str:
     """Whole seconds to wait before trying a refused request again (at least 1)."""
     wait = outcome.retry_after_s if outcome and outcome.retry_after_s else 1.0
@@ -123,53 +158,11 @@ def sse_event(name: str, fields: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + dumps({"type": name, **fields}) + b"\n\n"
 
 
-@dataclass
-class Whole:
-    """A request's answer gathered whole: its text, thoughts and tool calls, and how it
-    ended (``error`` set when it failed)."""
-
-    text: str = ""
-    reasoning: str = ""
-    calls: ToolCalls | None = None
-    error: Error | None = None
-    outcome: Outcome | None = None
-
-    def parts(self, thought: Callable[[str], T], text: Callable[[str], T],
-              call: Callable[[ToolCall], T]) -> list[T]:
-        """The answer's parts, each shaped by its function, in the order every dialect
-        gives them: the thoughts (if any), the text (even empty, unless there are tool
-        calls), then each tool call."""
-        out = [thought(self.reasoning)] if self.reasoning else []
-        if self.text or not self.calls:
-            out.append(text(self.text))
-        out.extend(call(c) for c in (self.calls.calls if self.calls else ()))
-        return out
-
-
-async def gather(events: Events) -> Whole:
-    """The whole answer of a Generate from its events, up to the terminal one."""
-    whole = Whole()
-    text: list[str] = []
-    thought: list[str] = []
-    async for event, outcome in events:
-        if isinstance(event, Error):
-            whole.error, whole.outcome = event, outcome
-            break
-        if isinstance(event, ToolCalls):
-            whole.calls = event
-        elif isinstance(event, Tokens):
-            text.append(event.chunk.text)
-            thought.append(event.chunk.reasoning or "")
-            if event.finished:
-                whole.outcome = outcome
-                break
-    whole.text, whole.reasoning = "".join(text), "".join(thought)
-    return whole
-
-
 class Exchange:
-    """One protocol request for one HTTP exchange; a dialect subclasses ``answer`` and
-    ``answer_stream`` (or ``collect``)."""
+    """One protocol request for one HTTP exchange. A dialect says how its answer looks
+    whole (``whole``) and, part by part, streamed (``begin``, ``on_text``, … each
+    returning the bytes to write), and how a failure looks (``error_answer``,
+    ``on_failed``)."""
 
     def __init__(self, api: Spawner, req: Generate | Embed, principal: Principal,
                  more: Sequence[Generate] = ()) -> None:
@@ -189,55 +182,93 @@ class Exchange:
     last_write = 0.0
     """When the stream last wrote (time.monotonic)."""
 
+    content_type = "text/event-stream"
+    """What a stream is (NDJSON for Ollama)."""
+
     async def respond(self, events: Events, send: Send) -> None:
-        """Answer the client from the request's events, in the dialect's shape."""
+        """Answer the client from the request's events, in the dialect's shape: each
+        part as it comes (``chunk``) when streaming, else gathered (``whole``)."""
+        parts = fold(events, [r.request_id for r in self.reqs])
         if self.stream:
-            await self.answer_stream(events, send)
-        else:
-            await self.collect(events, send)
+            await self.answer_stream(parts, send)
+            return
+        answer = await gather(parts, len(self.reqs))
+        if answer.failed is not None:
+            await self.fail(send, answer.failed)
+        elif answer.ended:
+            await self.send_json(send, 200, dumps(self.whole(answer)))
 
-    async def collect(self, events: Events, send: Send) -> None:
-        """The whole answer: the events gathered (``whole``), then sent by ``answer``."""
-        if (whole := await self.whole(events, send)) is not None:
-            await self.answer(send, whole)
-
-    async def answer(self, send: Send, whole: Whole) -> None:
-        """Send the answer gathered whole, in the dialect's shape."""
+    def whole(self, answer: Answer) -> dict[str, Any]:
+        """The answer gathered whole, as the dialect's JSON object."""
         raise NotImplementedError
 
-    async def answer_stream(self, events: Events, send: Send) -> None:
-        """Stream the answer as its events come, in the dialect's shape."""
+    async def answer_stream(self, parts: AsyncIterator[Part], send: Send) -> None:
+        """Stream the answer as its parts come: a failure before anything else is
+        answered whole (``fail``); any other first part begins the stream (``begin``)."""
+        async for part in parts:
+            if not self.started:
+                if isinstance(part, Failed):
+                    await self.fail(send, part)
+                    return
+                await self.start_stream(send, self.content_type)
+                self.started = True
+                await self.write(send, self.begin(part))
+            await self.write(send, getattr(self, _ON[type(part)])(part))
+        if self.started:
+            await self.end_stream(send)
+
+    def begin(self, part: Part) -> bytes:
+        """What a stream writes first, before its first part."""
+        return b""
+
+    # What a stream writes for each part (nothing unless the dialect says).
+
+    def on_queued(self, part: Queued) -> bytes:
+        return b""
+
+    def on_running(self, part: Running) -> bytes:
+        return b""
+
+    def on_prefill(self, part: Prefill) -> bytes:
+        return b""
+
+    def on_thinking(self, part: Thinking) -> bytes:
+        return b""
+
+    def on_text(self, part: Text) -> bytes:
+        return b""
+
+    def on_calls(self, part: Calls) -> bytes:
+        return b""
+
+    def on_finished(self, part: Finished) -> bytes:
+        return b""
+
+    def on_failed(self, part: Failed) -> bytes:
+        """A failure after the stream began: its last words."""
         raise NotImplementedError
+
+    def on_vectors(self, part: Vectors) -> bytes:
+        return b""
 
     def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
         """A terminal Error's HTTP status and body, in the dialect's shape."""
         raise NotImplementedError
 
-    async def fail(self, send: Send, event: Error, outcome: Outcome | None) -> None:
-        """A terminal Error as a whole answer (before any stream began)."""
-        status, body = self.error_answer(event, outcome)
-        await self.send_error(send, event, outcome, body, status)
+    async def fail(self, send: Send, failed: Failed) -> None:
+        """A failure as a whole answer (before any stream began)."""
+        status, body = self.error_answer(failed.error, failed.outcome)
+        await self.send_error(send, failed.error, failed.outcome, body, status)
 
-    async def whole(self, events: Events, send: Send) -> Whole | None:
-        """The request's whole answer; None once its failure was answered (``fail``)."""
-        answer = await gather(events)
-        if answer.error is not None:
-            await self.fail(send, answer.error, answer.outcome)
-            return None
-        return answer
-
-    async def begin(self, send: Send, event: ServerEvent) -> None:
-        """What a stream writes first, before its first event (``event``)."""
-
-    async def heartbeat(self, send: Send) -> None:
+    def heartbeat(self) -> bytes:
         """What a stream writes after ``heartbeat_s`` of silence: something its clients'
         idle timers count and their parsers skip. An SSE comment unless the dialect
         says."""
-        await self.write(send, b": keep-alive\n\n")
+        return b": keep-alive\n\n"
 
     async def _beat(self, send: Send) -> None:
         if self.started and time.monotonic() - self.last_write >= self.api.heartbeat_s:
-            await self.heartbeat(send)
+            await self.write(send, self.heartbeat())
 
     async def _ticks(self, peer: HttpPeer) -> None:
         """Tick twice a heartbeat period: a stream is never quiet for 1.5 periods."""
@@ -245,19 +276,6 @@ class Exchange:
             await anyio.sleep(self.api.heartbeat_s / 2)
             if self.started and time.monotonic() - self.last_write >= self.api.heartbeat_s:
                 peer.box.put(None)
-
-    async def streamed(self, events: Events, send: Send) -> Events:
-        """The request's events for a stream: an Error before any other event is answered
-        whole (``fail``); any other first event begins the stream (SSE, ``begin``)."""
-        async for event, outcome in events:
-            if not self.started:
-                if isinstance(event, Error):
-                    await self.fail(send, event, outcome)
-                    return
-                await self.start_stream(send, "text/event-stream")
-                self.started = True
-                await self.begin(send, event)
-            yield event, outcome
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         peer = HttpPeer(self.principal)
@@ -320,6 +338,8 @@ class Exchange:
                     "headers": [*self.headers(content_type), (b"cache-control", b"no-cache")]})
 
     async def write(self, send: Send, data: bytes) -> None:
+        if not data:
+            return
         self.last_write = time.monotonic()
         await send({"type": "http.response.body", "body": data, "more_body": True})
 

@@ -20,6 +20,7 @@ The request id, ``x-request-id`` and ``x-deadline-ms`` work as in the OpenAI dia
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,27 +28,24 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ...protocol import (
-    Accepted,
-    Embed,
-    Embeddings,
-    Error,
-    Format,
-    Generate,
-    Load,
-    Message,
-    Role,
-    Tokens,
-    ToolCalls,
-    Unload,
-)
+from ...protocol import Embed, Error, Format, Generate, Load, Message, Role, ToolCall, Unload
 from ..keys import Principal
 from ..outcome import Outcome
 from . import ollama_request as parse
 from . import openai_request
-from .common import HttpError, Reader, deadline, priority, protocol_errors, queue_eta, request_id
-from .exchange import STATUS, Dialect, Events, Exchange, Send, Spawner, dumps
-from .ollama_meta import NDJSON, OllamaMeta, control, error_response, rfc3339
+from .answer import (
+    Answer,
+    Calls,
+    Failed,
+    Finished,
+    FinishReason,
+    Queued,
+    Text,
+    Thinking,
+)
+from .common import HttpError, Reader, deadline, priority, protocol_errors, request_id
+from .exchange import STATUS, Dialect, Exchange, Spawner, control, dumps
+from .ollama_meta import NDJSON, OllamaMeta, error_response, rfc3339
 
 
 def _ns(seconds: float | None) -> int:
@@ -66,8 +64,6 @@ def statistics(outcome: Outcome | None) -> dict[str, int]:
             "eval_duration": _ns(outcome.duration_s - first)}
 
 
-def _done_reason(outcome: Outcome | None) -> str:
-    return "length" if outcome and outcome.finish_reason in ("length", "context") else "stop"
 
 
 @dataclass
@@ -77,7 +73,7 @@ class _Shape:
     chat: bool
     model: str
 
-    def line(self, text: str, thinking: str = "", calls: ToolCalls | None = None,
+    def line(self, text: str, thinking: str = "", calls: Sequence[ToolCall] = (),
              **extra: Any) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "created_at": rfc3339()}
         if self.chat:
@@ -87,7 +83,7 @@ class _Shape:
             if calls:
                 message["tool_calls"] = [
                     {"id": c.id, "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
-                    for c in calls.calls]
+                    for c in calls]
             body["message"] = message
         else:
             body["response"] = text
@@ -95,14 +91,11 @@ class _Shape:
                 body["thinking"] = thinking
         return {**body, "done": False, **extra}
 
-    def last(self, outcome: Outcome | None, text: str = "", thinking: str = "",
-             calls: ToolCalls | None = None) -> dict[str, Any]:
-        return self.line(text, thinking, calls, done=True, done_reason=_done_reason(outcome),
+    def last(self, reason: FinishReason, outcome: Outcome | None, text: str = "",
+             thinking: str = "", calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
+        return self.line(text, thinking, calls, done=True,
+                         done_reason="length" if reason.truncated else "stop",
                          **statistics(outcome))
-
-
-def _error(event: Error) -> bytes:
-    return dumps({"error": event.message})
 
 
 class _Answer(Exchange):
@@ -114,69 +107,48 @@ class _Answer(Exchange):
         self.shape = shape
         self.stream = stream
         self.legacy = legacy  # /api/embeddings: one vector, no statistics
+        self.content_type = NDJSON
 
-    def _embeddings(self, event: Embeddings, outcome: Outcome | None) -> dict[str, Any]:
+    def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
+        return STATUS[event.kind], dumps({"error": event.message})
+
+    def whole(self, answer: Answer) -> dict[str, Any]:
+        if answer.vectors is None:
+            first = answer.first
+            return self.shape.last(first.reason, first.outcome, first.text, first.reasoning,
+                                   first.calls)
         if self.legacy:
-            return {"embedding": list(event.vectors[0])}
-        stats = statistics(outcome)
-        return {"model": self.shape.model, "embeddings": [list(v) for v in event.vectors],
+            return {"embedding": list(answer.vectors.vectors[0])}
+        stats = statistics(answer.vectors.outcome)
+        return {"model": self.shape.model, "embeddings": [list(v) for v in
+                                                          answer.vectors.vectors],
                 **{k: stats[k] for k in ("total_duration", "load_duration",
                                          "prompt_eval_count") if k in stats}}
 
-    async def collect(self, events: Events, send: Send) -> None:
-        text: list[str] = []
-        thought: list[str] = []
-        calls: ToolCalls | None = None
-        async for event, outcome in events:
-            if isinstance(event, Error):
-                await self.send_error(send, event, outcome, _error(event))
-                return
-            if isinstance(event, Embeddings):
-                answer = self._embeddings(event, outcome)
-            elif isinstance(event, ToolCalls):
-                calls = event
-                continue
-            elif isinstance(event, Tokens):
-                text.append(event.chunk.text)
-                thought.append(event.chunk.reasoning or "")
-                if not event.finished:
-                    continue
-                answer = self.shape.last(outcome, "".join(text), "".join(thought), calls)
-            else:
-                continue
-            await self.send_json(send, 200, dumps(answer))
-            return
+    def heartbeat(self) -> bytes:
+        return _line(self.shape.line(""))  # (a line of no text, as a queued one)
 
-    async def heartbeat(self, send: Send) -> None:
-        await self._line(send, self.shape.line(""))  # (a line of no text, as a queued one)
+    def on_queued(self, part: Queued) -> bytes:
+        return _line(self.shape.line("", queue_position=part.position, **part.eta()))
 
-    async def answer_stream(self, events: Events, send: Send) -> None:
-        async for event, outcome in events:
-            if isinstance(event, Error) and not self.started:
-                await self.send_error(send, event, outcome, _error(event))
-                return
-            if not self.started:
-                await self.start_stream(send, NDJSON)
-                self.started = True
-            if isinstance(event, Accepted) and event.queue_position:
-                await self._line(send, self.shape.line("", queue_position=event.queue_position,
-                                                       **queue_eta(event)))
-            elif isinstance(event, ToolCalls):
-                await self._line(send, self.shape.line("", calls=event))
-            elif isinstance(event, Tokens):
-                chunk = event.chunk
-                if chunk.text or chunk.reasoning:
-                    await self._line(send, self.shape.line(chunk.text, chunk.reasoning or ""))
-                if event.finished:
-                    await self._line(send, self.shape.last(outcome))
-                    break
-            elif isinstance(event, Error):
-                await self.write(send, _error(event) + b"\n")
-                break
-        await self.end_stream(send)
+    def on_calls(self, part: Calls) -> bytes:
+        return _line(self.shape.line("", calls=part.calls))
 
-    async def _line(self, send: Send, obj: dict[str, Any]) -> None:
-        await self.write(send, dumps(obj) + b"\n")
+    def on_thinking(self, part: Thinking) -> bytes:
+        return _line(self.shape.line("", part.text))
+
+    def on_text(self, part: Text) -> bytes:
+        return _line(self.shape.line(part.text)) if part.text else b""
+
+    def on_finished(self, part: Finished) -> bytes:
+        return _line(self.shape.last(part.reason, part.outcome))
+
+    def on_failed(self, part: Failed) -> bytes:
+        return self.error_answer(part.error, part.outcome)[1] + b"\n"
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return dumps(obj) + b"\n"
 
 
 class Ollama(Dialect):

@@ -39,11 +39,11 @@ from ... import __version__
 from ...errors import EverycycleError, UnavailableError, UnknownModelError
 from ...models import hub, manage
 from ...models.registry import ModelSpec, local_file
-from ...protocol import Done, Error, Load, Unload, sampling
-from ..keys import Principal, load_or_create_token
+from ...protocol import Unload, sampling
+from ..keys import load_or_create_token
 from . import ollama_request as parse
 from .common import HttpError, Reader, presented_key, request_id
-from .exchange import STATUS, Dialect, HttpPeer, Spawner, dumps
+from .exchange import STATUS, Dialect, Spawner, control, dumps
 
 log = logging.getLogger(__name__)
 
@@ -67,21 +67,6 @@ def rfc3339(when: float | None = None) -> str:
     """``when`` (a Unix time; now by default) in RFC 3339, UTC, as Ollama writes times."""
     stamp = dt.datetime.fromtimestamp(time.time() if when is None else when, dt.UTC)
     return stamp.isoformat().replace("+00:00", "Z")
-
-
-async def control(api: Spawner, principal: Principal, req: Load | Unload) -> Error | None:
-    """Run a Load or Unload on the supervisor; its Error, or None once Done."""
-    peer = HttpPeer(principal)
-    api.spawn(api.supervisor.handle, peer, req)
-    try:
-        async for event, _ in peer.events():
-            if isinstance(event, Error):
-                return event
-            if isinstance(event, Done):
-                return None
-        return None
-    finally:
-        peer.box.close()
 
 
 @dataclass(frozen=True)

@@ -28,30 +28,33 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ...protocol import (
-    Accepted,
-    Embed,
-    Embeddings,
-    Error,
-    Format,
-    Generate,
-    Progress,
-    TokenLogprob,
-    Tokens,
-    ToolCalls,
-)
+from ...protocol import Embed, Error, Format, Generate, TokenLogprob, ToolCall
 from ..outcome import Outcome
 from . import openai_request as parse
+from .answer import (
+    Answer,
+    Calls,
+    Choice,
+    Failed,
+    Finished,
+    FinishReason,
+    Prefill,
+    Queued,
+    Running,
+    Text,
+    Thinking,
+    Usage,
+    Vectors,
+)
 from .common import (
     HttpError,
     deadline,
     priority,
     protocol_errors,
-    queue_eta,
     request_id,
     stream_flag,
 )
-from .exchange import STATUS, Dialect, Events, Exchange, Send, Spawner, dumps
+from .exchange import STATUS, Dialect, Exchange, Spawner, dumps
 
 _TYPE = {
     400: "invalid_request_error",
@@ -91,12 +94,9 @@ def error_answer(event: Error, outcome: Outcome | None = None) -> tuple[int, byt
     return status, dumps(error_body(status, event.message, event.kind.value))
 
 
-def _finish_reason(outcome: Outcome | None) -> str:
-    if outcome is not None and outcome.finish_reason in ("length", "context"):
-        return "length"
-    if outcome is not None and outcome.finish_reason == "tool_calls":
-        return "tool_calls"
-    return "stop"
+_FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
+           FinishReason.CONTEXT: "length", FinishReason.TOOL_CALLS: "tool_calls"}
+"""OpenAI's ``finish_reason`` for each of ours."""
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
@@ -120,21 +120,17 @@ def text_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any
             "text_offset": offsets}
 
 
-def tool_calls(calls: ToolCalls, *, indexed: bool = False) -> list[dict[str, Any]]:
+def tool_calls(calls: Sequence[ToolCall], *, indexed: bool = False) -> list[dict[str, Any]]:
     """OpenAI's ``tool_calls`` (with ``index`` for a streamed delta)."""
     return [{**({"index": i} if indexed else {}), "id": c.id, "type": "function",
              "function": {"name": c.name, "arguments": c.arguments}}
-            for i, c in enumerate(calls.calls)]
+            for i, c in enumerate(calls)]
 
 
-def _usage(outcomes: list[Outcome | None]) -> dict[str, Any]:
-    """The usage of one answer's choices: their prompt (once) and all they generated."""
-    known = [o for o in outcomes if o is not None]
-    prompt = known[0].prompt_tokens if known else 0
-    generated = sum(o.generated_tokens for o in known)
-    return {"prompt_tokens": prompt, "completion_tokens": generated,
-            "total_tokens": prompt + generated,
-            "prompt_tokens_details": {"cached_tokens": known[0].cached_tokens if known else 0}}
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt, "completion_tokens": usage.generated,
+            "total_tokens": usage.total,
+            "prompt_tokens_details": {"cached_tokens": usage.cached}}
 
 
 @dataclass
@@ -172,24 +168,24 @@ class _Shape:
             body["usage"] = usage
         return body
 
-    def embeddings(self, event: Embeddings, outcome: Outcome | None) -> dict[str, Any]:
+    def embeddings(self, part: Vectors) -> dict[str, Any]:
         """OpenAI's embeddings list; ``base64`` packs little-endian float32s."""
         data = []
-        for i, vector in enumerate(event.vectors):
+        for i, vector in enumerate(part.vectors):
             value: Any = list(vector)
             if self.encoding == "base64":
                 value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
             data.append({"object": "embedding", "index": i, "embedding": value})
-        tokens = outcome.prompt_tokens if outcome else 0
+        tokens = part.usage.prompt
         return {"object": "list", "data": data, "model": self.model,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    def choice(self, index: int, answer: _Answer) -> dict[str, Any]:
-        """One whole choice of a non-streamed answer."""
-        finish = _finish_reason(answer.outcome)
+    def choice(self, index: int, answer: Choice, asked: bool) -> dict[str, Any]:
+        """One whole choice of a non-streamed answer (``asked``: for logprobs)."""
+        finish = _FINISH[answer.reason]
         if not self.chat:
             return {"index": index, "text": answer.text, "finish_reason": finish,
-                    "logprobs": text_logprobs(answer.logprobs) if answer.asked else None}
+                    "logprobs": text_logprobs(answer.logprobs) if asked else None}
         message: dict[str, Any] = {"role": "assistant", "content": (
             None if answer.calls and not answer.text else answer.text)}
         if answer.reasoning:
@@ -197,27 +193,7 @@ class _Shape:
         if answer.calls:
             message["tool_calls"] = tool_calls(answer.calls)
         return {"index": index, "message": message, "finish_reason": finish,
-                "logprobs": chat_logprobs(answer.logprobs) if answer.asked else None}
-
-    def whole(self, answers: list[_Answer]) -> dict[str, Any]:
-        usage = _usage([a.outcome for a in answers])
-        return {"id": self.request_id, "object": "chat.completion" if self.chat
-                else "text_completion", "created": self.created, "model": self.model,
-                "choices": [self.choice(i, a) for i, a in enumerate(answers)], "usage": usage}
-
-
-@dataclass
-class _Answer:
-    """One choice as it accumulates."""
-
-    asked: bool
-    """Whether its request asked for logprobs."""
-    text: str = ""
-    reasoning: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    calls: ToolCalls | None = None
-    outcome: Outcome | None = None
-    done: bool = False
+                "logprobs": chat_logprobs(answer.logprobs) if asked else None}
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
@@ -235,85 +211,73 @@ class _Generation(Exchange):
         self.shape = shape
         self.stream = stream
         self.include_usage = include_usage
-        self.index = {r.request_id: i for i, r in enumerate(self.reqs)}
-        asked = [isinstance(r, Generate) and r.logprobs is not None for r in self.reqs]
-        self.answers = [_Answer(a) for a in asked]
+        self.asked = [isinstance(r, Generate) and r.logprobs is not None for r in self.reqs]
+        self.usage: dict[str, Any] | None | bool = None if include_usage else False
+        """Each chunk's ``usage``: null until the last when the client asked for it."""
+        self.role_sent: set[int] = set()
+        self.usages: list[Usage] = []
 
     def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
         return error_answer(event, outcome)
 
-    async def collect(self, events: Events, send: Send) -> None:
-        async for event, outcome in events:
-            if isinstance(event, Error):
-                await self.fail(send, event, outcome)
-                return
-            if isinstance(event, Embeddings):
-                await self.send_json(send, 200, dumps(self.shape.embeddings(event, outcome)))
-                return
-            answer = self.answers[self.index.get(getattr(event, "request_id", ""), 0)]
-            if isinstance(event, ToolCalls):
-                answer.calls = event
-            elif isinstance(event, Tokens):
-                answer.text += event.chunk.text
-                answer.reasoning += event.chunk.reasoning or ""
-                answer.logprobs.extend(event.chunk.logprobs or ())
-                if event.finished:
-                    answer.outcome, answer.done = outcome, True
-                    if all(a.done for a in self.answers):
-                        await self.send_json(send, 200, dumps(self.shape.whole(self.answers)))
-                        return
+    def whole(self, answer: Answer) -> dict[str, Any]:
+        if answer.vectors is not None:
+            return self.shape.embeddings(answer.vectors)
+        shape = self.shape
+        return {"id": shape.request_id, "object": "chat.completion" if shape.chat
+                else "text_completion", "created": shape.created, "model": shape.model,
+                "choices": [shape.choice(i, c, self.asked[i])
+                            for i, c in enumerate(answer.choices)],
+                "usage": _usage(answer.usage)}
 
-    async def answer_stream(self, events: Events, send: Send) -> None:
-        role_sent: set[int] = set()
-        usage: dict[str, Any] | None | bool = None if self.include_usage else False
-        async for event, outcome in self.streamed(events, send):
-            i = self.index.get(getattr(event, "request_id", ""), 0)
-            if isinstance(event, Accepted):
-                if event.queue_position:
-                    eta = "".join(f" {k} {v}" for k, v in queue_eta(event).items())
-                    await self.write(send, f": queue_position {event.queue_position}{eta}\n\n"
-                                     .encode())
-                elif i not in role_sent and self.shape.chat:
-                    await self.write(send, _sse(self.shape.chunk("", None, role=True,
-                                                                 usage=usage, index=i)))
-                    role_sent.add(i)
-            elif isinstance(event, Progress):  # llama-server's shape, as its clients read it
-                line = self.shape.chunk(None, None, role=True, usage=usage, index=i)
-                line["choices"][0]["delta"]["content"] = None
-                line["prompt_progress"] = {"total": event.total, "cache": event.cached,
-                                           "processed": event.processed,
-                                           "time_ms": event.time_ms}
-                await self.write(send, _sse(line))
-            elif isinstance(event, ToolCalls):
-                await self.write(send, _sse(self.shape.chunk(None, None, usage=usage, delta={
-                    "tool_calls": tool_calls(event, indexed=True)}, index=i)))
-            elif isinstance(event, Tokens):
-                chunk = event.chunk
-                if chunk.reasoning and self.shape.chat:
-                    await self.write(send, _sse(self.shape.chunk(None, None, usage=usage, delta={
-                        "reasoning_content": chunk.reasoning}, index=i)))
-                if chunk.text or chunk.logprobs:
-                    await self.write(send, _sse(self.shape.chunk(
-                        chunk.text, None, usage=usage, index=i,
-                        logprobs=list(chunk.logprobs) if chunk.logprobs else None)))
-                if event.finished:
-                    self.answers[i].outcome, self.answers[i].done = outcome, True
-                    await self.write(send, _sse(self.shape.chunk(
-                        None if self.shape.chat else "", _finish_reason(outcome), usage=usage,
-                        index=i)))
-                    if all(a.done for a in self.answers):
-                        if self.include_usage:
-                            last = self.shape.chunk(None, None, usage=_usage(
-                                [a.outcome for a in self.answers]))
-                            last["choices"] = []
-                            await self.write(send, _sse(last))
-                        await self.write(send, _sse("[DONE]"))
-                        break
-            elif isinstance(event, Error):
-                await self.write(send, b"data: " + error_answer(event, outcome)[1] + b"\n\n")
-                break
-        if self.started:
-            await self.end_stream(send)
+    def _chunk(self, text: str | None, finish: str | None = None, **fields: Any) -> bytes:
+        return _sse(self.shape.chunk(text, finish, usage=self.usage, **fields))
+
+    def on_queued(self, part: Queued) -> bytes:
+        eta = "" if part.eta_ms is None else f" eta_ms {part.eta_ms}"
+        return f": queue_position {part.position}{eta}\n\n".encode()
+
+    def on_running(self, part: Running) -> bytes:
+        if part.index in self.role_sent or not self.shape.chat:
+            return b""
+        self.role_sent.add(part.index)
+        return self._chunk("", role=True, index=part.index)
+
+    def on_prefill(self, part: Prefill) -> bytes:
+        """llama-server's shape, as its clients read it."""
+        line = self.shape.chunk(None, None, role=True, usage=self.usage, index=part.index)
+        line["choices"][0]["delta"]["content"] = None
+        line["prompt_progress"] = {"total": part.total, "cache": part.cached,
+                                   "processed": part.processed, "time_ms": part.time_ms}
+        return _sse(line)
+
+    def on_calls(self, part: Calls) -> bytes:
+        return self._chunk(None, delta={"tool_calls": tool_calls(part.calls, indexed=True)},
+                           index=part.index)
+
+    def on_thinking(self, part: Thinking) -> bytes:
+        if not self.shape.chat:
+            return b""
+        return self._chunk(None, delta={"reasoning_content": part.text}, index=part.index)
+
+    def on_text(self, part: Text) -> bytes:
+        return self._chunk(part.text, index=part.index,
+                           logprobs=list(part.logprobs) if part.logprobs else None)
+
+    def on_finished(self, part: Finished) -> bytes:
+        self.usages.append(part.usage)
+        out = self._chunk(None if self.shape.chat else "", _FINISH[part.reason],
+                          index=part.index)
+        if not part.last:
+            return out
+        if self.include_usage:
+            last = self.shape.chunk(None, None, usage=_usage(Usage.together(self.usages)))
+            last["choices"] = []
+            out += _sse(last)
+        return out + _sse("[DONE]")
+
+    def on_failed(self, part: Failed) -> bytes:
+        return b"data: " + error_answer(part.error, part.outcome)[1] + b"\n\n"
 
 
 class OpenAI(Dialect):

@@ -18,10 +18,11 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 from starlette.routing import BaseRoute, Route
 
-from ...protocol import Embed, Embeddings, Error, ranked
+from ...protocol import Embed, Error, ranked
 from ..outcome import Outcome
+from .answer import Answer
 from .common import HttpError, deadline, priority, protocol_errors, request_id
-from .exchange import Dialect, Events, Exchange, Send, Spawner, dumps
+from .exchange import Dialect, Exchange, Spawner
 from .openai import error_answer
 
 
@@ -55,24 +56,16 @@ class _Ranking(Exchange):
     def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
         return error_answer(event, outcome)
 
-    async def collect(self, events: Events, send: Send) -> None:
-        async for event, outcome in events:
-            if isinstance(event, Error):
-                await self.fail(send, event, outcome)
-                return
-            if isinstance(event, Embeddings):
-                await self.send_json(send, 200, dumps(self.body(event, outcome)))
-                return
-
-    def body(self, event: Embeddings, outcome: Outcome | None) -> dict[str, Any]:
+    def whole(self, answer: Answer) -> dict[str, Any]:
+        assert answer.vectors is not None  # (an Embed ends in vectors, else it failed)
         results = []
-        for index, score in ranked(event.vectors, self.top_n):
+        for index, score in ranked(answer.vectors.vectors, self.top_n):
             row: dict[str, Any] = {"index": index, "relevance_score": score}
             if self.return_documents:
                 row["document"] = {"text": self.docs[index]}
             results.append(row)
-        tokens = outcome.prompt_tokens if outcome else 0
-        return {"id": event.request_id, "model": self.model, "object": "list",
+        tokens = answer.vectors.usage.prompt
+        return {"id": self.req.request_id, "model": self.model, "object": "list",
                 "results": results, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                 "meta": {"billed_units": {"search_units": 1}}}
 

@@ -24,12 +24,25 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 from starlette.routing import BaseRoute, Route
 
-from ...protocol import Accepted, Error, Generate, ServerEvent, Tokens, ToolCall, ToolCalls
+from ...protocol import Error, Generate, ToolCall
 from ..keys import Principal
 from ..outcome import Outcome
 from . import responses_request as parse
-from .common import protocol_errors, queue_eta, request_id, stream_flag
-from .exchange import Dialect, Events, Exchange, Send, Spawner, Whole, dumps, sse_event
+from .answer import (
+    Answer,
+    Calls,
+    Failed,
+    Finished,
+    FinishReason,
+    Part,
+    Queued,
+    Running,
+    Text,
+    Thinking,
+    Usage,
+)
+from .common import protocol_errors, request_id, stream_flag
+from .exchange import Dialect, Exchange, Spawner, sse_event
 from .openai import error_answer
 from .responses_request import CUSTOM_INPUT
 
@@ -37,12 +50,9 @@ _PART = {"message": "output_text", "reasoning": "reasoning_text"}
 """Each streamed item kind's one content part."""
 
 
-def _usage(outcome: Outcome | None) -> dict[str, Any]:
-    prompt = outcome.prompt_tokens if outcome else 0
-    generated = outcome.generated_tokens if outcome else 0
-    return {"input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": outcome.cached_tokens if outcome else 0},
-            "output_tokens": generated, "total_tokens": prompt + generated}
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt, "input_tokens_details": {"cached_tokens": usage.cached},
+            "output_tokens": usage.generated, "total_tokens": usage.total}
 
 
 def _part(kind: str, text: str) -> dict[str, Any]:
@@ -105,129 +115,126 @@ class _Response(Exchange):
     def _id(self, prefix: str) -> str:
         return f"{prefix}_{self.req.request_id}_{len(self.items)}"
 
-    def _object(self, status: str, outcome: Outcome | None = None,
+    def _object(self, status: str, ended: tuple[FinishReason, Usage] | None = None,
                 error: dict[str, str] | None = None) -> dict[str, Any]:
+        """The response object now (``ended``: how it finished, and its usage)."""
         incomplete = None
-        if outcome is not None and outcome.finish_reason in ("length", "context"):
+        if ended is not None and ended[0].truncated:
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
         return {"id": self.req.request_id, "object": "response", "created_at": self.created,
                 "status": status, "error": error, "incomplete_details": incomplete,
                 "model": self.model, "output": list(self.items), **self.echo,
-                "usage": None if outcome is None else _usage(outcome)}
+                "usage": None if ended is None else _usage(ended[1])}
 
-    async def answer(self, send: Send, whole: Whole) -> None:
-        self.items.extend(whole.parts(
+    def whole(self, answer: Answer) -> dict[str, Any]:
+        self.items.extend(answer.first.parts(
             lambda thought: _item("reasoning", self._id("rs"), thought),
             lambda text: _item("message", self._id("msg"), text),
             lambda call: _call_item(call, self._id("fc"), self.custom)))
-        await self.send_json(send, 200, dumps(self._object("completed", whole.outcome)))
+        return self._object("completed", (answer.first.reason, answer.usage))
 
     # ------------------------------------------------------------------ streaming
 
-    async def _emit(self, send: Send, name: str, /, **fields: Any) -> None:
-        await self.write(send, sse_event(name, {**fields, "sequence_number": self.seq}))
+    def _emit(self, name: str, /, **fields: Any) -> bytes:
+        out = sse_event(name, {**fields, "sequence_number": self.seq})
         self.seq += 1
+        return out
 
-    async def _added(self, send: Send, item: dict[str, Any]) -> None:
+    def _added(self, item: dict[str, Any]) -> bytes:
         self.items.append(item)
-        await self._emit(send, "response.output_item.added", output_index=len(self.items) - 1,
-                         item=item)
+        return self._emit("response.output_item.added", output_index=len(self.items) - 1,
+                          item=item)
 
-    async def _done(self, send: Send, item: dict[str, Any]) -> None:
+    def _done(self, item: dict[str, Any]) -> bytes:
         self.items[-1] = item
-        await self._emit(send, "response.output_item.done", output_index=len(self.items) - 1,
-                         item=item)
+        return self._emit("response.output_item.done", output_index=len(self.items) - 1,
+                          item=item)
 
     def _where(self) -> dict[str, Any]:
         """Where the last item's one content part is, as its events say."""
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1,
                 "content_index": 0}
 
-    async def _text(self, send: Send, kind: str, delta: str) -> None:
+    def _text(self, kind: str, delta: str) -> bytes:
         """Stream ``delta`` into the open item of ``kind`` (opening one if need be)."""
+        out = b""
         if self.open != kind:
-            await self._close(send)
+            out = self._close()
             self.open, self.text = kind, []
-            await self._added(send, _item(kind, self._id("msg" if kind == "message" else "rs"),
-                                          None, "in_progress"))
-            await self._emit(send, "response.content_part.added", **self._where(),
-                             part=_part(kind, ""))
+            out += self._added(_item(kind, self._id("msg" if kind == "message" else "rs"),
+                                     None, "in_progress"))
+            out += self._emit("response.content_part.added", **self._where(),
+                              part=_part(kind, ""))
         self.text.append(delta)
         extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
-        await self._emit(send, f"response.{_PART[kind]}.delta", **self._where(), delta=delta,
-                         **extra)
+        return out + self._emit(f"response.{_PART[kind]}.delta", **self._where(),
+                                delta=delta, **extra)
 
-    async def _close(self, send: Send) -> None:
+    def _close(self) -> bytes:
         """End the item streaming now: its text's done, its part's done, its own done."""
         kind = self.open
         if kind is None:
-            return
+            return b""
         self.open = None
         text = "".join(self.text)
         where = self._where()
         extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
-        await self._emit(send, f"response.{_PART[kind]}.done", **where, text=text, **extra)
-        await self._emit(send, "response.content_part.done", **where, part=_part(kind, text))
-        await self._done(send, _item(kind, where["item_id"], text))
+        return (self._emit(f"response.{_PART[kind]}.done", **where, text=text, **extra)
+                + self._emit("response.content_part.done", **where, part=_part(kind, text))
+                + self._done(_item(kind, where["item_id"], text)))
 
-    async def _calls(self, send: Send, calls: ToolCalls) -> None:
-        await self._close(send)
-        for call in calls.calls:
+    def on_calls(self, part: Calls) -> bytes:
+        out = self._close()
+        for call in part.calls:
             item_id = self._id("fc")
-            await self._added(send, _call_item(call, item_id, self.custom, "", "in_progress"))
+            out += self._added(_call_item(call, item_id, self.custom, "", "in_progress"))
             where = {"item_id": item_id, "output_index": len(self.items) - 1}
             whole = _call_item(call, item_id, self.custom)
             if whole["type"] == "custom_tool_call":
-                await self._emit(send, "response.custom_tool_call_input.delta", **where,
-                                 delta=whole["input"])
-                await self._emit(send, "response.custom_tool_call_input.done", **where,
-                                 input=whole["input"])
+                out += self._emit("response.custom_tool_call_input.delta", **where,
+                                  delta=whole["input"])
+                out += self._emit("response.custom_tool_call_input.done", **where,
+                                  input=whole["input"])
             else:
-                await self._emit(send, "response.function_call_arguments.delta", **where,
-                                 delta=call.arguments)
-                await self._emit(send, "response.function_call_arguments.done", **where,
-                                 name=whole["name"], arguments=call.arguments)
-            await self._done(send, whole)
+                out += self._emit("response.function_call_arguments.delta", **where,
+                                  delta=call.arguments)
+                out += self._emit("response.function_call_arguments.done", **where,
+                                  name=whole["name"], arguments=call.arguments)
+            out += self._done(whole)
+        return out
 
     def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
         return error_answer(event, outcome)
 
-    async def begin(self, send: Send, event: ServerEvent) -> None:
-        queued = isinstance(event, Accepted) and event.queue_position > 0
-        await self._emit(send, "response.created",
-                         response=self._object("queued" if queued else "in_progress"))
+    def begin(self, part: Part) -> bytes:
+        return self._emit("response.created", response=self._object(
+            "queued" if isinstance(part, Queued) else "in_progress"))
 
-    async def heartbeat(self, send: Send) -> None:
-        await self._emit(send, "response.in_progress", response=self._object("in_progress"))
+    def heartbeat(self) -> bytes:
+        return self._emit("response.in_progress", response=self._object("in_progress"))
 
-    async def answer_stream(self, events: Events, send: Send) -> None:
-        async for event, outcome in self.streamed(events, send):
-            if isinstance(event, Accepted):
-                if event.queue_position:
-                    await self._emit(send, "response.queued", response=self._object("queued"),
-                                     queue_position=event.queue_position, **queue_eta(event))
-                else:
-                    await self._emit(send, "response.in_progress",
-                                     response=self._object("in_progress"))
-            elif isinstance(event, ToolCalls):
-                await self._calls(send, event)
-            elif isinstance(event, Tokens):
-                if event.chunk.reasoning:
-                    await self._text(send, "reasoning", event.chunk.reasoning)
-                if event.chunk.text:
-                    await self._text(send, "message", event.chunk.text)
-                if event.finished:
-                    await self._close(send)
-                    final = self._object("completed", outcome)
-                    await self._emit(send, f"response.{final['status']}", response=final)
-                    break
-            elif isinstance(event, Error):
-                error = json.loads(error_answer(event, outcome)[1])["error"]
-                await self._emit(send, "response.failed", response=self._object(
-                    "failed", error={"code": error["code"], "message": error["message"]}))
-                break
-        if self.started:
-            await self.end_stream(send)
+    def on_queued(self, part: Queued) -> bytes:
+        return self._emit("response.queued", response=self._object("queued"),
+                          queue_position=part.position, **part.eta())
+
+    def on_running(self, part: Running) -> bytes:
+        return self._emit("response.in_progress", response=self._object("in_progress"))
+
+    def on_thinking(self, part: Thinking) -> bytes:
+        return self._text("reasoning", part.text)
+
+    def on_text(self, part: Text) -> bytes:
+        return self._text("message", part.text) if part.text else b""
+
+    def on_finished(self, part: Finished) -> bytes:
+        out = self._close()
+        final = self._object("completed", (part.reason, part.usage))
+        return out + self._emit(f"response.{final['status']}", response=final)
+
+    def on_failed(self, part: Failed) -> bytes:
+        error = json.loads(error_answer(part.error, part.outcome)[1])["error"]
+        return self._emit("response.failed", response=self._object(
+            "failed", error={"code": error["code"], "message": error["message"]}))
 
 
 class Responses(Dialect):

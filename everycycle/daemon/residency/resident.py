@@ -15,7 +15,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.abc
@@ -124,7 +123,6 @@ class Residency:
                  notify: Notify, on_death: Callable[[Engine], None], isolate: bool,
                  engine_factory: EngineFactory | None, keep_alive: float,
                  max_loaded_models: int | None = None,
-                 audit: Callable[[dict[str, Any]], None] | None = None,
                  hang_after: float = 60.0, room_waits: room.RoomWaits | None = None
                  ) -> None:
         self.registry = registry
@@ -153,7 +151,6 @@ class Residency:
         self.room_waits = room_waits or room.RoomWaits()
         self.max_loaded_models = max_loaded_models
         """At most this many resident; None: as many as memory holds."""
-        self._audit = self.audit = audit or (lambda record: None)
         self.publish: Callable[[events.DaemonEvent], None] = lambda event: None
         """Where what happens here is told (the supervisor's bus)."""
         self.evictions: dict[str, int] = {}
@@ -235,7 +232,6 @@ class Residency:
             else:
                 self.models[name] = attempt.model = model
                 log.info("loaded %s on %s", name, model.executor)
-                self._audit({"event": "load", "model": name, "executor": model.executor})
                 self.publish(events.ModelLoaded(model=name, executor=model.executor))
         finally:
             if attempt.model is None and attempt.error is None:  # cancelled: shutting down
@@ -291,8 +287,6 @@ class Residency:
                  for_model, reason)
         self.evictions[reason] = self.evictions.get(reason, 0) + 1
         self.last_eviction = room.Eviction(model.name, for_model, reason, idle, time.time())
-        self._audit({"event": "evict", "model": model.name, "for_model": for_model,
-                     "reason": reason, "idle_s": round(idle, 3)})
         self.publish(events.ModelEvicted(model=model.name, for_model=for_model, reason=reason,
                                   idle_s=round(idle, 3)))
         await self.unload(model.name, f"model '{model.name}' unloaded to make room for "
@@ -358,7 +352,9 @@ class Residency:
         if model.up is not None:  # restarting: its waiters learn it is gone
             model.up.set()
             model.up = None
-        self.requests.cancel_model(name, reason)
+        self.requests.cancel_model(name, events.Cancelled(
+            events.CancelCause.SHUTDOWN if why == "shutdown" else events.CancelCause.UNLOAD,
+            reason))
         await anyio.to_thread.run_sync(model.engine.close)
         # Running jobs end through the engine's cancelled outputs; any not delivered yet
         # end here (a late output for them is then ignored).
@@ -437,8 +433,6 @@ class Residency:
         model.last_exit = cause
         message = engine.dead or f"engine for {name} died: {cause}"
         log.error("%s", message)
-        self._audit({"event": "engine_death", "model": name, "cause": cause,
-                     "message": message})
         self.publish(events.EngineDied(model=name, cause=cause, message=message))
         # (Their errors normally came first.)
         self.requests.end_running(name, ErrorKind.INTERNAL, message, engine)

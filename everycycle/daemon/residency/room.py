@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio.to_thread
 
@@ -57,8 +57,6 @@ class Host(Protocol):
     room_waits: RoomWaits
     requests: Requests
     remote: RemoteHosts
-
-    def audit(self, record: dict[str, Any]) -> None: ...
 
     def publish(self, event: DaemonEvent) -> None: ...
 
@@ -213,8 +211,6 @@ async def make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
             seconds = time.monotonic() - waited[0]
             waits = res.room_waits.total
             waits[spec.name] = waits.get(spec.name, 0.0) + seconds
-            res.audit({"event": "room_wait", "model": spec.name, "waited_s": round(seconds, 3),
-                       "outcome": outcome, "held_by": waited[1]})
             res.publish(RoomWait(model=spec.name, waited_s=round(seconds, 3),
                                  outcome=outcome, held_by=waited[1]))
 
