@@ -10,11 +10,13 @@ import os
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 from daemonhelp import EC, daemon_process, wait_until
 
 from everycycle import paths
@@ -105,3 +107,49 @@ def fuzzed_daemon(home: Path, tiny_gguf: Path) -> Iterator[str]:
         assert proc.poll() is None, "the daemon died during fuzzing"
         with SyncClient(sock) as c:
             wait_until(lambda: c.describe_fleet().active_requests == 0, "idle", timeout=10)
+
+
+class EventReader:
+    """Reads ``GET /v1/events`` (SSE) on a thread: its events, as they come."""
+
+    def __init__(self, url: str) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.comments = 0
+        self.closed = False
+        self._client = httpx.Client(timeout=None)
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(url,), daemon=True)
+        self._thread.start()
+        assert self._ready.wait(30)
+
+    def _read(self, url: str) -> None:
+        try:
+            self._lines(url)
+        except httpx.TransportError:
+            if not self.closed:
+                raise
+
+    def _lines(self, url: str) -> None:
+        with self._client.stream("GET", url) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            kind = None
+            for line in r.iter_lines():
+                if line.startswith(":"):
+                    self.comments += 1
+                    self._ready.set()
+                elif line.startswith("event: "):
+                    kind = line[7:]
+                elif line.startswith("data: "):
+                    data = json.loads(line[6:])
+                    assert data["type"] == kind
+                    self.events.append(data)
+
+    def of(self, kind: str, **match: Any) -> list[dict[str, Any]]:
+        return [e for e in self.events
+                if e["type"] == kind and all(e.get(k) == v for k, v in match.items())]
+
+    def close(self) -> None:
+        self.closed = True
+        self._client.close()
+        self._thread.join(10)

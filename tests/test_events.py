@@ -17,57 +17,12 @@ from typing import Any
 import httpx
 import pytest
 from daemonhelp import EC, wait_until
+from httphelp import EventReader as Reader
 from httphelp import blocker, fleet_http
 
 from everycycle.client import SyncClient
 from everycycle.daemon import events as ev
 from everycycle.protocol import Done, Error, Notice, Subscribe
-
-
-class Reader:
-    """Reads an SSE stream on a thread: its events, as they come."""
-
-    def __init__(self, url: str) -> None:
-        self.events: list[dict[str, Any]] = []
-        self.comments = 0
-        self.closed = False
-        self._client = httpx.Client(timeout=None)
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._read, args=(url,), daemon=True)
-        self._thread.start()
-        assert self._ready.wait(30)
-
-    def _read(self, url: str) -> None:
-        try:
-            self._lines(url)
-        except httpx.TransportError:
-            if not self.closed:
-                raise
-
-    def _lines(self, url: str) -> None:
-        with self._client.stream("GET", url) as r:
-            assert r.status_code == 200
-            assert r.headers["content-type"].startswith("text/event-stream")
-            kind = None
-            for line in r.iter_lines():
-                if line.startswith(":"):
-                    self.comments += 1
-                    self._ready.set()
-                elif line.startswith("event: "):
-                    kind = line[7:]
-                elif line.startswith("data: "):
-                    data = json.loads(line[6:])
-                    assert data["type"] == kind
-                    self.events.append(data)
-
-    def of(self, kind: str, **match: Any) -> list[dict[str, Any]]:
-        return [e for e in self.events
-                if e["type"] == kind and all(e.get(k) == v for k, v in match.items())]
-
-    def close(self) -> None:
-        self.closed = True
-        self._client.close()
-        self._thread.join(10)
 
 
 @pytest.fixture
@@ -166,6 +121,28 @@ def test_each_cancel_says_its_cause(stream: tuple[str, Reader], models_file: Pat
     for rid, cause in causes.items():
         (end,) = seen.of("request", request_id=rid, state="finished")
         assert (end["outcome"], end.get("cause")) == ("Cancelled", cause), end
+
+
+def test_a_key_over_its_quota_is_told(spawn_daemon: Any) -> None:
+    made = subprocess.run([*EC, "keys", "add", "ci", "--rpm", "1"], capture_output=True,
+                          text=True, timeout=60, check=True)
+    spawn_daemon("--http", "127.0.0.1:0")
+    url = fleet_http()
+    seen = Reader(f"{url}/v1/events?types=key_limit")
+    try:
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 1}
+        auth = {"authorization": f"Bearer {made.stdout.strip()}"}
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=auth,
+                          timeout=60).status_code == 200
+        refused = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=60)
+        assert refused.status_code == 429
+        wait_until(lambda: seen.events, "the key_limit event")
+        (hit,) = seen.events
+        assert (hit["principal"], hit["limit"], hit["model"]) == (
+            "ci", "requests_per_minute", "tiny")
+        assert hit["retry_after_s"] > 0
+    finally:
+        seen.close()
 
 
 def test_a_type_filter_and_bad_types(stream: tuple[str, Reader]) -> None:

@@ -13,9 +13,18 @@ from pathlib import Path
 
 import ollama
 import pytest
-from daemonhelp import daemon_process, readme_block
+from daemonhelp import daemon_process, readme_block, wait_until
 from fakehub import FakeHub
-from httphelp import audit, blocker, drop_mid_stream, fleet_http, fuzzed_daemon, hostport, raw
+from httphelp import (
+    EventReader,
+    audit,
+    blocker,
+    drop_mid_stream,
+    fleet_http,
+    fuzzed_daemon,
+    hostport,
+    raw,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -198,8 +207,19 @@ def hub_url(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 
 def test_pull_from_the_hub_with_progress(hub_url: str) -> None:
-    with ollama.Client(host=hub_url, timeout=60) as client:
-        pulls(client, hub_url)
+    seen = EventReader(f"{hub_url}/v1/events?types=pull")
+    try:
+        with ollama.Client(host=hub_url, timeout=60) as client:
+            pulls(client, hub_url)
+        # The daemon's event stream told each pull as it went: its progress, its end.
+        huge = f"hf://acme/huge/huge.gguf@{COMMIT}"
+        wait_until(lambda: seen.of("pull", model=huge, status="done"), "the last pull")
+        tiny = seen.of("pull", model="hubtiny")
+        assert tiny[0]["status"] == "pulling" and tiny[-1]["status"] == "done"
+        assert tiny[-1]["completed"] == tiny[-1]["total"] > 0
+        assert {e["status"] for e in seen.of("pull")} <= {"pulling", "done", "failed"}
+    finally:
+        seen.close()
 
 
 def pulls(client: ollama.Client, url: str) -> None:

@@ -187,6 +187,30 @@ class RoomWait(DaemonEvent):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PullProgress(DaemonEvent):
+    """A download from a hub: ``pulling`` (``completed`` of ``total`` bytes), then
+    ``done`` or ``failed`` (with ``message``)."""
+
+    TYPE: ClassVar[str] = "pull"
+    model: str
+    status: str
+    completed: int | None = None
+    total: int | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeyLimitHit(DaemonEvent):
+    """A key's quota refused a request: which key, which limit, and when to try again."""
+
+    TYPE: ClassVar[str] = "key_limit"
+    principal: str
+    limit: str
+    model: str
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestEnded(DaemonEvent):
     """A Generate or Embed request ended (or was refused before admission): how."""
 
@@ -213,7 +237,7 @@ class CutOff(DaemonEvent):
 
 
 TYPES = {c.TYPE: c for c in (RequestStateChanged, ModelLoaded, ModelUnloaded, ModelEvicted,
-                             EngineDied, EngineRestarted, RoomWait)}
+                             EngineDied, EngineRestarted, RoomWait, PullProgress, KeyLimitHit)}
 """What a subscriber may ask for by name (``cut_off`` always comes)."""
 
 

@@ -54,6 +54,7 @@ from ..protocol import (
     Subscribe,
     Unload,
 )
+from . import events
 from .active import Active
 from .audit import AuditLog
 from .events import Bus, CancelCause, Cancelled, RequestEnded, RequestState
@@ -311,11 +312,25 @@ class Supervisor:
         limit = retry = None
         if isinstance(exc, RejectedError):
             limit, retry = exc.limit, exc.retry_after
+        if limit is not None:
+            self.bus.publish(events.KeyLimitHit(principal=peer.principal.name, limit=limit,
+                                                model=request.model, retry_after_s=retry))
         outcome = Outcome(request_id=rid, model=request.model, executor=None, kind=exc.kind,
                           finish_reason=None, principal=peer.principal.name, limit=limit,
                           retry_after_s=retry)
         peer.emit(Error(rid, exc.kind, exc.message), outcome)
         self._report(outcome, request)
+
+    async def _pull(self, url: str, resolve: Callable[[str], str]) -> str:
+        """The registry name of hub model ``url``, pulled the first time (told on the bus)."""
+        self.bus.publish(events.PullProgress(model=url, status="pulling"))
+        try:
+            name = await anyio.to_thread.run_sync(resolve, url)
+        except EverycycleError as exc:
+            self.bus.publish(events.PullProgress(model=url, status="failed", message=exc.message))
+            raise
+        self.bus.publish(events.PullProgress(model=url, status="done"))
+        return name
 
     def disconnect(self, peer: Peer) -> None:
         """The peer went away: cancel all of its requests, end its subscriptions."""
@@ -354,7 +369,7 @@ class Supervisor:
         name = req.model
         if self._resolve is not None and allow_load and manage.is_hub_url(name):
             async with self._pulls.setdefault(name, anyio.Lock()):  # one pull a URL
-                name = await anyio.to_thread.run_sync(self._resolve, name)  # (pulls once)
+                name = await self._pull(name, self._resolve)
         self._know(name)
         spec = self.residency.spec_for(name, allow_paths=peer.allow_paths)
         active.model = spec.name

@@ -40,6 +40,7 @@ from ...errors import EverycycleError, UnavailableError, UnknownModelError
 from ...models import hub, manage
 from ...models.registry import ModelSpec, local_file
 from ...protocol import Unload, sampling
+from ..events import PullProgress
 from ..keys import load_or_create_token
 from . import ollama_request as parse
 from .common import HttpError, Reader, presented_key, request_id
@@ -233,7 +234,7 @@ class OllamaMeta(Dialect):
                             "invalid_type")
         plan = self._plan(request, given)
         send, receive = anyio.create_memory_object_stream[tuple[dict[str, Any], int]](math.inf)
-        self.api.spawn(self._pull, plan, send)
+        self.api.spawn(self._pull, plan, send, given)
         if stream:
             return StreamingResponse(self._lines(receive), media_type=NDJSON)
         last: tuple[dict[str, Any], int] = ({"error": "the pull ended early"}, 500)
@@ -250,14 +251,17 @@ class OllamaMeta(Dialect):
                 yield dumps(obj) + b"\n"
 
     async def _pull(self, plan: manage.PullPlan,
-                    send: MemoryObjectSendStream[tuple[dict[str, Any], int]]) -> None:
-        """The download, on a worker thread, told to ``send`` as Ollama's progress lines.
-        A client gone (``send`` broken) stops it at the next progress report."""
+                    send: MemoryObjectSendStream[tuple[dict[str, Any], int]], given: str
+                    ) -> None:
+        """The download of ``given``, on a worker thread, told to ``send`` as Ollama's
+        progress lines (and on the daemon's bus). A client gone (``send`` broken) stops it
+        at the next progress report."""
         label, digest = plan.label, plan.sha256
         base = {"status": f"pulling {label}", **({"digest": f"sha256:{digest}"} if digest
                                                   else {})}
         last = [0.0]
         stopped = [False]  # the daemon shuts down: the thread stops at its next report
+        bus = self.api.supervisor.bus
 
         def report(done: int, total: int | None) -> None:  # (on the worker thread)
             if stopped[0]:
@@ -268,6 +272,8 @@ class OllamaMeta(Dialect):
             last[0] = moment
             line = {**base, "total": total or done, "completed": done}
             anyio.from_thread.run_sync(send.send_nowait, (line, 200))
+            anyio.from_thread.run_sync(bus.publish, PullProgress(
+                model=given, status="pulling", completed=done, total=total))
 
         with send:
             try:
@@ -278,9 +284,13 @@ class OllamaMeta(Dialect):
                 if digest:
                     send.send_nowait(({"status": "verifying sha256 digest"}, 200))
                 send.send_nowait(({"status": "success"}, 200))
+                bus.publish(PullProgress(model=given, status="done", completed=size,
+                                         total=size))
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                return  # the client went away
+                bus.publish(PullProgress(model=given, status="failed",
+                                         message="stopped: the client went away"))
             except EverycycleError as exc:
+                bus.publish(PullProgress(model=given, status="failed", message=exc.message))
                 status = 502 if isinstance(exc, UnavailableError) else STATUS[exc.kind]
                 with contextlib.suppress(anyio.BrokenResourceError):
                     send.send_nowait(({"error": exc.message}, status))
