@@ -40,6 +40,7 @@ from .llamaload import create_context, devices_for, load_model
 from .logits import RowLogits
 from .lookup import History, PromptLookup, StepCost
 from .parking import Parked
+from .preempt import Preempt
 from .rerank import Pairs
 from .sampling import Samplers
 from .slots import Slot
@@ -161,10 +162,14 @@ class Runner(EngineThread):
         """Conversations the slots gave up (RAM) or held at close (disk), restored by
         prompts that extend them."""
         self._batch = L.llama_batch_init(n_batch, 0, 1)
+        plain = (self._n_swa == 0 and not L.llama_model_is_recurrent(model)
+                 and not L.llama_model_is_hybrid(model))
+        self._cond = threading.Condition()
+        self._preempt = Preempt(L, ctx, self._mem, self._cond) if plain else None
+        """Stops a background step for an arriving interactive job (None: never)."""
         self._slots = [Slot(seq=i) for i in range(parallel)]
         self._pending: deque[Job] = deque()
         self._parked: list[Parked] = []
-        self._cond = threading.Condition()
         self._closing = False
         # Guards the model against use from other threads (tokenize) while close() frees it.
         self._life = threading.Lock()
@@ -294,6 +299,8 @@ class Runner(EngineThread):
             if self._closing:
                 raise InternalError("the model is being unloaded")
             self._pending.append(job)
+            if self._preempt is not None and not job.background:
+                self._preempt.interrupt()
             self._cond.notify()
 
     def cancel(self, job: Job, reason: str) -> None:

@@ -4,9 +4,9 @@ Each step admits pending jobs into free slots (``_admit``), puts the pending wor
 every active slot — prefill chunks, one token per decoding slot, prompt-lookup drafts
 — into one ``llama_batch`` (``_build``), runs one ``llama_decode``, samples each slot
 with its own chain (``_sample``), and hands that step's outputs to ``notify`` in one
-call. Requests leave between steps, so a cancel takes effect within one step. A slot
-keeps its KV cells after a request ends; a new request sharing a prefix with them only
-prefills the rest. Every call into the llama_context happens on this thread.
+call (``preempt`` stops a background step for an interactive job). Requests leave
+between steps, so a cancel takes effect within one step. A slot keeps its KV cells after
+a request ends; a new one sharing a prefix with them only prefills the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .jobs import EMBED_MAX_TOKENS, Job, Output, common_prefix
 from .logits import RowLogits, logprob
 from .lookup import History, PromptLookup, StepCost, accepted_prefix, expected_accepted
 from .parking import Lanes
+from .preempt import Preempt
 from .probes import batch_probe, put
 from .sampling import Samplers
 from .slots import Slot, best_slot
@@ -37,8 +38,7 @@ STEP_TABLE_EVERY = 64
 """Decode steps between two publications of the step costs (``step_seconds``)."""
 
 BACKGROUND_CHUNK = 16
-"""Prompt tokens of background jobs read in one step at most: a step with a long
-prefill would hold an interactive job that arrives meanwhile for its whole length."""
+"""Prompt tokens of background jobs read in one step at most (short steps, where none stop)."""
 
 
 class EngineThread(Lanes):
@@ -79,15 +79,14 @@ class EngineThread(Lanes):
     _embedder: Any
     _vision: Any
     """The model's Vision (images in), or None."""
+    _preempt: Preempt | None
     _cache: promptcache.PromptCache | None
     """Prefixes kept beyond the slots, in RAM and on disk (None: not kept)."""
 
     def _run(self, probed: threading.Event) -> None:
-        # Every llama_decode of this context runs on this thread, the load-time probe
-        # too. OpenMP keeps a thread pool per calling thread: a decode on another thread
-        # would leave a second pool, and with more OpenMP threads than cores libgomp
-        # stops spinning at its barriers and sleeps at every one (SmolLM2 on 2 cores:
-        # ~150 futex sleeps per token, 25% slower).
+        # Every llama_decode of this context runs on this thread, the probe too: OpenMP
+        # keeps a pool per calling thread, and a second pool (more threads than cores)
+        # makes libgomp sleep at every barrier (SmolLM2, 2 cores: 25% slower).
         try:
             self.lookup_exact = self._probe()
         except Exception:
@@ -146,13 +145,19 @@ class EngineThread(Lanes):
                 if s.job is not None and s.job.spec.images and s.prompt is None and not s.todo:
                     self._prepare_images(s, out)
             active = [s for s in self._slots if s.job is not None]
+            before = self._preempt.snapshot(active) if self._preempt else None
             n, rows, prefilled = self._build(active)
             if n == 0:
                 self._safe_notify(out)
                 continue
             self._batch.n_tokens = n
             started = time.perf_counter()
-            rc = self._L.llama_decode(self._ctx, self._batch)
+            decode = partial(self._L.llama_decode, self._ctx, self._batch)
+            rc = (decode() if before is None or self._preempt is None
+                  else self._preempt.decode(before, self._pending, decode))
+            if rc is None:  # stopped and undone: an interactive job came
+                self._safe_notify(out)
+                continue
             if rc != 0:
                 err = InternalError(f"llama_decode returned {rc}")
                 for s in active:

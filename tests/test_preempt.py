@@ -1,0 +1,109 @@
+"""A step of background jobs stopped for an interactive one (``engine/preempt.py``), on
+real llama.cpp: llama_decode is really aborted (libc's strlen as the abort callback) and
+the step undone, so the jobs go on exactly as if it never ran; an interactive job that
+arrives gets its slot from a step that stops for it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import pytest
+from daemonhelp import wait_until
+from enginehelp import Collector
+
+from everycycle.engine.jobs import Job, JobSpec, Sampling
+from everycycle.engine.preempt import Preempt
+from everycycle.engine.runner import Runner
+
+LONG = ("Once upon a time in a quiet village by the sea there lived an old sailor who "
+        "told stories to anyone who would listen, every evening, by the harbour wall. ") * 3
+
+
+class EveryOtherStep(Preempt):
+    """Stops every other step it may stop, as if an interactive job came during each."""
+
+    calls = 0
+
+    def decode(self, before: list, pending: Iterable[Job],  # type: ignore[type-arg]
+               run: Callable[[], int]) -> int | None:
+        self.calls += 1
+        if self.calls % 2 == 0:
+            return super().decode(before, pending, run)
+
+        def stopped() -> int:
+            with self._lock:
+                self.interrupt()  # (set before the graph runs: it stops at its first node)
+            return run()
+
+        return super().decode(before, pending, stopped)
+
+
+@pytest.fixture
+def runner(tiny_gguf: Path) -> Iterator[Runner]:
+    r = Runner(tiny_gguf, context=1024, parallel=2, notify=Collector())
+    yield r
+    r.close()
+
+
+def _jobs(runner: Runner, run: int, temperature: float) -> list[Job]:
+    """Two background jobs: one with a long prompt (read 16 tokens a step), one short."""
+    return [Job(JobSpec(tokens=runner.tokenize(text), max_tokens=40,
+                        sampling=Sampling.of(temperature=temperature, seed=11),
+                        background_age=600), tag=(run, i))
+            for i, text in enumerate((LONG, "hello there"))]
+
+
+def _ids(tiny_gguf: Path, *, temperature: float, stop: bool) -> tuple[list[list[int]], int]:
+    """The two jobs' tokens on a fresh engine (every other step stopped, with ``stop``),
+    and the steps stopped."""
+    c = Collector()
+    runner = Runner(tiny_gguf, context=1024, parallel=2, notify=c)
+    try:
+        assert runner._preempt is not None  # (a plain model: its steps may stop)
+        if stop:
+            runner._preempt = EveryOtherStep(runner._L, runner._ctx, runner._mem,
+                                             runner._cond)
+        jobs = _jobs(runner, 0, temperature)
+        with runner._cond:  # (both start in the same step, on both engines)
+            for job in jobs:
+                runner.submit(job)
+        return [[i for o in c.wait(job.tag, 120) for i in o.ids] for job in jobs], \
+            runner._preempt.stops
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_stopped_step_is_undone_and_the_jobs_go_on_as_if_it_never_ran(
+        tiny_gguf: Path, temperature: float) -> None:
+    plain, none = _ids(tiny_gguf, temperature=temperature, stop=False)
+    stopped, stops = _ids(tiny_gguf, temperature=temperature, stop=True)
+    assert none == 0 and stops >= 20  # half the steps: the long prompt's chunks, the tokens
+    assert stopped == plain  # the same tokens, sampled or greedy: nothing lost or redone
+    assert all(len(ids) == 40 for ids in stopped)
+
+
+def test_an_interactive_job_stops_the_background_step_it_arrives_in(runner: Runner) -> None:
+    """Background jobs keep the engine busy; interactive ones arrive at random moments.
+    Some arrive during a step, which then stops (``stops``); each one is served."""
+    c = runner._notify
+    assert isinstance(c, Collector) and runner._preempt is not None
+    bg = [Job(JobSpec(tokens=runner.tokenize(LONG * 2), max_tokens=600,
+                      sampling=Sampling.of(temperature=1.0, seed=i), background_age=600),
+              tag=("bg", i)) for i in range(2)]
+    for job in bg:
+        runner.submit(job)
+    wait_until(lambda: len(c.outputs.get(("bg", 0), [])) >= 3, "the background work")
+    n = 0
+    while runner._preempt.stops == 0 and n < 200:
+        job = Job(JobSpec(tokens=runner.tokenize(f"question {n}"), max_tokens=1,
+                          sampling=Sampling.of(temperature=0.0)), tag=("it", n))
+        threading.Timer(0.001 * (n % 7), runner.submit, (job,)).start()
+        c.wait(("it", n), 60)
+        n += 1
+    assert runner._preempt.stops >= 1
+    for job in bg:
+        runner.cancel(job, "done")
+        c.wait(job.tag, 60)
