@@ -17,6 +17,7 @@ import anyio
 import openai
 import pytest
 from daemonhelp import EC, running_daemon
+from httphelp import fleet_http
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -126,6 +127,45 @@ def test_quota_messages_name_the_limit_and_when_to_retry() -> None:
 
 
 # ---------------------------------------------------------------------- the key file
+
+def test_each_lane_of_a_key_has_its_own_quota() -> None:
+    """A key's background batch never spends what its interactive requests may use: each
+    lane has its own buckets and its own count in flight."""
+    clock = Clock()
+    quotas = Quotas(clock)
+    p = Principal("ci", KeyLimits(requests_per_minute=1, tokens_per_minute=10, concurrent=1))
+    quotas.admit(p, "background", prompt_bytes=1, inflight=0)
+    quotas.generated(p, 10, "background")
+    with pytest.raises(RejectedError, match=r"key 'ci' \(background lane\) is over") as exc:
+        quotas.admit(p, "background", prompt_bytes=1, inflight=0)
+    assert exc.value.limit in ("requests_per_minute", "tokens_per_minute")
+    with pytest.raises(RejectedError, match=r"key 'ci' \(background lane\) has 1 requests"):
+        quotas.admit(p, "background", prompt_bytes=1, inflight=1)
+    quotas.admit(p, "interactive", prompt_bytes=1, inflight=0)  # untouched by the batch
+    with pytest.raises(RejectedError, match="key 'ci' is over its limit of 1 requests"):
+        quotas.admit(p, prompt_bytes=1, inflight=0)
+
+
+def test_a_daemon_counts_a_keys_lanes_apart(spawn_daemon: object) -> None:
+    made = subprocess.run([*EC, "keys", "add", "ci", "--rpm", "1"], capture_output=True,
+                          text=True, timeout=60, check=True)
+    spawn_daemon("--http", "127.0.0.1:0")  # type: ignore[operator]
+    client = openai.OpenAI(base_url=f"{fleet_http()}/v1", api_key=made.stdout.strip(),
+                           max_retries=0)
+    try:
+        def ask(lane: str) -> None:
+            client.completions.create(model="tiny", prompt="a", max_tokens=1,
+                                      extra_headers={"x-priority": lane})
+
+        ask("background")
+        ask("interactive")  # its own minute's request
+        with pytest.raises(openai.RateLimitError, match="key 'ci' is over its limit"):
+            ask("interactive")
+        with pytest.raises(openai.RateLimitError, match=r"\(background lane\)"):
+            ask("background")
+    finally:
+        client.close()
+
 
 def test_the_key_file_keeps_hashes_only_and_is_private() -> None:
     store = KeyStore()

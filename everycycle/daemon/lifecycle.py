@@ -370,7 +370,7 @@ class Requests:
         n = len(event.chunk.ids)
         if n:
             active.n_out += n
-            self.quotas.generated(active.peer.principal, n)
+            self.quotas.generated(active.peer.principal, n, active.lane)
 
     def on_outputs(self, batch: list[tuple[Job, Output]]) -> set[str]:
         """Deliver one decode step's outputs; returns the models whose slots freed."""

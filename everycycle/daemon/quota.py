@@ -65,15 +65,17 @@ class _Buckets:
 
 
 class Quotas:
-    """Every principal's buckets; the supervisor asks before admitting a request."""
+    """Every principal's buckets, one set per lane (``interactive``, ``background``): a
+    key's batch work never spends what its person at a terminal may use. The supervisor
+    asks before admitting a request."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._buckets: dict[str, _Buckets] = {}
+        self._buckets: dict[tuple[str, str], _Buckets] = {}
 
-    def _for(self, principal: Principal, now: float) -> _Buckets:
+    def _for(self, principal: Principal, lane: str, now: float) -> _Buckets:
         limits = principal.limits
-        found = self._buckets.get(principal.name)
+        found = self._buckets.get((principal.name, lane))
         if found is None or found.limits != limits:  # new, or its limits were changed
             def bucket(amount: float | None) -> TokenBucket | None:
                 return None if amount is None else TokenBucket.per_minute(amount, now)
@@ -81,22 +83,25 @@ class Quotas:
             found = _Buckets(limits, bucket(limits.requests_per_minute),
                              bucket(limits.tokens_per_minute),
                              bucket(limits.prompt_bytes_per_minute))
-            self._buckets[principal.name] = found
+            self._buckets[(principal.name, lane)] = found
         return found
 
-    def admit(self, principal: Principal, *, prompt_bytes: int, inflight: int) -> None:
-        """Count one request of ``principal`` or raise RejectedError naming the limit.
+    def admit(self, principal: Principal, lane: str = "interactive", *, prompt_bytes: int,
+              inflight: int) -> None:
+        """Count one request of ``principal`` in ``lane`` or raise RejectedError naming
+        the limit.
 
-        ``inflight``: its requests already running or queued.
+        ``inflight``: its requests in that lane already running or queued.
         """
         limits = principal.limits
-        who = f"key '{principal.name}'"
+        who = f"key '{principal.name}'" + (" (background lane)" if lane == "background"
+                                           else "")
         if limits.concurrent is not None and inflight >= limits.concurrent:
             raise RejectedError(
                 f"{who} has {inflight} requests in flight, its limit; "
                 "retry when one finishes", limit="concurrent", retry_after=1.0)
         now = self._clock()
-        state = self._for(principal, now)
+        state = self._for(principal, lane, now)
         waits: list[tuple[float, str]] = []
         if state.tokens is not None:
             waits.append((state.tokens.wait(1, now), "tokens_per_minute"))
@@ -125,11 +130,11 @@ class Quotas:
         if state.prompt_bytes is not None:
             state.prompt_bytes.take(prompt_bytes, now)
 
-    def generated(self, principal: Principal, n: int) -> None:
-        """Charge ``n`` streamed tokens to ``principal``."""
+    def generated(self, principal: Principal, n: int, lane: str = "interactive") -> None:
+        """Charge ``n`` streamed tokens to ``principal``'s ``lane``."""
         if principal.limits.tokens_per_minute is None or n <= 0:
             return
         now = self._clock()
-        state = self._for(principal, now)
+        state = self._for(principal, lane, now)
         assert state.tokens is not None
         state.tokens.take(n, now)

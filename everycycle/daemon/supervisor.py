@@ -360,9 +360,9 @@ class Supervisor:
         if (isinstance(req, Generate) and req.max_tokens is not None
                 and req.max_tokens > self.limits.max_tokens):
             raise InvalidRequestError(f"max_tokens must be between 1 and {self.limits.max_tokens}")
-        self._check_principal(peer, req)
         if peer.principal.limits.background and req.priority is not Priority.BACKGROUND:
             req = dataclasses.replace(req, priority=Priority.BACKGROUND)  # (its key's lane)
+        self._check_principal(peer, req)
         active = Active(req=req, peer=peer, admitted=time.monotonic(), bus=self.bus)
         self.requests.track(active)
         allow_load = self.auto_load and req.auto_load is not False
@@ -418,7 +418,7 @@ class Supervisor:
             await anyio.sleep(room.POLL_S)
 
     def _check_principal(self, peer: Peer, req: Generate | Embed) -> None:
-        """The principal's own limits: which models, how many at once, how fast."""
+        """The principal's own limits: which models, how many at once, how fast (a lane's)."""
         principal = peer.principal
         limits = principal.limits
         if limits.models is not None:
@@ -433,9 +433,10 @@ class Supervisor:
                 # The same words whether or not the model exists.
                 raise InvalidRequestError(
                     f"model '{req.model}' is not available to key '{principal.name}'")
+        lane = "background" if req.priority is Priority.BACKGROUND else "interactive"
         inflight = sum(1 for a in self.requests.active.values()
-                       if a.peer.principal.name == principal.name)
-        self.quotas.admit(principal, prompt_bytes=prompt_bytes(req), inflight=inflight)
+                       if a.peer.principal.name == principal.name and a.lane == lane)
+        self.quotas.admit(principal, lane, prompt_bytes=prompt_bytes(req), inflight=inflight)
 
     async def _admit(self, model: Resident, active: Active) -> None:
         req = active.req
