@@ -151,7 +151,11 @@ def test_recorded_requests_are_answered(agent: str, plain_models: Path) -> None:
     entry takes: its tools' schemas compiled for the constraint engine, not bypassed."""
     with daemon_process("--models", str(plain_models), "--http", "127.0.0.1:0"):
         url = fleet_http()
-        for line in (DATA / f"{agent}.jsonl").read_text().splitlines():
+        # Recorded before the constraint engine (``AGENT.jsonl``) and since, from the
+        # agents run against a plain entry (``AGENT-plain.jsonl``).
+        lines = [line for f in sorted(DATA.glob(f"{agent}*.jsonl"))
+                 for line in f.read_text().splitlines()]
+        for line in lines:
             recorded = json.loads(line)
             body = capped(recorded["path"], recorded["body"])
             status, _, answer = raw(url, "POST", recorded["path"], json.dumps(body).encode(),
