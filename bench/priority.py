@@ -158,9 +158,12 @@ def main() -> None:
     ap.add_argument("--background", type=int, default=32)
     ap.add_argument("--every", type=float, default=2.0)
     ap.add_argument("--idle", type=int, default=12, help="interactive requests when idle")
+    ap.add_argument("--preempt", choices=("on", "off"), default="on",
+                    help="off: background steps never stop for interactive jobs (an A/B)")
     ap.add_argument("--quick", action="store_true",
                     help="idle and mixed phases only (no throughput comparison)")
     args = ap.parse_args()
+    os.environ["EVERYCYCLE_PREEMPT"] = "1" if args.preempt == "on" else "0"
     reg = load_registry()
     model = (args.model or local_file(reg.get(reg.default_name()))).resolve()
     home = Path(tempfile.mkdtemp(prefix="ecp", dir="/tmp"))
@@ -174,7 +177,8 @@ def main() -> None:
     global NO_END
     NO_END = tuple(Bias(int(v), -100.0) for k, v in meta.items()
                    if k.startswith("tokenizer.ggml.") and k.endswith("_token_id"))
-    print(f"model {model.name}, 4 slots, {os.cpu_count()} threads; {args.background} "
+    print(f"model {model.name}, 4 slots, {os.cpu_count()} threads, preempt {args.preempt}; "
+          f"{args.background} "
           f"background requests of up to {n_bg} tokens; interactive: {n_it} tokens every "
           f"{args.every:g} s", flush=True)
     with daemon_process("--models", str(models)):

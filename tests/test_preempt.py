@@ -27,17 +27,17 @@ class EveryOtherStep(Preempt):
     calls = 0
 
     def decode(self, before: list, pending: Iterable[Job],  # type: ignore[type-arg]
-               run: Callable[[], int]) -> int | None:
+               run: Callable[[], int], expected_s: float | None = None) -> int | None:
         self.calls += 1
         if self.calls % 2 == 0:
-            return super().decode(before, pending, run)
+            return super().decode(before, pending, run, expected_s)
 
         def stopped() -> int:
             with self._lock:
                 self.interrupt()  # (set before the graph runs: it stops at its first node)
             return run()
 
-        return super().decode(before, pending, stopped)
+        return super().decode(before, pending, stopped, expected_s)
 
 
 @pytest.fixture

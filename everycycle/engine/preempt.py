@@ -26,6 +26,7 @@ import ctypes
 import ctypes.util
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,8 @@ class Preempt:
         self._flag = ctypes.create_string_buffer(2)
         self._callback: Any = None
         self._armed = False
+        self._until = 0.0
+        """When the step in flight is half done (perf_counter): it is not stopped after."""
         self.stops = 0
         """Steps stopped so far."""
         address = _strlen()
@@ -85,14 +88,15 @@ class Preempt:
             return None
         return [_Before(s, s.n_past, len(s.cached), list(s.todo)) for s in active]
 
-    def decode(self, before: list[_Before], pending: Iterable[Job],
-               run: Callable[[], int]) -> int | None:
-        """``run`` the step (``llama_decode``), stoppable unless an interactive job waits
-        already. Its result; None when it was stopped, and undone: each slot back as it
-        was (``before``)."""
+    def decode(self, before: list[_Before], pending: Iterable[Job], run: Callable[[], int],
+               expected_s: float | None = None) -> int | None:
+        """``run`` the step (``llama_decode``, expected to take ``expected_s``), stoppable
+        unless an interactive job waits already. Its result; None when it was stopped, and
+        undone: each slot back as it was (``before``)."""
         with self._lock:
             self._armed = not any(not job.background for job in pending)
             self._flag[0] = b"\0"
+            self._until = time.perf_counter() + (expected_s / 2 if expected_s else 3600.0)
         try:
             rc = run()
         finally:
@@ -113,6 +117,7 @@ class Preempt:
 
     def interrupt(self) -> None:
         """An interactive job arrived (under the lock): stop the step in flight, if it
-        may be stopped."""
-        if self._armed:
+        may be stopped and is not half done (then finishing it is the shorter wait, and
+        costs the background work nothing)."""
+        if self._armed and time.perf_counter() < self._until:
             self._flag[0] = b"x"

@@ -163,7 +163,8 @@ class Runner(EngineThread):
         prompts that extend them."""
         self._batch = L.llama_batch_init(n_batch, 0, 1)
         plain = (self._n_swa == 0 and not L.llama_model_is_recurrent(model)
-                 and not L.llama_model_is_hybrid(model))
+                 and not L.llama_model_is_hybrid(model)
+                 and os.environ.get("EVERYCYCLE_PREEMPT") != "0")  # (bench/priority.py's A/B)
         self._cond = threading.Condition()
         self._preempt = Preempt(L, ctx, self._mem, self._cond) if plain else None
         """Stops a background step for an arriving interactive job (None: never)."""

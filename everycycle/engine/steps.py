@@ -154,7 +154,7 @@ class EngineThread(Lanes):
             started = time.perf_counter()
             decode = partial(self._L.llama_decode, self._ctx, self._batch)
             rc = (decode() if before is None or self._preempt is None
-                  else self._preempt.decode(before, self._pending, decode))
+                  else self._preempt.decode(before, self._pending, decode, self._cost.estimate(n)))
             if rc is None:  # stopped and undone: an interactive job came
                 self._safe_notify(out)
                 continue
