@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -33,8 +32,6 @@ from typing import Any
 
 from .jobs import Job
 from .slots import Slot
-
-log = logging.getLogger(__name__)
 
 ABORTED = 2
 """What ``llama_decode`` returns for a step it abandoned."""

@@ -19,7 +19,6 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ...protocol import sampling
 from ..keys import KeyStore
 from ..metrics import CONTENT_TYPE, Metrics
 from ..supervisor import Supervisor
@@ -34,22 +33,19 @@ ErrorRenderer = Callable[[int, str, str | None, dict[str, str] | None], Response
 
 @dataclass(frozen=True)
 class Registered:
-    """One dialect as the app serves it: its routes (the class's), the path prefixes whose
-    errors it shapes and how, and its names in the sampling table (None: it samples
-    nothing)."""
+    """One dialect as the app serves it: its routes (the class's), and the path prefixes
+    whose errors it shapes and how."""
 
     dialect: type[Dialect]
     errors: tuple[str, ...] = ()
     render: ErrorRenderer = openai.error_response
-    sampling: str | None = None
 
 
 DIALECTS = (
-    Registered(openai.OpenAI, sampling=sampling.OPENAI),
-    Registered(anthropic.Anthropic, ("/v1/messages",), anthropic.error_response,
-               sampling.ANTHROPIC),
-    Registered(responses.Responses, sampling=sampling.RESPONSES),
-    Registered(ollama.Ollama, ("/api/",), ollama_meta.error_response, sampling.OLLAMA),
+    Registered(openai.OpenAI),
+    Registered(anthropic.Anthropic, ("/v1/messages",), anthropic.error_response),
+    Registered(responses.Responses),
+    Registered(ollama.Ollama, ("/api/",), ollama_meta.error_response),
     Registered(rerank.Rerank),
     Registered(eventstream.EventStream),
     Registered(console.Console),
