@@ -13,6 +13,8 @@ slots.py      one decoding slot: its sequence in the KV cache, its job, the text
 sampling.py   llama.cpp's sampler chains for a job
 constraint.py constrained decoding: llguidance's tokenizer for the vocabulary, a
               matcher per slot (the mask before the chain)
+drafts.py     drafts in a step's batch (the tokens a grammar forces, prompt lookup's),
+              verified as one-at-a-time decoding chooses
 lookup.py     prompt-lookup drafts and the step cost by row count (no llama.cpp)
 probes.py     the load-time batch probe (exactness, step timings), and the CPU-kernel
               probe's child (``python -m everycycle.engine.probes``)

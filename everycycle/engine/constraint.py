@@ -83,6 +83,11 @@ class Matcher:
             return bool(self._m.is_accepting())
         return bool(self._m.validate_tokens([tok]) == 1)
 
+    def forced(self, limit: int) -> list[int]:
+        """The next tokens the grammar allows and nothing else (llguidance's
+        fast-forward tokens, at most ``limit``), not consumed: a draft for the model."""
+        return list(self._m.compute_ff_tokens()[:limit]) if limit > 0 else []
+
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """``logits`` (not changed) with every token the grammar refuses at -inf.
         Raises InvalidRequestError when it allows none."""

@@ -92,7 +92,7 @@ class JobSpec:
     """An embedding job that ranks: each input is a (query, document) pair's tokens for
     a reranker, answered by its scores."""
     lookup: bool = True
-    """Prompt-lookup drafts, verified in the batch (greedy jobs without a grammar)."""
+    """Prompt-lookup drafts, verified in the batch (greedy jobs)."""
     special: bool = False
     """Render control tokens as their text (tool-call and thinking markers may be)."""
     logprobs: int | None = None

@@ -129,6 +129,9 @@ class Runner(EngineThread):
         self.lookup_drafted = 0
         """Prompt-lookup draft tokens proposed, and those the model confirmed."""
         self.lookup_accepted = 0
+        self.forced_drafted = 0
+        """Draft tokens a grammar forced, and those the model confirmed."""
+        self.forced_accepted = 0
         self._cost = StepCost()
         """A step's time by row count: how long a draft pays (probed at load)."""
         self._history = History()

@@ -33,6 +33,8 @@ class Slot:
     draft: list[int] = field(default_factory=list)
     """This step's draft, in batch rows ``draft_row`` on."""
     draft_row: int = 0
+    draft_forced: bool = False
+    """Whether this step's draft is the tokens its grammar forces (else prompt lookup's)."""
     prompt: Any = None
     """A job with images: its libmtmd prompt, once read (vision.Prompt)."""
     used: int = 0

@@ -1,8 +1,8 @@
 """The engine thread of a Runner: one decode step after another.
 
 Each step admits pending jobs into free slots (``_admit``), puts the pending work of
-every active slot — prefill chunks, one token per decoding slot, prompt-lookup drafts
-— into one ``llama_batch`` (``_build``), runs one ``llama_decode``, samples each slot
+every active slot — prefill chunks, one token per decoding slot, drafts (the tokens a
+grammar forces, prompt lookup) — into one ``llama_batch`` (``_build``), runs one ``llama_decode``, samples each slot
 with its own chain (``_sample``), and hands that step's outputs to ``notify`` in one
 call (``preempt`` stops a background step for an interactive job). Requests leave
 between steps, so a cancel takes effect within one step. A slot keeps its KV cells after
@@ -22,9 +22,10 @@ from ..errors import EverycycleError, InternalError, InvalidRequestError
 from . import kvdisk, promptcache
 from .constraint import Constraints
 from .contract import Notify
+from .drafts import Drafts
 from .jobs import EMBED_MAX_TOKENS, Job, Output, common_prefix
 from .logits import RowLogits, logprob
-from .lookup import History, PromptLookup, StepCost, accepted_prefix, expected_accepted
+from .lookup import History, PromptLookup, expected_accepted
 from .parking import Lanes
 from .preempt import Preempt
 from .probes import batch_probe, put
@@ -41,7 +42,7 @@ BACKGROUND_CHUNK = 16
 """Prompt tokens of background jobs read in one step at most (short steps, where none stop)."""
 
 
-class EngineThread(Lanes):
+class EngineThread(Drafts, Lanes):
     """The decode loop's half of a Runner (``Runner`` sets these up and starts it)."""
 
     _L: Any
@@ -51,8 +52,6 @@ class EngineThread(Lanes):
     vocab: Vocab
     lookup_type: type[PromptLookup]
     lookup_exact: bool
-    lookup_drafted: int
-    lookup_accepted: int
     steps: int = 0
     """Loop iterations with work done: a step that moves is progress."""
     step_seconds: tuple[float, ...] = ()
@@ -74,7 +73,6 @@ class EngineThread(Lanes):
     _pending: deque[Job]
     _cond: threading.Condition
     _closing: bool
-    _cost: StepCost
     _history: History
     _embedder: Any
     _vision: Any
@@ -227,16 +225,15 @@ class EngineThread(Lanes):
                 rows.append((s, n))
                 n += 1
         expected = float(len(rows))  # the tokens this step should yield
-        for s, _ in rows:  # prompt-lookup drafts after every slot has its row
-            if s.lookup is None:
+        for s, _ in rows:  # drafts after every slot has its row
+            if s.grammar is None and s.lookup is None:
                 continue
             assert s.job is not None
             room = min(self._n_batch - n, self.n_ctx_slot - s.n_past,
                        s.job.spec.max_tokens - s.job.n_generated - 1)
-            s.draft = s.lookup.propose(room, partial(self._cost.draft_len, n, expected))
+            s.draft, rate = self._propose(s, room, n, expected)
             s.draft_row = n
-            if s.draft:
-                expected += expected_accepted(s.lookup.rate, len(s.draft))
+            expected += expected_accepted(rate, len(s.draft))
             for tok in s.draft:
                 put(batch, n, tok, s.n_past, s.seq, True)
                 s.cached.append(tok)
@@ -266,35 +263,36 @@ class EngineThread(Lanes):
                 n += 1
         return n, rows, prefilled
 
+    def _choose(self, s: Slot, row: int) -> int:
+        """The slot's next token from batch row ``row``: its chain's (greedy: the
+        argmax), within its grammar, taken by both; its log-probabilities held when
+        asked. Raises InvalidRequestError when the grammar allows no token."""
+        assert s.job is not None
+        if s.sampler is None:
+            logits = self._logits(row)
+            tok = int(logits.argmax())
+            if s.grammar is not None:
+                tok = s.grammar.greedy(logits, tok)
+        elif s.grammar is not None:
+            tok = self._samplers.sample_constrained(s.sampler, s.grammar, self._logits(row))
+        else:
+            tok = self._L.llama_sampler_sample(s.sampler, self._ctx, row)
+        if s.job.spec.logprobs is not None:
+            s.held_logprobs.append(logprob(self._logits(row), tok, s.job.spec.logprobs,
+                                           self._piece_text))
+        return tok
+
     def _sample(self, rows: list[tuple[Slot, int]], out: list[tuple[Job, Output]]) -> None:
         """Each slot's next token from its row (or its draft verified)."""
-        L = self._L
         for s, row in rows:
-            assert s.job is not None
             if s.draft:
                 self._verify(s, row, out)
                 continue
-            if s.sampler is None:
-                logits = self._logits(row)
-                tok = int(logits.argmax())
-                if s.grammar is not None:
-                    try:
-                        tok = s.grammar.greedy(logits, tok)
-                    except InvalidRequestError as exc:
-                        self._finish(s, out, "error", exc)
-                        continue
-            elif s.grammar is not None:
-                logits = self._logits(row)
-                try:
-                    tok = self._samplers.sample_constrained(s.sampler, s.grammar, logits)
-                except InvalidRequestError as exc:
-                    self._finish(s, out, "error", exc)
-                    continue
-            else:
-                tok = L.llama_sampler_sample(s.sampler, self._ctx, row)
-            if s.job.spec.logprobs is not None:
-                s.held_logprobs.append(logprob(self._logits(row), tok, s.job.spec.logprobs,
-                                               self._piece_text))
+            try:
+                tok = self._choose(s, row)
+            except InvalidRequestError as exc:
+                self._finish(s, out, "error", exc)
+                continue
             self._take(s, tok, s.n_past, out)
 
     def _start(self, job: Job, out: list[tuple[Job, Output]]) -> None:
@@ -336,7 +334,7 @@ class EngineThread(Lanes):
         slot.grammar = matcher
         slot.sampler = self._samplers.chain(job.spec.sampling, self.n_ctx_slot)  # None: plain greedy
         slot.lookup = (self.lookup_type(job.spec.tokens, self._history)
-                       if job.spec.lookup and greedy and job.spec.sampling.grammar is None else None)
+                       if job.spec.lookup and greedy else None)
         slot.draft = []
         slot.todo = [] if job.spec.images else list(job.spec.tokens[reuse:])
         slot.prompt = None
@@ -455,31 +453,6 @@ class EngineThread(Lanes):
         else:
             return False
         return True
-
-    def _verify(self, s: Slot, row: int, out: list[tuple[Job, Output]]) -> None:
-        """Check a slot's draft against the model's own greedy choices (its own row
-        ``row``, then the draft's rows); keep the longest agreeing prefix and drop the
-        rest of the draft from the KV cache. The tokens taken are exactly those
-        one-at-a-time greedy decoding would have produced."""
-        L = self._L
-        draft = s.draft
-        s.draft = []
-        k = len(draft)
-        start = s.n_past - k - 1  # the position of the slot's own row (its last token)
-        rows = [row, *range(s.draft_row, s.draft_row + k)]
-        taken = accepted_prefix(draft, lambda i: int(self._logits(rows[i]).argmax()))
-        accepted = len(taken) - 1  # draft tokens confirmed
-        if accepted < k:
-            L.llama_memory_seq_rm(self._mem, s.seq, start + 1 + accepted, -1)
-            del s.cached[len(s.cached) - (k - accepted):]
-            s.n_past = start + 1 + accepted
-        assert s.lookup is not None
-        s.lookup.verified(k, accepted)
-        self.lookup_drafted += k
-        self.lookup_accepted += accepted
-        for i, tok in enumerate(taken):
-            if self._take(s, tok, start + 1 + i, out):
-                return
 
     def _embed(self, jobs: list[Job], out: list[tuple[Job, Output]]) -> None:
         """Embed every input of ``jobs`` in shared batches (on the engine thread)."""

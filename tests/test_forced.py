@@ -1,0 +1,95 @@
+"""Where a grammar allows one continuation only, its tokens ride along as a draft
+(llguidance's fast-forward tokens) and the model confirms them in the same step: fewer
+steps, and the same tokens, greedy or sampled, as one-at-a-time decoding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from enginehelp import Collector
+
+from everycycle.chatfmt import constraint
+from everycycle.engine.jobs import Job, JobSpec, Sampling
+from everycycle.engine.lookup import StepCost
+from everycycle.engine.runner import Runner
+from everycycle.engine.slots import Slot
+
+# Long keys, and values the model picks: most of the text is forced.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "the_first_property_name": {"enum": ["alpha", "beta", "gamma"]},
+        "a_second_rather_long_key": {"type": "integer", "minimum": 0, "maximum": 999},
+        "and_the_third_one_here": {"type": "boolean"},
+    },
+    "required": ["the_first_property_name", "a_second_rather_long_key",
+                 "and_the_third_one_here"],
+    "additionalProperties": False,
+}
+
+
+class Flat(StepCost):
+    """Every step costs the same, whatever its rows: every forced token pays."""
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if not self._seen:
+            for n in (1, 2, 64):
+                super().observe(n, 0.01)
+
+
+class Forcing(Runner):
+    """The real engine, its step costs flat (the probe's timings are noise here)."""
+
+    def _probe(self) -> bool:
+        exact = super()._probe()
+        self._cost = Flat()
+        self._cost.observe(1, 0.0)
+        return exact
+
+
+class NoDrafts(Runner):
+    """The real engine, drafting nothing: one token per step."""
+
+    def _propose(self, s: Slot, room: int, rows: int, expected: float
+                 ) -> tuple[list[int], float]:
+        return [], 0.0
+
+
+def _decode(kind: type[Runner], tiny_gguf: Path, temperature: float
+            ) -> tuple[list[int], str, str, int, int]:
+    """ids, text, finish reason, forced tokens drafted and confirmed."""
+    c = Collector()
+    runner = kind(tiny_gguf, context=512, parallel=1, notify=c)
+    try:
+        grammar = constraint.json_schema(SCHEMA)
+        runner.check_grammar(grammar)
+        job = Job(JobSpec(tokens=runner.tokenize("Describe it as JSON:"), max_tokens=200,
+                          sampling=Sampling.of(temperature=temperature, seed=5,
+                                               grammar=grammar)), tag="j")
+        runner.submit(job)
+        outs = c.wait("j", 120)
+        return ([i for o in outs for i in o.ids], "".join(o.text for o in outs),
+                str(outs[-1].reason), runner.forced_drafted, runner.forced_accepted)
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_forced_tokens_are_drafted_and_confirmed(tiny_gguf: Path, tiny_batches_exact: bool,
+                                                 temperature: float) -> None:
+    ids, text, reason, drafted, accepted = _decode(Forcing, tiny_gguf, temperature)
+    value: Any = json.loads(text)
+    assert set(value) == set(SCHEMA["properties"])  # type: ignore[arg-type]
+    assert reason == "eos"
+    # The three keys and the punctuation around them: most of the text.
+    keys = sum(len(k) for k in SCHEMA["properties"])  # type: ignore[arg-type]
+    assert accepted >= keys, (drafted, accepted, text)
+    assert accepted >= 0.9 * drafted
+    plain_ids, plain_text, plain_reason, none, _ = _decode(NoDrafts, tiny_gguf, temperature)
+    assert none == 0
+    json.loads(plain_text)
+    if tiny_batches_exact:  # the engine's probe: a draft's rows are bit-exact here
+        assert (ids, reason) == (plain_ids, plain_reason)
