@@ -82,6 +82,39 @@ def test_an_interactive_job_parks_a_background_one_which_resumes_where_it_stoppe
     assert it.n_generated == 20 and c.outputs["it"][-1].reason == "length"
 
 
+def test_a_conversation_the_resumed_job_overwrites_is_kept_for_its_next_turn(
+        tiny_gguf: Path) -> None:
+    # One slot, held by background work: each interactive turn parks it, and the parked
+    # job resumes into the slot the turn used. The turn's cells go to the prompt
+    # cache first, so the next turn of that conversation restores them, not reads them.
+    c = Ordered()
+    runner = Runner(tiny_gguf, context=1024, parallel=1, notify=c, kv_ram=64 << 20)
+    try:
+        bg = _job(runner, "bg", "background work, long and steady", 400, background=True,
+                  temperature=1.0)
+        runner.submit(bg)
+        wait_until(lambda: len(c.outputs.get("bg", [])) >= 5, "the background job to run")
+        chat = "a person's conversation, turn one, with its system prompt " * 3
+        first = _job(runner, "t1", chat, 20)
+        runner.submit(first)
+        answer = [i for o in c.wait("t1") for i in o.ids]
+        wait_until(lambda: ("tokens", "bg") in c.log[c.first("end", "t1"):],
+                   "the background job to resume")
+        assert runner.prompt_cache is not None and runner.prompt_cache.entries >= 1
+        second = Job(JobSpec(tokens=[*first.spec.tokens, *answer,
+                                     *runner.tokenize(" and turn two")],
+                             max_tokens=5, sampling=Sampling.of(temperature=0.0)), tag="t2")
+        runner.submit(second)
+        c.wait("t2")
+        # The first turn's prompt and its answer but the last token (never decoded)
+        # came back from the cache; a slot held by the background job shares none.
+        assert second.n_reused >= len(first.spec.tokens) + len(answer) - 1
+        runner.cancel(bg, "done")
+        c.wait("bg")
+    finally:
+        runner.close()
+
+
 def test_a_parked_job_can_be_cancelled_and_background_jobs_wait_for_interactive_ones(
         runner: Runner) -> None:
     c = _log(runner)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from . import kvdisk, promptcache
@@ -166,6 +167,13 @@ class Lanes:
         own = parked.slot if parked.slot is not None and parked.slot.job is None else None
         slot = own or min(free, key=lambda s: (s.parked is not None, s.used))
         if slot is not own:
+            if slot.parked is None and self._cache is not None \
+                    and len(slot.cached) >= kvdisk.MIN_TOKENS:
+                # The conversation it holds (the interactive one that took the parked
+                # job's slot, say) goes to the prompt cache, as when a new job takes
+                # a slot: the person's next request restores it instead of reading it.
+                self._cache.keep(slot.cached, partial(
+                    promptcache.copy_state, self._L, self._ctx, slot.seq))
             self._vacate(slot)
         resume(self._L, self._ctx, self._mem, parked, slot)
         slot.used = self.steps
