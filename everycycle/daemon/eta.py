@@ -1,6 +1,7 @@
 """Queue estimates: when a waiting request should start, from its model's measured
 rates (prompt tokens read per second, tokens generated per second per request, how much
-of ``max_tokens`` requests use) and what runs and waits ahead of it."""
+of ``max_tokens`` requests use), what runs and waits ahead of it, and, while its model
+loads, how long that model's loads take (``LoadTimes``)."""
 
 from __future__ import annotations
 
@@ -128,3 +129,28 @@ def starts(rates: Rates, slots: int, running: Iterable[Work], queue: Iterable[Wo
         out.append(start)
         heapq.heappush(free, start + rates.cost(w, slots, steps))
     return out
+
+
+@dataclass(slots=True)
+class LoadTimes:
+    """How long loads took (placing the weights and starting the engine: a download or
+    a wait for memory not counted): each model's last, and the bytes a second of every
+    load, for a model never loaded here."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    rate: Ewma = field(default_factory=lambda: Ewma(0.0))
+    """Bytes of weights loaded per second."""
+
+    def observe(self, model: str, size: int, seconds: float) -> None:
+        self.seconds[model] = seconds
+        if size > 0 and seconds > 0:
+            self.rate.add(size / seconds)
+
+    def expected(self, model: str, size: int | None) -> float | None:
+        """Seconds a load of ``model`` (``size`` bytes of weights, if known) should take;
+        None when nothing measured says."""
+        if model in self.seconds:
+            return self.seconds[model]
+        if size and self.rate.seen and self.rate.value > 0:
+            return size / self.rate.value
+        return None

@@ -203,6 +203,23 @@ class Requests:
             active.peer.emit(Accepted(active.req.request_id, position, eta))
             active.told()
 
+    def loading_eta(self, active: Active, position: int, parallel: int,
+                    load_left: float | None) -> int | None:
+        """Milliseconds until ``active``, waiting at ``position`` for its model to load,
+        should start: the load's time left (``Residency.load_left``), then, past the
+        ``parallel`` slots, the requests ahead of it at the model's measured rates (each
+        taken to be as long as its own ``max_tokens`` says: no prompt is read yet).
+        None when nothing measured says."""
+        if load_left is None:
+            return None
+        if position == 0:
+            return int(1000 * load_left)
+        rates = self.rates.get(active.model)
+        if rates is None:
+            return None
+        ahead = [active.work()] * (position + parallel)
+        return int(1000 * (load_left + starts(rates, parallel, [], ahead)[-1]))
+
     def estimates(self, lane: Lane, engine: Engine) -> dict[Active, int]:
         """Milliseconds until each queued request of ``lane`` should start (``starts``;
         interactive ones wait only for interactive work: background work is parked)."""

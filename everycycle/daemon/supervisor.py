@@ -205,8 +205,7 @@ class Supervisor:
                   ) -> None:
         """Serve until cancelled; then cancel every request and unload every model."""
         await self.fleet.refresh()
-        # Whether the CPU runs its extra kernels, before any model loads (a probe in a
-        # child process the first time on this machine and build; then cached).
+        # The CPU's extra kernels, before any load (probed once per machine and build).
         self.fleet.cpu_kernels = await anyio.to_thread.run_sync(cpukernels.decide,
                                                                 paths.state_dir())
         from ..hardware import rpc
@@ -239,9 +238,8 @@ class Supervisor:
             self.requests.cancel(active, Cancelled.shutdown())
         for name in list(self.residency.models):
             await self.residency.unload(name, "daemon shutting down", "shutdown")
-        # A request still being admitted (tokenizing on a worker thread, or waiting for
-        # the one ahead of it) ends when its admission finishes; the listeners close
-        # their connections once this returns, so its Cancelled event must come first.
+        # A request still being admitted (tokenizing, or behind another) ends when its
+        # admission does; its Cancelled event must come before the listeners close.
         if self.requests.active:
             self.requests.all_ended = anyio.Event()
             with anyio.move_on_after(self.CLOSE_WAIT_S):
@@ -388,7 +386,9 @@ class Supervisor:
                                         f"'{spec.name}' to load)")
                 active.move(RequestState.LOADING)  # (with every request waiting for it)
                 # Admitted: its place from now on (those ahead of it past the slots).
-                self.requests.tell_position(active, max(0, ahead - spec.parallel + 1))
+                at = max(0, ahead - spec.parallel + 1)
+                self.requests.tell_position(active, at, self.requests.loading_eta(
+                    active, at, spec.parallel, self.residency.load_left(spec.name)))
             model = None
             active.waiting = anyio.CancelScope()
             with active.waiting:

@@ -20,8 +20,6 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-from ... import paths
-from ...engine import promptcache
 from ...engine.contract import Engine, LoadOptions, Notify
 from ...errors import (
     ErrorKind,
@@ -32,12 +30,12 @@ from ...errors import (
     RejectedError,
     RequestCancelledError,
 )
-from ...hardware import cpukernels
 from ...hardware import executors as ex
 from ...hardware.memory import MemoryPlan, plan
 from ...models import lookup
 from ...models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry, local_file, projector_file
 from .. import events
+from ..eta import LoadTimes
 from ..lifecycle import Requests
 from . import room
 from .remote import RemoteHosts
@@ -57,6 +55,10 @@ class Loading:
     model: Resident | None = None
     error: EverycycleError | None = None
     waiters: int = 0
+    size: int | None = None
+    """Bytes of weights it places, once planned."""
+    starting: float | None = None
+    """When its engine began to start (monotonic; None: downloading or making room)."""
 
 
 @dataclass(eq=False)
@@ -148,6 +150,7 @@ class Residency:
         """Loads under way, by model name: whoever asks for one of these waits for it."""
         self.loads = 0
         """Loads attempted (each model's load runs once, however many ask)."""
+        self.load_times = LoadTimes()
         self.room_waits = room_waits or room.RoomWaits()
         self.max_loaded_models = max_loaded_models
         """At most this many resident; None: as many as memory holds."""
@@ -240,6 +243,16 @@ class Residency:
             del self.loading[name]
             attempt.done.set()
 
+    def load_left(self, name: str) -> float | None:
+        """Seconds until ``name``'s load (under way, or about to be) should end: its
+        measured load time less what has passed; None when nothing measured says."""
+        attempt = self.loading.get(name)
+        size = attempt.size if attempt is not None else None
+        expected = self.load_times.expected(name, size)
+        if expected is None or attempt is None or attempt.starting is None:
+            return expected
+        return max(0.0, expected - (time.monotonic() - attempt.starting))
+
     async def _load_model(self, spec: ModelSpec, executor: str | None) -> Resident:
         """Download if need be, make room, place and start ``spec``'s engine. Loads on
         this machine take turns (they share its host memory, and one GPU can be two
@@ -261,11 +274,18 @@ class Residency:
             down = self.remote.down(key)
             if down is not None:
                 raise InternalError(down)
+        attempt = self.loading.get(spec.name)
+        if attempt is not None:
+            attempt.size = need.weights
         async with self._turns.setdefault(key, anyio.Lock()):
             placement = await room.make_room(self, spec, need, wanted)
+            started = time.monotonic()
+            if attempt is not None:
+                attempt.starting = started
             try:
                 engine, placement, options = await room.start(
                     self, spec, path, need, wanted, placement, projector)
+                self.load_times.observe(spec.name, need.weights, time.monotonic() - started)
             except InternalError as exc:
                 if placement.executor.remote is not None:  # the host went away: fleet says so
                     self.remote.mark_down(placement.executor.remote, exc.message)
@@ -291,34 +311,6 @@ class Residency:
                                   idle_s=round(idle, 3)))
         await self.unload(model.name, f"model '{model.name}' unloaded to make room for "
                                       f"'{for_model}'", "evicted")
-
-    def options(self, spec: ModelSpec, placement: ex.Placement,
-                projector: Path | None = None) -> LoadOptions:
-        offload = placement.offload
-        remote = placement.executor.remote
-        kernels = cpukernels.decide(paths.state_dir())
-        common = LoadOptions(context=spec.context, parallel=spec.parallel,
-                             n_threads=spec.threads, kv_cache_type=spec.kv_cache_type,
-                             extra_bufts=kernels.extra, name=spec.name,
-                             kv_cache_dir=str(paths.cache_dir()),
-                             kv_cache_disk=max(spec.kv_cache_disk, 0) << 20,
-                             kv_cache_ram=promptcache.ram_limit(spec.kv_cache_ram),
-                             mmproj=str(projector) if projector is not None else None)
-        if remote is not None:
-            holder = self.host_in_use(remote)
-            if holder is not None:
-                raise RejectedError(
-                    f"RPC host {remote} is serving model '{holder.name}'; a ggml RPC "
-                    "server serves one model at a time: unload that one first")
-            assert offload is not None
-            device = int(placement.executor.name.rpartition("/")[2])
-            return replace(common, rpc_endpoints=(remote,), device_indices=(device,),
-                           n_gpu_layers=offload.n_gpu_layers)
-        return replace(common, executor=placement.executor.name,
-                       device_indices=(tuple(placement.device_indices)
-                                       if offload is not None else ()),
-                       n_gpu_layers=offload.n_gpu_layers if offload else 0,
-                       tensor_split=tuple(offload.split) if offload else ())
 
     def spawn(self, spec: ModelSpec, path: Path, options: LoadOptions) -> Engine:
         """An engine for ``spec``: a process of its own (the daemon; and a remote model

@@ -19,14 +19,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import anyio.to_thread
 
+from ... import paths
+from ...engine import promptcache
 from ...engine.contract import Engine, LoadOptions
 from ...errors import AllocationError, EverycycleError, RejectedError, RequestCancelledError
+from ...hardware import cpukernels
 from ...hardware import executors as ex
 from ...hardware.memory import MemoryPlan
 from ...models.registry import ModelSpec
@@ -67,8 +70,8 @@ class Host(Protocol):
         """Unload ``model`` to make room for ``for_model``."""
 
 
-    def options(self, spec: ModelSpec, placement: ex.Placement,
-                projector: Path | None) -> LoadOptions: ...
+    def host_in_use(self, endpoint: str) -> Resident | None:
+        """The model an RPC host serves now, if any."""
 
     def spawn(self, spec: ModelSpec, path: Path, options: LoadOptions) -> Engine:
         """Start ``spec``'s engine (blocking: on a worker thread)."""
@@ -288,7 +291,7 @@ async def start(res: Host, spec: ModelSpec, path: Path, need: MemoryPlan, wanted
     first: AllocationError | None = None
     retries = 0
     while True:
-        options = res.options(spec, placement, projector)
+        options = load_options(res, spec, placement, projector)
         tried.append(_layers(placement))
         try:
             engine = await anyio.to_thread.run_sync(res.spawn, spec, path, options)
@@ -350,3 +353,33 @@ class Eviction:
         """One line for ``fleet``."""
         clock = time.strftime("%H:%M:%S", time.localtime(self.at))
         return f"last eviction: '{self.model}' for '{self.for_model}' at {clock} ({self.reason})"
+
+
+def load_options(res: Host, spec: ModelSpec, placement: ex.Placement,
+            projector: Path | None = None) -> LoadOptions:
+    """How ``spec``'s engine loads on ``placement``."""
+    offload = placement.offload
+    remote = placement.executor.remote
+    kernels = cpukernels.decide(paths.state_dir())
+    common = LoadOptions(context=spec.context, parallel=spec.parallel,
+                         n_threads=spec.threads, kv_cache_type=spec.kv_cache_type,
+                         extra_bufts=kernels.extra, name=spec.name,
+                         kv_cache_dir=str(paths.cache_dir()),
+                         kv_cache_disk=max(spec.kv_cache_disk, 0) << 20,
+                         kv_cache_ram=promptcache.ram_limit(spec.kv_cache_ram),
+                         mmproj=str(projector) if projector is not None else None)
+    if remote is not None:
+        holder = res.host_in_use(remote)
+        if holder is not None:
+            raise RejectedError(
+                f"RPC host {remote} is serving model '{holder.name}'; a ggml RPC "
+                "server serves one model at a time: unload that one first")
+        assert offload is not None
+        device = int(placement.executor.name.rpartition("/")[2])
+        return replace(common, rpc_endpoints=(remote,), device_indices=(device,),
+                       n_gpu_layers=offload.n_gpu_layers)
+    return replace(common, executor=placement.executor.name,
+                   device_indices=(tuple(placement.device_indices)
+                                   if offload is not None else ()),
+                   n_gpu_layers=offload.n_gpu_layers if offload else 0,
+                   tensor_split=tuple(offload.split) if offload else ())
