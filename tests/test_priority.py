@@ -238,6 +238,36 @@ async def test_queue_positions_put_interactive_requests_first_with_an_estimate(
 
 
 @pytest.mark.anyio
+async def test_a_request_waiting_for_its_model_to_load_hears_when_it_should_start(
+        models_file: Path, spawn_daemon: object) -> None:
+    spawn_daemon()  # type: ignore[operator]
+
+    def gen(rid: str, model: str) -> bytes:
+        return encode(Generate(rid, model, "x", max_tokens=2, temperature=0.0))
+
+    async with Raw.open() as raw:
+        await raw.send(gen("cold", "tiny"))
+        cold = await _accepted(raw, "cold")
+        assert cold.queue_position == 0 and cold.eta_ms is None  # no load measured yet
+        await raw.until_terminal("cold")
+        with SyncClient() as c:
+            c.unload("tiny")
+        # Loaded before: its own load time. Never loaded (tiny4, the same file with
+        # four slots): its size at the rate tiny's load went.
+        for rid, model in (("again", "tiny"), ("other", "tiny4")):
+            sent = time.monotonic()
+            await raw.send(gen(rid, model))
+            told = await _accepted(raw, rid)
+            events = await raw.until_terminal(rid)
+            took = time.monotonic() - sent
+            assert isinstance(events[-1], Tokens) and events[-1].finished
+            assert told.queue_position == 0 and told.eta_ms is not None, (rid, told)
+            assert 0 < told.eta_ms < 60_000
+            # An estimate, not a measurement: the right order of magnitude.
+            assert told.eta_ms / 1000 < 20 * took, (rid, told.eta_ms, took)
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("age", ["120", "0"])
 async def test_queued_background_work_starved_for_its_age_goes_first(
         models_file: Path, spawn_daemon: object, age: str) -> None:

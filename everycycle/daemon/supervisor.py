@@ -388,7 +388,7 @@ class Supervisor:
                 # Admitted: its place from now on (those ahead of it past the slots).
                 at = max(0, ahead - spec.parallel + 1)
                 self.requests.tell_position(active, at, self.requests.loading_eta(
-                    active, at, spec.parallel, self.residency.load_left(spec.name)))
+                    active, at, spec.parallel, self.residency.load_left(spec)))
             model = None
             active.waiting = anyio.CancelScope()
             with active.waiting:

@@ -40,6 +40,8 @@ STEP_TABLE_EVERY = 64
 
 BACKGROUND_CHUNK = 16
 """Prompt tokens of background jobs read in one step at most (short steps, where none stop)."""
+BACKGROUND_STRETCH = 2.0
+"""How much longer than its other rows alone background prompt tokens may make a step."""
 
 
 class EngineThread(Drafts, Lanes):
@@ -240,8 +242,8 @@ class EngineThread(Drafts, Lanes):
                 s.n_past += 1
                 n += 1
         prefilled: list[Slot] = []
-        background_room = BACKGROUND_CHUNK  # (short steps: an interactive job arriving
-        for s in active:                    # never waits long for one to end)
+        background_room = self._background_room(n)
+        for s in active:
             if not s.todo or n >= self._n_batch:
                 continue
             room = self._n_batch - n
@@ -262,6 +264,21 @@ class EngineThread(Drafts, Lanes):
                     rows.append((s, n))
                 n += 1
         return n, rows, prefilled
+
+    def _background_room(self, rows: int) -> int:
+        """Prompt tokens of background jobs a step of ``rows`` other rows may read: as
+        many as keep it within BACKGROUND_STRETCH times the step without them (by the
+        measured step costs), at least 1, at most BACKGROUND_CHUNK. A short step: an
+        interactive job arriving waits little for it, or loses little work stopping it."""
+        base = self._cost.estimate(max(rows, 1))
+        if base is None:
+            return BACKGROUND_CHUNK
+        room = 1
+        while room < BACKGROUND_CHUNK and (
+                (cost := self._cost.estimate(rows + room + 1)) is not None
+                and cost <= BACKGROUND_STRETCH * base):
+            room += 1
+        return room
 
     def _choose(self, s: Slot, row: int) -> int:
         """The slot's next token from batch row ``row``: its chain's (greedy: the

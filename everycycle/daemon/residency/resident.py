@@ -9,6 +9,7 @@ comes back.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -243,12 +244,16 @@ class Residency:
             del self.loading[name]
             attempt.done.set()
 
-    def load_left(self, name: str) -> float | None:
-        """Seconds until ``name``'s load (under way, or about to be) should end: its
-        measured load time less what has passed; None when nothing measured says."""
-        attempt = self.loading.get(name)
+    def load_left(self, spec: ModelSpec) -> float | None:
+        """Seconds until ``spec``'s load (under way, or about to be) should end: its
+        measured load time (or, never loaded here, its file's size at the rate loads
+        went) less what has passed; None when nothing measured says."""
+        attempt = self.loading.get(spec.name)
         size = attempt.size if attempt is not None else None
-        expected = self.load_times.expected(name, size)
+        if size is None and spec.path is not None:
+            with contextlib.suppress(OSError):
+                size = spec.path.stat().st_size
+        expected = self.load_times.expected(spec.name, size)
         if expected is None or attempt is None or attempt.starting is None:
             return expected
         return max(0.0, expected - (time.monotonic() - attempt.starting))
