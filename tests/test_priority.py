@@ -23,7 +23,9 @@ from httphelp import audit, blocker, fleet_http
 from everycycle.client import SyncClient
 from everycycle.daemon.eta import Rates, Work, starts
 from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
+from everycycle.engine.lookup import StepCost
 from everycycle.engine.runner import Runner
+from everycycle.engine.steps import BACKGROUND_CHUNK
 from everycycle.errors import ErrorKind
 from everycycle.protocol import Accepted, Error, Generate, Priority, TokenChunk, Tokens, encode
 
@@ -113,6 +115,27 @@ def test_a_conversation_the_resumed_job_overwrites_is_kept_for_its_next_turn(
         c.wait("bg")
     finally:
         runner.close()
+
+
+def test_background_prompt_tokens_a_step_reads_follow_the_step_costs(runner: Runner) -> None:
+    # A 2-core CPU's step costs (each row nearly a step of its own), one slot: with 3
+    # rows decoding, 3 prompt tokens keep the step within twice a step of 3 rows.
+    runner._cost = StepCost.fit([(1, .0147), (2, .028), (4, .0427), (8, .0816),
+                                 (16, .1546)])
+    assert runner._background_room(3) == 3
+    assert runner._background_room(0) == 2
+    # With four slots, twice a step of all four: more when fewer decode.
+    four = Runner(runner.path, context=1024, parallel=4, notify=Collector())
+    try:
+        four._cost = runner._cost
+        assert [four._background_room(rows) for rows in range(5)] == [8, 7, 6, 5, 4]
+    finally:
+        four.close()
+    # A GPU's (rows nearly free): as many as a step may read of background prompts.
+    runner._cost = StepCost.fit([(1, .010), (2, .0101), (16, .011), (64, .013)])
+    assert runner._background_room(3) == BACKGROUND_CHUNK
+    runner._cost = StepCost()  # (nothing measured)
+    assert runner._background_room(3) == BACKGROUND_CHUNK
 
 
 def test_a_parked_job_can_be_cancelled_and_background_jobs_wait_for_interactive_ones(

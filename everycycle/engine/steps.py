@@ -41,7 +41,7 @@ STEP_TABLE_EVERY = 64
 BACKGROUND_CHUNK = 16
 """Prompt tokens of background jobs read in one step at most (short steps, where none stop)."""
 BACKGROUND_STRETCH = 2.0
-"""How much longer than its other rows alone background prompt tokens may make a step."""
+"""How much longer than a decode step of every slot background prompt tokens may make a step."""
 
 
 class EngineThread(Drafts, Lanes):
@@ -267,10 +267,10 @@ class EngineThread(Drafts, Lanes):
 
     def _background_room(self, rows: int) -> int:
         """Prompt tokens of background jobs a step of ``rows`` other rows may read: as
-        many as keep it within BACKGROUND_STRETCH times the step without them (by the
-        measured step costs), at least 1, at most BACKGROUND_CHUNK. A short step: an
+        many as keep it within BACKGROUND_STRETCH times a decode step of every slot (by
+        the measured step costs), at least 1, at most BACKGROUND_CHUNK. A short step: an
         interactive job arriving waits little for it, or loses little work stopping it."""
-        base = self._cost.estimate(max(rows, 1))
+        base = self._cost.estimate(max(rows, self.parallel))
         if base is None:
             return BACKGROUND_CHUNK
         room = 1
