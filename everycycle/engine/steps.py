@@ -2,11 +2,12 @@
 
 Each step admits pending jobs into free slots (``_admit``), puts the pending work of
 every active slot — prefill chunks, one token per decoding slot, drafts (the tokens a
-grammar forces, prompt lookup) — into one ``llama_batch`` (``_build``), runs one ``llama_decode``, samples each slot
-with its own chain (``_sample``), and hands that step's outputs to ``notify`` in one
-call (``preempt`` stops a background step for an interactive job). Requests leave
-between steps, so a cancel takes effect within one step. A slot keeps its KV cells after
-a request ends; a new one sharing a prefix with them only prefills the rest.
+grammar forces, prompt lookup's: ``drafts.py``) — into one ``llama_batch``
+(``_build``), runs one ``llama_decode``, samples each slot with its own chain
+(``_sample``), and hands that step's outputs to ``notify`` in one call (``preempt``
+stops a background step for an interactive job). Requests leave between steps, so a
+cancel takes effect within one step. A slot keeps its KV cells after a request ends; a
+new one sharing a prefix with them only prefills the rest.
 """
 
 from __future__ import annotations
