@@ -58,10 +58,11 @@ def raw(url: str, method: str, path: str, body: bytes | None = None,
 
 
 def blocker(models_file: Path) -> subprocess.Popen[bytes]:
-    """A long request holding the only slot of model `tiny` (streaming when returned)."""
+    """A long request holding the only slot of model `tiny` (streaming when returned).
+    Its end token is banned: sampled, the random model would end within ~270 tokens."""
     proc = subprocess.Popen([*EC, "run", "--models", str(models_file), "-n", "8000",
-                             "--temperature", "1", "x"], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL)
+                             "--temperature", "1", "-o", 'logit_bias={"2": -100}', "x"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
     proc.stdout.read(1)
     return proc

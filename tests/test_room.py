@@ -112,7 +112,9 @@ async def test_a_request_for_memory_a_busy_model_holds_waits_for_it(
             assert isinstance(await started(stream), Tokens)  # a is decoding now
             waiting = c2.generate("b", "hello", max_tokens=3, temperature=0.0)
             first = await waiting.__anext__()  # admitted at once, with its place
-            assert first == Accepted(first.request_id, 0)
+            # ... and when it should start: b is a's file, whose load was measured.
+            assert isinstance(first, Accepted) and first.queue_position == 0
+            assert first.eta_ms is not None and first.eta_ms > 0
             await until(lambda: sup.residency.room_waits.why("b"))
             [loading] = [m for m in sup.snapshot().loaded_models if m.name == "b"]
             assert loading.state is not None
