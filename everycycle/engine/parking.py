@@ -167,16 +167,20 @@ class Lanes:
         own = parked.slot if parked.slot is not None and parked.slot.job is None else None
         slot = own or min(free, key=lambda s: (s.parked is not None, s.used))
         if slot is not own:
-            if slot.parked is None and self._cache is not None \
-                    and len(slot.cached) >= kvdisk.MIN_TOKENS:
-                # The conversation it holds (the interactive one that took the parked
-                # job's slot, say) goes to the prompt cache, as when a new job takes
-                # a slot: the person's next request restores it instead of reading it.
-                self._cache.keep(slot.cached, partial(
-                    promptcache.copy_state, self._L, self._ctx, slot.seq))
+            if slot.parked is None:
+                # (the interactive turn that took the parked job's slot, say: the
+                # person's next request restores it instead of reading it again)
+                self._keep(slot)
             self._vacate(slot)
         resume(self._L, self._ctx, self._mem, parked, slot)
         slot.used = self.steps
+
+    def _keep(self, slot: Slot, shared: int = 0) -> None:
+        """Before another job overwrites ``slot``: the conversation it holds goes to the
+        prompt cache, unless the newcomer shares all but a few tokens of it (``shared``)."""
+        if self._cache is not None and len(slot.cached) - shared >= kvdisk.MIN_TOKENS:
+            self._cache.keep(slot.cached, partial(
+                promptcache.copy_state, self._L, self._ctx, slot.seq))
 
     def _vacate(self, slot: Slot) -> None:
         """Before another job takes ``slot``: copy out a parked job's cells it holds."""

@@ -331,9 +331,8 @@ class EngineThread(Drafts, Lanes):
         held = slot.parked is not None  # (its cells, a parked job's, are copied out now)
         self._vacate(slot)
         if self._cache is not None and not job.spec.images:
-            if not held and len(slot.cached) - reuse >= kvdisk.MIN_TOKENS:  # another's
-                self._cache.keep(slot.cached, partial(
-                    promptcache.copy_state, L, self._ctx, slot.seq))
+            if not held:  # (another conversation's)
+                self._keep(slot, reuse)
             reuse = self._restore(slot, job, reuse)
         if reuse > 0 and self._n_swa > 0:
             # A sliding-window layer has dropped the cells before its window: the

@@ -356,7 +356,7 @@ class Eviction:
 
 
 def load_options(res: Host, spec: ModelSpec, placement: ex.Placement,
-            projector: Path | None = None) -> LoadOptions:
+                 projector: Path | None = None) -> LoadOptions:
     """How ``spec``'s engine loads on ``placement``."""
     offload = placement.offload
     remote = placement.executor.remote
