@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium here (apt 
 @pytest.fixture
 def models(tmp_path: Path, tiny_gguf: Path) -> Path:
     f = tmp_path / "console-models.toml"
-    f.write_text(f'default = "tiny"\n[models.tiny]\npath = "{tiny_gguf}"\ncontext = 1024\n'
+    f.write_text(f'default = "tiny"\n[models.tiny]\npath = "{tiny_gguf}"\ncontext = 8192\n'
                  f'parallel = 1\n[models."{HOSTILE}"]\npath = "{tiny_gguf}"\ncontext = 256\n'
                  "parallel = 1\n")
     return f
@@ -109,7 +109,13 @@ def test_places_in_the_queue_and_a_cancel_from_the_page(page: Any, models: Path)
                                                              "running"]  # (~ETA beside)
         shot(page, "requests")
         running = page.locator("#active tbody tr", has_text="running")
-        running.locator("button.cancel").click()
+        # The table redraws as tokens come, in place: the button under the pointer stays.
+        button = running.locator("button.cancel").element_handle()
+        count = running.locator("td:nth-child(5)")
+        before = count.inner_text()
+        wait_until(lambda: count.inner_text() != before, "the running row to redraw")
+        assert button.evaluate("b => b.isConnected")
+        button.click()
         assert hold.wait(60) == 5  # the CLI that sent it: Cancelled
         for p in runs:
             assert p.wait(60) == 0

@@ -27,8 +27,31 @@ function short(id) {
   return n;
 }
 
-function fill(id, rows) {
-  $(id).tBodies[0].replaceChildren(...rows.map((cells) => el("tr", {}, ...cells.map((c) => el("td", {}, c)))));
+// A table's rows, updated in place: a row (by its key, else its place) and a cell are
+// replaced only where they changed, so a button under the pointer stays the same
+// element while the table redraws around it (a click is never lost to a redraw).
+function fill(id, rows, keys) {
+  const body = $(id).tBodies[0];
+  const old = new Map([...body.rows].map((tr) => [tr.dataset.key, tr]));
+  const trs = rows.map((cells, i) => {
+    const k = String(keys ? keys[i] : i);
+    let tr = old.get(k);
+    if (!tr) { tr = el("tr", {}); tr.dataset.key = k; }
+    cells.forEach((c, j) => setCell(tr.cells[j] || tr.appendChild(el("td", {})), c));
+    while (tr.cells.length > cells.length) tr.lastChild.remove();
+    return tr;
+  });
+  trs.forEach((tr, i) => { if (body.children[i] !== tr) body.insertBefore(tr, body.children[i] || null); });
+  while (body.children.length > trs.length) body.lastChild.remove();
+}
+
+function setCell(td, c) {
+  if (c instanceof Node) {
+    if (td.childNodes.length !== 1 || !td.firstChild.isEqualNode(c)) td.replaceChildren(c);
+  } else {
+    const text = c === null || c === undefined ? "" : String(c);
+    if (td.children.length || td.textContent !== text) td.textContent = text;
+  }
 }
 
 function bytes(n) {
@@ -92,7 +115,7 @@ async function refreshFleet() {
     m.engine_pid ? "pid " + m.engine_pid : "",
     m.engine_restarts || 0,
     el("button", { type: "button", class: "unload", "data-model": m.name, onclick: () => unload(m.name) }, "Unload"),
-  ]));
+  ]), s.loaded_models.map((m) => m.name));
   const reqs = s.requests || [];
   running = reqs.length;
   const now = performance.now();
@@ -114,7 +137,7 @@ async function refreshFleet() {
       q.tokens + (rate !== undefined && q.state === "running" ? " (" + rate.toFixed(1) + "/s)" : ""),
       age(q.age_ms),
       el("button", { type: "button", class: "cancel", "data-id": q.request_id, onclick: () => cancel(q.request_id) }, "Cancel")];
-  }));
+  }), reqs.map((q) => q.request_id));
 }
 
 function renderFinished() {
