@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemonhelp import daemon_process
+from daemonhelp import daemon_process, wait_until
 from fakehub import FakeHub
 from test_hub import COMMIT, ec, sha
 from tinymodel import write_tiny_gguf
@@ -173,14 +173,26 @@ def test_run_with_a_hub_url_pulls_once_and_answers(quants: FakeHub, tiny_gguf: P
 
 def test_a_hub_url_as_an_http_model_id_is_pulled_by_the_daemon(quants: FakeHub) -> None:
     import openai
-    from httphelp import fleet_http
+    from httphelp import EventReader, fleet_http
 
     with daemon_process("--http", "127.0.0.1:0"), openai.OpenAI(
             base_url=f"{fleet_http()}/v1", api_key="unused", max_retries=0) as client:
-        for name in ("hf://acme/quants:Q8_0", "hf.co/acme/quants:Q8_0"):
-            r = client.completions.create(model=name, prompt="hello", max_tokens=4,
-                                          temperature=0)
-            assert r.choices[0].text
+        seen = EventReader(f"{fleet_http()}/v1/events?types=pull,request")
+        try:
+            for name in ("hf://acme/quants:Q8_0", "hf.co/acme/quants:Q8_0",
+                         "hf://acme/quants:Q8_0"):
+                r = client.completions.create(model=name, prompt="hello", max_tokens=4,
+                                              temperature=0)
+                assert r.choices[0].text
+            wait_until(lambda: len(seen.of("request", state="finished")) == 3,
+                       "the three requests' events")
+            # One pull told, the first time; a URL recorded since is only looked up.
+            pulls = seen.of("pull")
+            assert {e["model"] for e in pulls} == {"hf://acme/quants:Q8_0"}
+            assert pulls[0]["status"] == "pulling"
+            assert [e["status"] for e in pulls if e["status"] != "pulling"] == ["done"]
+        finally:
+            seen.close()
         gets = sum(1 for method, _, _ in quants.requests if method == "GET")
         again = client.completions.create(model="quants:q8_0", prompt="hello",
                                           max_tokens=4, temperature=0)

@@ -35,7 +35,7 @@ from ..errors import (
     RequestCancelledError,
     UnknownModelError,
 )
-from ..hardware import cpukernels
+from ..hardware import cpukernels, rpc
 from ..models import manage, stores
 from ..models.registry import DEFAULT_KEEP_ALIVE, Registry
 from ..protocol import (
@@ -100,9 +100,8 @@ class Supervisor:
         """Reads the registry files again: a name the registry does not know may have
         been added since (``models add``, ``run -m hf://…``)."""
         self._resolve = resolve
-        self._pulls: dict[str, anyio.Lock] = {}
-        """A hub URL as a model name to its registry entry, pulled the first time (the
-        daemon may pull: ``--models`` files are not written)."""
+        """A hub URL's registry name, pulled the first time (not with ``--models``)."""
+        self._pulls: dict[str, anyio.Lock] = {}  # one pull a URL at a time
         self.limits = limits or Limits()
         self.auto_load = auto_load
         self.audit = audit
@@ -208,8 +207,6 @@ class Supervisor:
         # The CPU's extra kernels, before any load (probed once per machine and build).
         self.fleet.cpu_kernels = await anyio.to_thread.run_sync(cpukernels.decide,
                                                                 paths.state_dir())
-        from ..hardware import rpc
-
         self.fleet.rpc_available = await anyio.to_thread.run_sync(rpc.available)
         await self.remote.probe(self._host_busy)
         try:
@@ -320,7 +317,9 @@ class Supervisor:
         self._report(outcome, request)
 
     async def _pull(self, url: str, resolve: Callable[[str], str]) -> str:
-        """The registry name of hub model ``url``, pulled the first time (told on the bus)."""
+        """Hub model ``url``'s registry name; pulled, and told on the bus, if new."""
+        if (known := manage.recorded(url, self.registry)) is not None:
+            return known
         self.bus.publish(events.PullProgress(model=url, status="pulling"))
         try:
             name = await anyio.to_thread.run_sync(resolve, url)
@@ -366,7 +365,7 @@ class Supervisor:
         allow_load = self.auto_load and req.auto_load is not False
         name = req.model
         if self._resolve is not None and allow_load and manage.is_hub_url(name):
-            async with self._pulls.setdefault(name, anyio.Lock()):  # one pull a URL
+            async with self._pulls.setdefault(name, anyio.Lock()):
                 name = await self._pull(name, self._resolve)
         self._know(name)
         spec = self.residency.spec_for(name, allow_paths=peer.allow_paths)

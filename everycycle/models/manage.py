@@ -130,22 +130,30 @@ def _as_hf(name: str) -> str:
     return name
 
 
+def recorded(url: str, registry: Registry) -> str | None:
+    """The registry name hub URL ``url`` was recorded under, or None when it is not yet
+    (nothing to pull otherwise). Raises ConfigError when that name is another model's."""
+    url = _as_hf(url)
+    short = short_name(url)
+    spec = registry.models.get(short)
+    if spec is None:
+        return None
+    if spec.hf_repo != (hubrepo.parse_repo_url(url) or hub.parse_hf_url(url)).repo:
+        raise ConfigError(f"model '{short}' is already {spec.source}, not {url}: add this "
+                          f"one under another name (everycycle models add NAME {url})")
+    return short
+
+
 def resolve(name: str, models: Path | None = None, *, progress: bool = False) -> str:
     """The registry name for ``name``: itself, unless it is a hub URL; then the entry
     recorded for it (under ``short_name``), pulled and recorded the first time. Raises
     ConfigError when that name is taken by another model, and the hub's errors."""
     if not is_hub_url(name):
         return name
-    name = _as_hf(name)
-    short = short_name(name)
-    spec = load_registry(models).models.get(short)
-    wanted = (hubrepo.parse_repo_url(name) or hub.parse_hf_url(name)).repo
-    if spec is not None:
-        if spec.hf_repo != wanted:
-            raise ConfigError(f"model '{short}' is already {spec.source}, not {name}: "
-                              f"add this one under another name (everycycle models add "
-                              f"NAME {name})")
-        return short
+    known = recorded(name, load_registry(models))
+    if known is not None:
+        return known
+    name, short = _as_hf(name), short_name(_as_hf(name))
     if models is not None:
         raise InvalidRequestError(f"{name}: with --models, add it to that file first "
                                   "(a hub URL is recorded in your own models.toml)")
