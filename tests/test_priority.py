@@ -436,3 +436,11 @@ def test_an_estimate_counts_the_work_running_and_ahead() -> None:
                   prefill_s=0.1, decode_s=5.0)
     assert rates.decode_rate("background", 2, steps) == pytest.approx(20.0)
     assert rates.decode_rate("interactive", 2, steps) == pytest.approx(10.0)
+    # Questions that end early do not shorten a batch job's estimate: each lane's share
+    # of max_tokens is its own (none measured: all of it).
+    for _ in range(5):
+        rates.observe(lane="interactive", read=20, generated=8, beside=1, max_tokens=32,
+                      prefill_s=0.1, decode_s=0.1)
+    assert rates.expected(32, "interactive") < 10
+    assert rates.expected(256, "background") == 256
+    assert Rates().expected(256, "background") == 256
