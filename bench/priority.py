@@ -1,15 +1,16 @@
 """Priority lanes: interactive requests beside a queue of background work, in one run.
 
-One daemon, SmolLM2 (the default model) with 4 slots. Three phases, one after another:
+One daemon, SmolLM2 (the default model) with 4 slots. The phases, one after another:
 
-1. idle: an interactive request (a one-line question, 32 tokens, greedy) every 2 s on
-   an otherwise idle daemon: the time to first token each gets alone;
-2. background alone: 32 background requests (~200-token prompts, up to 256 tokens
+1. background alone: 32 background requests (~200-token prompts, up to 256 tokens
    each, sampled with fixed seeds) sent at once: their throughput alone;
-3. mixed: 32 more background requests (the same work: same lengths and seeds, another
-   prompt prefix so no cache helps) sent at once, and an interactive request every 2 s
-   until they finish;
-4. background alone again (the machine's drift over the run: phase 2 and 4 averaged).
+2. mixed: 32 more background requests (the same work: same lengths and seeds, another
+   prompt prefix so no cache helps) sent at once, and an interactive request (a
+   one-line question, 32 tokens, greedy) every 2 s until they finish;
+3. idle: as many interactive requests, every 2 s, on an otherwise idle daemon: the
+   time to first token each gets alone (the same number of samples, so the p95s are
+   alike);
+4. background alone again (the machine's drift over the run: phase 1 and 4 averaged).
 
 It prints the interactive time to first token, mixed vs idle (median and p95, target
 <= 1.2x), that every background request finished, the background throughput alone and
@@ -17,7 +18,7 @@ mixed with the time the interactive work took (target: the background loses no m
 than that), and how far each queued request's estimated start (``Accepted.eta_ms``)
 was from its actual start (target: median error <= 25% of the wait).
 
-    .venv/bin/python bench/priority.py [--model GGUF] [--background 32] [--every 2]
+    .venv/bin/python bench/priority.py [--model GGUF] [--background 32] [--every 2] [--quick]
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ def main() -> None:
     ap.add_argument("--model", type=Path)
     ap.add_argument("--background", type=int, default=32)
     ap.add_argument("--every", type=float, default=2.0)
-    ap.add_argument("--idle", type=int, default=12, help="interactive requests when idle")
+    ap.add_argument("--idle", type=int, default=0, help="interactive requests when idle "
+                    "(default: as many as beside the background work)")
     ap.add_argument("--preempt", choices=("on", "off"), default="on",
                     help="off: background steps never stop for interactive jobs (an A/B)")
     ap.add_argument("--quick", action="store_true",
@@ -187,13 +189,17 @@ def main() -> None:
                 await c.load("bench")
                 async for _ in c.generate("bench", "warm up", max_tokens=8):
                     pass
-            _, idle, _ = await phase("bench", background=0, every=args.every,
-                                     interactive=args.idle, name="idle", n_bg=n_bg, n_it=n_it)
+            async def idle_phase(n: int) -> list[Timed]:
+                # (as many as the mixed phase had: percentiles of samples of one size)
+                return (await phase("bench", background=0, every=args.every,
+                                    interactive=args.idle or n, name="idle", n_bg=n_bg,
+                                    n_it=n_it))[1]
+
             if args.quick:
                 _, mixed_it, _ = await phase(
                     "bench", background=args.background, every=args.every,
                     interactive=None, name="mixed", n_bg=n_bg, n_it=n_it)
-                latency(idle, mixed_it)
+                latency(await idle_phase(len(mixed_it)), mixed_it)
                 return
             alone, _, t_alone = await phase("bench", background=args.background,
                                             every=args.every, interactive=0, name="alone",
@@ -201,6 +207,7 @@ def main() -> None:
             mixed_bg, mixed_it, t_mixed = await phase(
                 "bench", background=args.background, every=args.every, interactive=None,
                 name="mixed", n_bg=n_bg, n_it=n_it)
+            idle = await idle_phase(len(mixed_it))
             # (alone again: the machine's drift between the phases, bounded)
             again, _, t_again = await phase("bench", background=args.background,
                                             every=args.every, interactive=0, name="again",
