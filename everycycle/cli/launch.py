@@ -85,9 +85,6 @@ def _claude_env(e: Endpoint) -> dict[str, str | None]:
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
             # No per-request billing line in the system prompt: the prefix stays cached.
             "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
-            # The model's real window: Claude Code takes a model it does not know for a
-            # 1M-token one (and says so), so it would never compact within ours.
-            "CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(e.context),
             # Its stream watchdog credits keep-alive pings for about five minutes, then
             # waits this long for a real event: a long prompt's prefill on a CPU fits.
             "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000"}
