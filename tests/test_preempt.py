@@ -5,7 +5,9 @@ arrives gets its slot from a step that stops for it."""
 
 from __future__ import annotations
 
+import statistics
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from daemonhelp import wait_until
 from enginehelp import Collector
 
 from everycycle.engine.jobs import Job, JobSpec, Sampling
+from everycycle.engine.lookup import StepCost
 from everycycle.engine.preempt import Preempt
 from everycycle.engine.runner import Runner
 
@@ -107,3 +110,43 @@ def test_an_interactive_job_stops_the_background_step_it_arrives_in(runner: Runn
     for job in bg:
         runner.cancel(job, "done")
         c.wait(job.tag, 60)
+
+
+class Timing(Preempt):
+    """Records each stoppable step: whether it read prompt tokens, the time it was
+    expected to take (what the half-step rule halves), the time it took."""
+
+    steps: list[tuple[bool, float | None, float]]
+
+    def decode(self, before: list, pending: Iterable[Job],  # type: ignore[type-arg]
+               run: Callable[[], int], expected_s: float | None = None) -> int | None:
+        filling = any(b.todo for b in before)
+        started = time.perf_counter()
+        rc = super().decode(before, pending, run, expected_s)
+        self.steps.append((filling, expected_s, time.perf_counter() - started))
+        return rc
+
+
+def test_a_step_that_reads_a_prompt_is_expected_to_take_what_such_steps_took(
+        runner: Runner) -> None:
+    """The decode table prices rows with logits; a prompt token costs other than that
+    (on a CPU about a row's time, and a background chunk makes a step several times a
+    decode step). Steps that read prompt tokens are expected to take what such steps
+    measured, so an interactive job arriving in the first half of one stops it."""
+    c = runner._notify
+    assert isinstance(c, Collector) and runner._preempt is not None
+    timing = Timing(runner._L, runner._ctx, runner._mem, runner._cond)
+    timing.steps = []
+    runner._preempt = timing
+    runner._cost = StepCost.fit([(1, 1e-6)])  # a decode table that prices nothing
+    job = Job(JobSpec(tokens=runner.tokenize(LONG), max_tokens=4,
+                      sampling=Sampling.of(temperature=1.0, seed=1), background_age=600),
+              tag="bg")
+    runner.submit(job)
+    c.wait("bg", 60)
+    filled = [(expected, took) for filling, expected, took in timing.steps if filling]
+    assert len(filled) >= 8  # (its prompt, 16 tokens a step)
+    later = filled[3:]  # (once some were measured)
+    assert all(expected is not None for expected, _ in later)
+    expected = statistics.median(e for e, _ in later if e is not None)
+    assert expected >= 0.25 * statistics.median(t for _, t in later)

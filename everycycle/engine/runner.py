@@ -134,6 +134,9 @@ class Runner(EngineThread):
         self.forced_accepted = 0
         self._cost = StepCost()
         """A step's time by row count: how long a draft pays (probed at load)."""
+        self._fill = StepCost()
+        """A step's time by its batch tokens, for steps that read prompt tokens (learnt
+        as they run): a prompt token costs other than a decode row."""
         self._history = History()
         """Recent finished sequences, for prompt-lookup drafts across requests."""
         ctx, self.kv_bytes = create_context(L, self._weights, path, context=context,

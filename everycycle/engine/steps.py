@@ -26,7 +26,7 @@ from .contract import Notify
 from .drafts import Drafts
 from .jobs import EMBED_MAX_TOKENS, Job, Output, common_prefix
 from .logits import RowLogits, logprob
-from .lookup import History, PromptLookup, expected_accepted
+from .lookup import History, PromptLookup, StepCost, expected_accepted
 from .parking import Lanes
 from .preempt import Preempt
 from .probes import batch_probe, put
@@ -77,6 +77,7 @@ class EngineThread(Drafts, Lanes):
     _cond: threading.Condition
     _closing: bool
     _history: History
+    _fill: StepCost
     _embedder: Any
     _vision: Any
     """The model's Vision (images in), or None."""
@@ -154,8 +155,9 @@ class EngineThread(Drafts, Lanes):
             self._batch.n_tokens = n
             started = time.perf_counter()
             decode = partial(self._L.llama_decode, self._ctx, self._batch)
-            rc = (decode() if before is None or self._preempt is None
-                  else self._preempt.decode(before, self._pending, decode, self._cost.estimate(n)))
+            rc = (decode() if before is None or self._preempt is None else
+                  self._preempt.decode(before, self._pending, decode,
+                                       self._estimate(n, bool(prefilled))))
             if rc is None:  # stopped and undone: an interactive job came
                 self._safe_notify(out)
                 continue
@@ -170,6 +172,7 @@ class EngineThread(Drafts, Lanes):
                 if self.steps % STEP_TABLE_EVERY == 0 or not self.step_seconds:
                     self._publish_steps()
             else:
+                self._fill.observe(n, time.perf_counter() - started)
                 for s in prefilled:  # (a prompt read whole yields its first token instead)
                     if s.todo and s.job is not None and s.job.spec.progress:
                         out.append((s.job, Output("", (), progress=s.n_past)))
@@ -280,6 +283,13 @@ class EngineThread(Drafts, Lanes):
                 and cost <= BACKGROUND_STRETCH * base):
             room += 1
         return room
+
+    def _estimate(self, n: int, filling: bool) -> float | None:
+        """A step of ``n`` batch tokens (``Preempt`` halves it): as measured for steps
+        that read prompt tokens (``filling``; one can take 3x the decode table's on a
+        CPU), else as a decode step of ``n`` rows."""
+        fill = self._fill.estimate(n) if filling else None
+        return fill if fill is not None else self._cost.estimate(n)
 
     def _choose(self, s: Slot, row: int) -> int:
         """The slot's next token from batch row ``row``: its chain's (greedy: the
