@@ -153,7 +153,8 @@ def resolve(name: str, models: Path | None = None, *, progress: bool = False) ->
     known = recorded(name, load_registry(models))
     if known is not None:
         return known
-    name, short = _as_hf(name), short_name(_as_hf(name))
+    name = _as_hf(name)
+    short = short_name(name)
     if models is not None:
         raise InvalidRequestError(f"{name}: with --models, add it to that file first "
                                   "(a hub URL is recorded in your own models.toml)")
