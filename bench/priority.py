@@ -2,23 +2,30 @@
 
 One daemon, SmolLM2 (the default model) with 4 slots. The phases, one after another:
 
-1. background alone: 32 background requests (~200-token prompts, up to 256 tokens
-   each, sampled with fixed seeds) sent at once: their throughput alone;
+1. background alone: 32 background requests (~200-token prompts, 256 tokens each,
+   sampled with fixed seeds, end tokens banned) sent at once: their throughput alone;
 2. mixed: 32 more background requests (the same work: same lengths and seeds, another
    prompt prefix so no cache helps) sent at once, and an interactive request (a
-   one-line question, 32 tokens, greedy) every 2 s until they finish;
+   one-line question, up to 32 tokens, greedy) every 2 s until they finish;
 3. idle: as many interactive requests, every 2 s, on an otherwise idle daemon: the
    time to first token each gets alone (the same number of samples, so the p95s are
-   alike);
-4. background alone again (the machine's drift over the run: phase 1 and 4 averaged).
+   alike), and the time each takes whole (the interactive work);
+4. background alone again;
 
-It prints the interactive time to first token, mixed vs idle (median and p95, target
-<= 1.2x), that every background request finished, the background throughput alone and
-mixed with the time the interactive work took (target: the background loses no more
-than that), and how far each queued request's estimated start (``Accepted.eta_ms``)
-was from its actual start (target: median error <= 25% of the wait).
+and phases 2-4 again for each further ``--rounds``. This machine's speed drifts by as
+much as the quantity measured (the two alone phases around one mixed phase have
+differed by 10%), so each mixed phase is set against the mean of the alone phases just
+before and after it, and the rounds are summed.
 
-    .venv/bin/python bench/priority.py [--model GGUF] [--background 32] [--every 2] [--quick]
+It prints the interactive time to first token, mixed vs idle (median and p95 over all
+rounds, target <= 1.2x), that every background request finished, the background
+throughput alone and mixed and the time the interactive work took (target: the
+background loses no more than that), and how far each queued request's estimated start
+(``Accepted.eta_ms``) was from its actual start (target: median error <= 25% of the
+wait).
+
+    .venv/bin/python bench/priority.py [--model GGUF] [--background 32] [--every 2]
+        [--rounds 2] [--quick]
 """
 
 from __future__ import annotations
@@ -120,7 +127,7 @@ async def phase(model: str, *, background: int, every: float, interactive: int |
                                     background=True, seed=1000 + i, temperature=0.8))
 
         async def one_it(i: int) -> None:
-            it.append(await request(person, model, f"({name} {i}) What is the capital of "
+            it.append(await request(person, model, f"({name}-{i:02d}) What is the capital of "
                                     "France, in one sentence?", n_it, t0,
                                     background=False, seed=i, temperature=0.0))
 
@@ -162,6 +169,8 @@ def main() -> None:
                     "(default: as many as beside the background work)")
     ap.add_argument("--preempt", choices=("on", "off"), default="on",
                     help="off: background steps never stop for interactive jobs (an A/B)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="mixed, idle and alone phases after the first alone one")
     ap.add_argument("--quick", action="store_true",
                     help="idle and mixed phases only (no throughput comparison)")
     args = ap.parse_args()
@@ -189,35 +198,54 @@ def main() -> None:
                 await c.load("bench")
                 async for _ in c.generate("bench", "warm up", max_tokens=8):
                     pass
-            async def idle_phase(n: int) -> list[Timed]:
-                # (as many as the mixed phase had: percentiles of samples of one size)
-                return (await phase("bench", background=0, every=args.every,
-                                    interactive=args.idle or n, name="idle", n_bg=n_bg,
-                                    n_it=n_it))[1]
+            named = iter(range(100))  # (phases' names: prompts alike in length, none cached)
+
+            async def go(background: int, interactive: int | None
+                         ) -> tuple[list[Timed], list[Timed], float]:
+                return await phase("bench", background=background, every=args.every,
+                                   interactive=interactive, name=f"p{next(named)}",
+                                   n_bg=n_bg, n_it=n_it)
 
             if args.quick:
-                _, mixed_it, _ = await phase(
-                    "bench", background=args.background, every=args.every,
-                    interactive=None, name="mixed", n_bg=n_bg, n_it=n_it)
-                latency(await idle_phase(len(mixed_it)), mixed_it)
+                _, mixed_it, _ = await go(args.background, None)
+                idle = (await go(0, args.idle or len(mixed_it)))[1]
+                latency(idle, mixed_it)
                 return
-            alone, _, t_alone = await phase("bench", background=args.background,
-                                            every=args.every, interactive=0, name="alone",
-                                            n_bg=n_bg, n_it=n_it)
-            mixed_bg, mixed_it, t_mixed = await phase(
-                "bench", background=args.background, every=args.every, interactive=None,
-                name="mixed", n_bg=n_bg, n_it=n_it)
-            idle = await idle_phase(len(mixed_it))
-            # (alone again: the machine's drift between the phases, bounded)
-            again, _, t_again = await phase("bench", background=args.background,
-                                            every=args.every, interactive=0, name="again",
-                                            n_bg=n_bg, n_it=n_it)
-            print(f"background alone: {t_alone:.1f} s before the mixed phase, {t_again:.1f} s "
-                  "after it")
-            report(idle, alone + again, (t_alone + t_again) / 2, mixed_bg, mixed_it,
-                   t_mixed, args.background)
+            alone = [await go(args.background, 0)]
+            rounds = []
+            for r in range(args.rounds):
+                mixed = await go(args.background, None)
+                # (as many as the mixed phase had: percentiles of samples of one size)
+                idle = (await go(0, args.idle or len(mixed[1])))[1]
+                alone.append(await go(args.background, 0))
+                rounds.append(Round(alone[r], mixed[0], mixed[1], mixed[2], idle, alone[r + 1]))
+                print(f"round {r + 1}: background alone {alone[r][2]:.1f} s, mixed "
+                      f"{mixed[2]:.1f} s, alone {alone[r + 1][2]:.1f} s", flush=True)
+            report(rounds, args.background)
 
         anyio.run(run)
+
+
+@dataclass
+class Round:
+    """A mixed phase, its idle one, and the background-alone phases around it."""
+
+    before: tuple[list[Timed], list[Timed], float]
+    mixed_bg: list[Timed]
+    mixed_it: list[Timed]
+    t_mixed: float
+    idle: list[Timed]
+    after: tuple[list[Timed], list[Timed], float]
+
+    def lost(self) -> tuple[float, float]:
+        """(the time the background lost beside interactive work, against the mean
+        throughput of the alone phases around it; the interactive work's time on an idle
+        daemon)."""
+        tok_alone = sum(r.tokens for r in self.before[0] + self.after[0]) / 2
+        thr_alone = tok_alone / ((self.before[2] + self.after[2]) / 2)
+        lost = self.t_mixed - sum(r.tokens for r in self.mixed_bg) / thr_alone
+        work = statistics.mean((r.ended or 0) - r.sent for r in self.idle) * len(self.mixed_it)
+        return lost, work
 
 
 def latency(idle: list[Timed], mixed_it: list[Timed]) -> None:
@@ -238,38 +266,45 @@ def latency(idle: list[Timed], mixed_it: list[Timed]) -> None:
         for r in slow))
 
 
-def report(idle: list[Timed], alone: list[Timed], t_alone: float, mixed_bg: list[Timed],
-           mixed_it: list[Timed], t_mixed: float, expected: int) -> None:
-    for what, group in (("idle interactive", idle), ("background alone", alone),
-                        ("background mixed", mixed_bg), ("interactive mixed", mixed_it)):
-        bad = [r.reason for r in group if r.reason != "finished"]
+def report(rounds: list[Round], expected: int) -> None:
+    alone = [rounds[0].before] + [r.after for r in rounds]
+    for what, group in (("idle interactive", [t for r in rounds for t in r.idle]),
+                        ("background alone", [t for p in alone for t in p[0]]),
+                        ("background mixed", [t for r in rounds for t in r.mixed_bg]),
+                        ("interactive mixed", [t for r in rounds for t in r.mixed_it])):
+        bad = [t.reason for t in group if t.reason != "finished"]
         if bad:
             raise SystemExit(f"{what}: {len(bad)} did not finish ({bad[0]}): no ratio")
-    if len(alone) != 2 * expected or len(mixed_bg) != expected:
+    background = [p[0] for p in alone] + [r.mixed_bg for r in rounds]
+    if any(len(group) != expected for group in background):
         raise SystemExit("not every background request came back: no ratio")
-    short = [r.tokens for r in alone + mixed_bg if r.tokens != alone[0].tokens]
-    if short:
-        raise SystemExit(f"background requests generated {alone[0].tokens} and {short[0]} "
-                         "tokens: not the same work, no ratio")
-    tok_alone, tok_mixed = sum(r.tokens for r in alone) / 2, sum(r.tokens for r in mixed_bg)
-    latency(idle, mixed_it)
-    thr_alone, thr_mixed = tok_alone / t_alone, tok_mixed / t_mixed
-    it_work = statistics.mean((r.ended or 0) - r.sent for r in idle) * len(mixed_it)
-    lost = t_mixed - tok_mixed / thr_alone
-    print(f"background: {len(alone)}/{2 * expected} and {len(mixed_bg)}/{expected} finished; "
-          f"alone {tok_alone:.0f} tokens in {t_alone:.1f} s ({thr_alone:.1f} tokens/s), mixed "
-          f"{tok_mixed} tokens in {t_mixed:.1f} s ({thr_mixed:.1f} tokens/s)")
-    print(f"  time the background lost to interactive work: {lost:.1f} s; the interactive "
-          f"work took {it_work:.1f} s on an idle daemon ({len(mixed_it)} requests) "
-          f"(target: lost <= that)")
-    for what, group in (("background alone", alone[:expected]),
-                        ("background alone again", alone[expected:]),
-                        ("background mixed", mixed_bg)):
+    tokens = {t.tokens for group in background for t in group}
+    if len(tokens) != 1:
+        raise SystemExit(f"background requests generated {sorted(tokens)} tokens: not the "
+                         "same work, no ratio")
+    latency([t for r in rounds for t in r.idle], [t for r in rounds for t in r.mixed_it])
+    print(f"background: every request finished ({len(background)} phases of {expected}, "
+          f"{tokens.pop()} tokens each)")
+    total_lost = total_work = 0.0
+    for i, r in enumerate(rounds, 1):
+        lost, work = r.lost()
+        total_lost, total_work = total_lost + lost, total_work + work
+        print(f"  round {i}: alone {r.before[2]:.1f} and {r.after[2]:.1f} s, mixed "
+              f"{r.t_mixed:.1f} s: the background lost {lost:.1f} s beside "
+              f"{len(r.mixed_it)} interactive requests that took {work:.1f} s on an idle daemon")
+    print(f"  in all: the background lost {total_lost:.1f} s to interactive work that took "
+          f"{total_work:.1f} s (target: lost <= that; ratio {total_lost / total_work:.2f})")
+    for what, group in (("background alone", [t for p in alone for t in p[0]]),
+                        ("background mixed", [t for r in rounds for t in r.mixed_bg])):
         errors = eta_errors(group)
         if errors:
             print(f"estimated start, {what}: median error {statistics.median(errors):.0%} "
                   f"of the wait, p90 {pct(errors, 0.9):.0%} ({len(errors)} queued requests; "
                   "target median <= 25%)")
+    first = eta_errors(alone[0][0])
+    if first:
+        print(f"  (the first batch on a fresh daemon: median error "
+              f"{statistics.median(first):.0%})")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from httphelp import audit, blocker, fleet_http
 
 from everycycle.client import SyncClient
 from everycycle.daemon.eta import Rates, Work, starts
-from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
+from everycycle.engine.jobs import Job, JobSpec, Output, Sampling, common_prefix
 from everycycle.engine.lookup import StepCost
 from everycycle.engine.runner import Runner
 from everycycle.engine.steps import BACKGROUND_CHUNK
@@ -113,6 +113,36 @@ def test_a_conversation_the_resumed_job_overwrites_is_kept_for_its_next_turn(
         assert second.n_reused >= len(first.spec.tokens) + len(answer) - 1
         runner.cancel(bg, "done")
         c.wait("bg")
+    finally:
+        runner.close()
+
+
+def test_an_interactive_job_parks_the_background_job_whose_cells_share_its_prompt(
+        tiny_gguf: Path) -> None:
+    # Both slots run background work; the one with more cells shares the person's
+    # system turn. Parking it (not the cheaper one to copy) lets the person's request
+    # reuse those cells: its first token waits for fewer prompt tokens.
+    c = Ordered()
+    runner = Runner(tiny_gguf, context=2048, parallel=2, notify=c)
+    try:
+        system = "system: answer briefly, in plain words, and check every fact. " * 3
+        near = _job(runner, "near", system + "now write about the sea", 400,
+                    background=True, temperature=1.0)
+        far = _job(runner, "far", "other work", 400, background=True, temperature=1.0)
+        runner.submit(near)
+        runner.submit(far)
+        wait_until(lambda: all(len(c.outputs.get(t, [])) >= 3 for t in ("near", "far")),
+                   "both background jobs to run")
+        it = _job(runner, "it", system + "what is the capital of France?", 5)
+        runner.submit(it)
+        c.wait("it")
+        shared = common_prefix(near.spec.tokens, it.spec.tokens)
+        assert shared >= 20
+        assert (near.n_parked, far.n_parked) == (1, 0)
+        assert it.n_reused == shared
+        for job in (near, far):
+            runner.cancel(job, "done")
+            c.wait(job.tag)
     finally:
         runner.close()
 

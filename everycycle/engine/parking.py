@@ -21,7 +21,7 @@ from typing import Any
 
 from . import kvdisk, promptcache
 from .constraint import Matcher
-from .jobs import Job, Logprob, Output
+from .jobs import Job, Logprob, Output, common_prefix
 from .lookup import PromptLookup
 from .sampling import Samplers
 from .slots import Slot
@@ -142,8 +142,13 @@ class Lanes:
                     victims = [s for s in self._slots if parkable(s)]
                     if not victims:
                         return
-                    # (the fewest cells: the cheapest to copy out, should that be needed)
-                    self._parked.append(park(min(victims, key=lambda s: s.n_past)))
+                    # The slot whose cells share the most of the newcomer's prompt (a
+                    # chat template's system turn, say: each token shared is one its
+                    # first token need not wait for), then the fewest cells (the
+                    # cheapest to copy out). A parked job resumes with its own cells.
+                    tokens = urgent.spec.tokens if urgent_parked is None and urgent else ()
+                    self._parked.append(park(max(victims, key=lambda s: (
+                        common_prefix(s.cached, tokens), -s.n_past))))
                 if urgent_parked is not None:
                     self._resume(urgent_parked)
                 else:
