@@ -5,7 +5,7 @@ One daemon, SmolLM2 (the default model) with 4 slots. The phases, one after anot
 1. background alone: 32 background requests (~200-token prompts, 256 tokens each,
    sampled with fixed seeds, end tokens banned) sent at once: their throughput alone;
 2. mixed: 32 more background requests (the same work: same lengths and seeds, another
-   prompt prefix so no cache helps) sent at once, and an interactive request (a
+   prompt prefix so no cache helps) sent at once, then an interactive request (a
    one-line question, up to 32 tokens, greedy) every 2 s until they finish;
 3. idle: as many interactive requests, every 2 s, on an otherwise idle daemon: the
    time to first token each gets alone (the same number of samples, so the p95s are
@@ -134,11 +134,13 @@ async def phase(model: str, *, background: int, every: float, interactive: int |
         for i in range(background):
             tg.start_soon(one_bg, i)
         i = 0
-        while (interactive is not None and i < interactive) or (
-                interactive is None and len(bg) < background):
+        while True:
+            await anyio.sleep(every)  # (the background work queued first, then a question)
+            if (interactive is None and len(bg) == background) or (
+                    interactive is not None and i == interactive):
+                break
             tg.start_soon(one_it, i)
             i += 1
-            await anyio.sleep(every)
     makespan = max((b.ended or 0) for b in bg) if bg else 0.0
     return bg, it, makespan
 

@@ -5,6 +5,7 @@ arrives gets its slot from a step that stops for it."""
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import threading
 import time
@@ -17,7 +18,7 @@ from enginehelp import Collector
 
 from everycycle.engine.jobs import Job, JobSpec, Sampling
 from everycycle.engine.lookup import StepCost
-from everycycle.engine.preempt import Preempt
+from everycycle.engine.preempt import ABORTED, Preempt
 from everycycle.engine.runner import Runner
 
 LONG = ("Once upon a time in a quiet village by the sea there lived an old sailor who "
@@ -114,7 +115,7 @@ def test_an_interactive_job_stops_the_background_step_it_arrives_in(runner: Runn
 
 class Timing(Preempt):
     """Records each stoppable step: whether it read prompt tokens, the time it was
-    expected to take (what the half-step rule halves), the time it took."""
+    expected to take (what ``Preempt`` stops within), the time it took."""
 
     steps: list[tuple[bool, float | None, float]]
 
@@ -132,7 +133,7 @@ def test_a_step_that_reads_a_prompt_is_expected_to_take_what_such_steps_took(
     """The decode table prices rows with logits; a prompt token costs other than that
     (on a CPU about a row's time, and a background chunk makes a step several times a
     decode step). Steps that read prompt tokens are expected to take what such steps
-    measured, so an interactive job arriving in the first half of one stops it."""
+    measured, so an interactive job arriving early in one stops it."""
     c = runner._notify
     assert isinstance(c, Collector) and runner._preempt is not None
     timing = Timing(runner._L, runner._ctx, runner._mem, runner._cond)
@@ -150,3 +151,25 @@ def test_a_step_that_reads_a_prompt_is_expected_to_take_what_such_steps_took(
     assert all(expected is not None for expected, _ in later)
     expected = statistics.median(e for e, _ in later if e is not None)
     assert expected >= 0.25 * statistics.median(t for _, t in later)
+
+
+def test_a_step_stops_for_an_interactive_job_unless_nearly_done(runner: Runner) -> None:
+    """An interactive job arriving after half a step (where finishing was once the rule)
+    stops it; one arriving when it is nearly done waits for the rest."""
+    preempt = Preempt(runner._L, runner._ctx, runner._mem, threading.Condition())
+    try:
+        def step(arrive_s: float) -> Callable[[], int]:
+            def run() -> int:
+                time.sleep(arrive_s)
+                with preempt._lock:
+                    preempt.interrupt()
+                return ABORTED if preempt._flag[0] == b"x" else 0
+            return run
+
+        assert preempt.decode([], [], step(0.6), expected_s=1.0) is None
+        assert preempt.decode([], [], step(0.9), expected_s=1.0) == 0
+        assert preempt.stops == 1
+    finally:  # (the runner's own Preempt is the context's abort callback again)
+        assert runner._preempt is not None
+        runner._L.llama_set_abort_callback(runner._ctx, runner._preempt._callback,
+                                           ctypes.cast(runner._preempt._flag, ctypes.c_void_p))

@@ -147,6 +147,27 @@ def test_an_interactive_job_parks_the_background_job_whose_cells_share_its_promp
         runner.close()
 
 
+def test_a_finished_background_conversation_is_kept_before_its_slot_is_wanted(
+        tiny_gguf: Path) -> None:
+    # Copying a conversation out of a slot takes milliseconds (tens, on a busy CPU); a
+    # background job's is copied as it ends, not when an interactive job takes the slot.
+    c = Ordered()
+    runner = Runner(tiny_gguf, context=1024, parallel=1, notify=c, kv_ram=64 << 20)
+    try:
+        assert runner.prompt_cache is not None
+        bg = _job(runner, "bg", "background work on a long document, part one " * 4, 20,
+                  background=True)
+        runner.submit(bg)
+        c.wait("bg")
+        assert runner.prompt_cache.entries == 1
+        it = _job(runner, "it", "a person's question", 5)
+        runner.submit(it)
+        c.wait("it")
+        assert runner.prompt_cache.entries == 1  # (nothing more to keep: copied already)
+    finally:
+        runner.close()
+
+
 def test_background_prompt_tokens_a_step_reads_follow_the_step_costs(runner: Runner) -> None:
     # A 2-core CPU's step costs (each row nearly a step of its own), one slot: with 3
     # rows decoding, 3 prompt tokens keep the step within twice a step of 3 rows.

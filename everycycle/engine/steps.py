@@ -79,8 +79,7 @@ class EngineThread(Drafts, Lanes):
     _history: History
     _fill: StepCost
     _embedder: Any
-    _vision: Any
-    """The model's Vision (images in), or None."""
+    _vision: Any  # (the model's Vision, images in, or None)
     _preempt: Preempt | None
     _cache: promptcache.PromptCache | None
     """Prefixes kept beyond the slots, in RAM and on disk (None: not kept)."""
@@ -285,9 +284,8 @@ class EngineThread(Drafts, Lanes):
         return room
 
     def _estimate(self, n: int, filling: bool) -> float | None:
-        """A step of ``n`` batch tokens (``Preempt`` halves it): as measured for steps
-        that read prompt tokens (``filling``; one can take 3x the decode table's on a
-        CPU), else as a decode step of ``n`` rows."""
+        """A step of ``n`` batch tokens: as steps that read prompt tokens took (``filling``:
+        3x the decode table's on a CPU), else as a decode step of ``n`` rows."""
         fill = self._fill.estimate(n) if filling else None
         return fill if fill is not None else self._cost.estimate(n)
 
@@ -433,6 +431,8 @@ class EngineThread(Drafts, Lanes):
             if slot.lookup is not None:  # (a model with lookup off keeps no history)
                 self._history.add(slot.cached, job.n_prompt)
             text, ids, reason = slot.final_text(reason, job.spec.stop)
+            if job.background:  # (its slot likely goes to another: the copy, now, is
+                self._keep(slot)  # off the path of an interactive job's first token)
         out.append((job, Output(text, tuple(ids), True, reason, error,
                                 logprobs=slot.take_logprobs() if ids else None)))
         slot.held_logprobs = []
