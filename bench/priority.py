@@ -14,7 +14,7 @@ One daemon, SmolLM2 (the default model) with 4 slots. The phases, one after anot
 
 and phases 2-4 again for each further ``--rounds``. This machine's speed drifts by as
 much as the quantity measured (the two alone phases around one mixed phase have
-differed by 10%), so each mixed phase is set against the mean of the alone phases just
+differed by 10-20%), so each mixed phase is set against the mean of the alone phases just
 before and after it, and the rounds are summed.
 
 It prints the interactive time to first token, mixed vs idle (median and p95 over all
@@ -284,9 +284,15 @@ def report(rounds: list[Round], expected: int) -> None:
     if len(tokens) != 1:
         raise SystemExit(f"background requests generated {sorted(tokens)} tokens: not the "
                          "same work, no ratio")
-    latency([t for r in rounds for t in r.idle], [t for r in rounds for t in r.mixed_it])
+    idle_it, mixed_it = [t for r in rounds for t in r.idle], [t for r in rounds for t in r.mixed_it]
+    answers = [statistics.mean(t.tokens for t in group) for group in (idle_it, mixed_it)]
+    if abs(answers[0] - answers[1]) > 0.1 * answers[0]:
+        raise SystemExit(f"interactive answers averaged {answers[0]:.1f} tokens idle and "
+                         f"{answers[1]:.1f} mixed: not the same work, no ratio")
+    latency(idle_it, mixed_it)
     print(f"background: every request finished ({len(background)} phases of {expected}, "
-          f"{tokens.pop()} tokens each)")
+          f"{tokens.pop()} tokens each); interactive answers {answers[0]:.1f} tokens on "
+          f"average idle, {answers[1]:.1f} mixed")
     total_lost = total_work = 0.0
     for i, r in enumerate(rounds, 1):
         lost, work = r.lost()

@@ -126,9 +126,10 @@ def test_an_interactive_job_parks_the_background_job_whose_cells_share_its_promp
     runner = Runner(tiny_gguf, context=2048, parallel=2, notify=c)
     try:
         system = "system: answer briefly, in plain words, and check every fact. " * 3
-        near = _job(runner, "near", system + "now write about the sea", 400,
+        # (long enough that neither ends, freeing a slot, before the person comes)
+        near = _job(runner, "near", system + "now write about the sea", 900,
                     background=True, temperature=1.0)
-        far = _job(runner, "far", "other work", 400, background=True, temperature=1.0)
+        far = _job(runner, "far", "other work", 900, background=True, temperature=1.0)
         runner.submit(near)
         runner.submit(far)
         wait_until(lambda: all(len(c.outputs.get(t, [])) >= 3 for t in ("near", "far")),
