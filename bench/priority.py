@@ -75,6 +75,8 @@ class Timed:
     tokens: int = 0
     reason: str = ""
     positions: list[int] = field(default_factory=list)
+    chunks: list[tuple[float, int]] = field(default_factory=list)
+    """(when, how many tokens) for each chunk of tokens that came."""
 
 
 NO_END: tuple[Bias, ...] = ()
@@ -101,6 +103,7 @@ async def request(client: object, model: str, prompt: str, n: int, t0: float, *,
             if event.chunk.ids and timed.first_token is None:
                 timed.first_token = now
             timed.tokens += len(event.chunk.ids)
+            timed.chunks.append((now, len(event.chunk.ids)))
             if event.finished:
                 timed.ended, timed.reason = now, "finished"
         elif isinstance(event, Error):
@@ -143,6 +146,22 @@ async def phase(model: str, *, background: int, every: float, interactive: int |
             i += 1
     makespan = max((b.ended or 0) for b in bg) if bg else 0.0
     return bg, it, makespan
+
+
+def tail(background: list[Timed]) -> float:
+    """How long a phase's end ran with fewer jobs than slots: from the end of the fourth
+    last background request to the end of the last. Jobs start one after another (a
+    step reads one background prompt), so this varies from phase to phase by a second
+    or two of the makespan, alone or mixed alike: part of the noise rounds average out."""
+    ends = sorted(t.ended or 0 for t in background)
+    return ends[-1] - ends[-4] if len(ends) >= 4 else 0.0
+
+
+def before_tail(background: list[Timed]) -> tuple[float, int]:
+    """(when the fourth last background request ended, the tokens all had received by
+    then): the phase while every slot had background work, without its tail."""
+    end = sorted(t.ended or 0 for t in background)[-4]
+    return end, sum(n for t in background for when, n in t.chunks if when <= end)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -222,7 +241,9 @@ def main() -> None:
                 alone.append(await go(args.background, 0))
                 rounds.append(Round(alone[r], mixed[0], mixed[1], mixed[2], idle, alone[r + 1]))
                 print(f"round {r + 1}: background alone {alone[r][2]:.1f} s, mixed "
-                      f"{mixed[2]:.1f} s, alone {alone[r + 1][2]:.1f} s", flush=True)
+                      f"{mixed[2]:.1f} s, alone {alone[r + 1][2]:.1f} s (tails, fewer jobs "
+                      f"than slots: {tail(alone[r][0]):.1f}, {tail(mixed[0]):.1f}, "
+                      f"{tail(alone[r + 1][0]):.1f} s)", flush=True)
             report(rounds, args.background)
 
         anyio.run(run)
@@ -248,6 +269,17 @@ class Round:
         lost = self.t_mixed - sum(r.tokens for r in self.mixed_bg) / thr_alone
         work = statistics.mean((r.ended or 0) - r.sent for r in self.idle) * len(self.mixed_it)
         return lost, work
+
+    def lost_before_tail(self) -> tuple[float, float]:
+        """``lost`` up to the fourth last background request's end, in every phase (the
+        tail, a second or two that varies by itself, left out: a steadier comparison,
+        not the total the target names)."""
+        (t_before, n_before), (t_after, n_after) = (before_tail(p[0]) for p in (self.before,
+                                                                               self.after))
+        t_mixed, n_mixed = before_tail(self.mixed_bg)
+        lost = t_mixed - n_mixed / ((n_before + n_after) / (t_before + t_after))
+        per = statistics.mean((r.ended or 0) - r.sent for r in self.idle)
+        return lost, per * sum(1 for r in self.mixed_it if r.sent < t_mixed)
 
 
 def latency(idle: list[Timed], mixed_it: list[Timed]) -> None:
@@ -302,6 +334,10 @@ def report(rounds: list[Round], expected: int) -> None:
               f"{len(r.mixed_it)} interactive requests that took {work:.1f} s on an idle daemon")
     print(f"  in all: the background lost {total_lost:.1f} s to interactive work that took "
           f"{total_work:.1f} s (target: lost <= that; ratio {total_lost / total_work:.2f})")
+    steady = [r.lost_before_tail() for r in rounds]
+    print("  while every slot had background work (each phase up to its fourth last end): "
+          "lost " + ", ".join(f"{lost:.1f}/{work:.1f}" for lost, work in steady)
+          + f" s; in all ratio {sum(x[0] for x in steady) / sum(x[1] for x in steady):.2f}")
     for what, group in (("background alone", [t for p in alone for t in p[0]]),
                         ("background mixed", [t for r in rounds for t in r.mixed_bg])):
         errors = eta_errors(group)

@@ -148,6 +148,41 @@ def test_an_interactive_job_parks_the_background_job_whose_cells_share_its_promp
         runner.close()
 
 
+@pytest.mark.parametrize("queued", [False, True])
+def test_with_no_background_work_queued_the_job_nearest_its_end_is_parked(
+        tiny_gguf: Path, queued: bool) -> None:
+    # The last background jobs of a batch: parking the one that would end last makes
+    # the batch end later; the one nearest its end has time to spare. While more
+    # background work waits for a slot, the job with the fewest cells (the cheapest to
+    # copy out) is parked instead.
+    c = Ordered()
+    runner = Runner(tiny_gguf, context=4096, parallel=2, notify=c)
+    try:
+        # "short" has more cells (a longer prompt) and less work left than "long".
+        short = _job(runner, "short", "a longer prompt for the job that ends first " * 4,
+                     1200, background=True, temperature=1.0)
+        long = _job(runner, "long", "other work", 3800, background=True, temperature=1.0)
+        jobs = [short, long]
+        if queued:
+            jobs.append(_job(runner, "queued", "more work", 5, background=True))
+        for job in jobs:
+            runner.submit(job)
+        wait_until(lambda: all(len(c.outputs.get(t, [])) >= 3 for t in ("short", "long")),
+                   "both background jobs to run")
+        it = _job(runner, "it", "what is the capital of France?", 5)
+        assert common_prefix(short.spec.tokens, it.spec.tokens) == common_prefix(
+            long.spec.tokens, it.spec.tokens)
+        runner.submit(it)
+        c.wait("it")
+        assert (short.n_parked, long.n_parked) == ((0, 1) if queued else (1, 0))
+        assert short.n_generated < short.spec.max_tokens  # (it was running when parked)
+        for job in jobs:
+            runner.cancel(job, "done")
+            c.wait(job.tag)
+    finally:
+        runner.close()
+
+
 def test_a_finished_background_conversation_is_kept_before_its_slot_is_wanted(
         tiny_gguf: Path) -> None:
     # Copying a conversation out of a slot takes milliseconds (tens, on a busy CPU); a

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -107,6 +108,20 @@ def resume(L: Any, ctx: Any, mem: Any, parked: Parked, slot: Slot) -> None:
     slot.draft = []
 
 
+def victim_rank(slot: Slot, *, tokens: Sequence[int], drained: bool) -> tuple[int, int]:
+    """How fit ``slot``'s background job is to be parked for an interactive job whose
+    prompt is ``tokens`` (the highest is parked). First, the cells it shares with that
+    prompt (a chat template's system turn, say): each is a token the person's first token
+    need not wait for. Then, while other background work waits to take a slot freed
+    early, the fewest cells (the cheapest to copy out); once none waits (``drained``),
+    the least work left: that job finishes before the others even parked, so the batch
+    ends no later for it, where parking the job that ends last makes it end later."""
+    job = slot.job
+    assert job is not None
+    left = job.spec.max_tokens - job.n_generated + len(slot.todo)
+    return common_prefix(slot.cached, tokens), -left if drained else -slot.n_past
+
+
 class Lanes:
     """The engine thread's scheduling of two lanes (``EngineThread`` inherits it): a
     pending interactive job takes a free slot first, else parks a background job to
@@ -142,13 +157,11 @@ class Lanes:
                     victims = [s for s in self._slots if parkable(s)]
                     if not victims:
                         return
-                    # The slot whose cells share the most of the newcomer's prompt (a
-                    # chat template's system turn, say: each token shared is one its
-                    # first token need not wait for), then the fewest cells (the
-                    # cheapest to copy out). A parked job resumes with its own cells.
                     tokens = urgent.spec.tokens if urgent_parked is None and urgent else ()
-                    self._parked.append(park(max(victims, key=lambda s: (
-                        common_prefix(s.cached, tokens), -s.n_past))))
+                    self._parked.append(park(max(victims, key=partial(
+                        victim_rank, tokens=tokens, drained=not any(
+                            j.background for j in [*self._pending, *(
+                                p.job for p in self._parked)])))))
                 if urgent_parked is not None:
                     self._resume(urgent_parked)
                 else:
