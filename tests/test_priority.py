@@ -4,6 +4,7 @@ request hears an estimate of its start; fleet, the audit log and /metrics name l
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from everycycle.client import SyncClient
 from everycycle.daemon.eta import Rates, Work, starts
 from everycycle.engine.jobs import Job, JobSpec, Output, Sampling, common_prefix
 from everycycle.engine.lookup import StepCost
+from everycycle.engine.promptcache import Spares
 from everycycle.engine.runner import Runner
 from everycycle.engine.steps import BACKGROUND_CHUNK
 from everycycle.errors import ErrorKind
@@ -82,6 +84,23 @@ def test_an_interactive_job_parks_a_background_one_which_resumes_where_it_stoppe
     assert outs[-1].reason == "length" and bg.n_generated == 300
     assert sum(len(o.ids) for o in outs) == 300
     assert it.n_generated == 20 and c.outputs["it"][-1].reason == "length"
+    # Its cells were copied out into a buffer that is spare again, for the next park.
+    assert runner._spares.bytes > 0 and not runner._spares._lent
+
+
+def test_spare_buffers_are_lent_smallest_first_and_kept_within_a_limit() -> None:
+    spares = Spares(limit=300)
+    first = spares.lend(100)
+    assert len(first) == 125  # (room for a job's cells to grow)
+    state = spares.view(first, 90)
+    assert len(state) == 90 and ctypes.addressof(state) == ctypes.addressof(first)
+    spares.give_back(state)
+    assert spares.bytes == 125
+    big = spares.lend(200)  # (none spare holds it: new)
+    assert spares.lend(110) is first and spares.bytes == 0
+    spares.spare(first)
+    spares.spare(big)  # 125 + 250 > 300: the oldest goes
+    assert spares.bytes == 250 and spares.lend(1) is big
 
 
 def test_a_conversation_the_resumed_job_overwrites_is_kept_for_its_next_turn(

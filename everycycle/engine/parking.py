@@ -75,15 +75,24 @@ def park(slot: Slot) -> Parked:
     return parked
 
 
-def save(L: Any, ctx: Any, parked: Parked) -> None:
-    """Copy the parked job's cells out of its slot (another job takes the slot now)."""
+def save(L: Any, ctx: Any, parked: Parked, spares: promptcache.Spares) -> None:
+    """Copy the parked job's cells out of its slot (another job takes the slot now), into
+    a buffer of ``spares`` (``drop`` gives it back)."""
     slot = parked.slot
     assert slot is not None
-    parked.state = promptcache.copy_state(L, ctx, slot.seq)
+    parked.state = promptcache.copy_state(L, ctx, slot.seq, spares)
     parked.slot = slot.parked = None
 
 
-def resume(L: Any, ctx: Any, mem: Any, parked: Parked, slot: Slot) -> None:
+def drop(parked: Parked, spares: promptcache.Spares) -> None:
+    """The parked job's copied cells are read no more."""
+    if parked.state is not None:
+        spares.give_back(parked.state)
+        parked.state = None
+
+
+def resume(L: Any, ctx: Any, mem: Any, parked: Parked, slot: Slot,
+           spares: promptcache.Spares) -> None:
     """Put the parked job back on the free ``slot``, as it was when it stopped."""
     if parked.slot is not slot:
         # (its own slot, when untouched, is where it resumes: elsewhere, it was copied)
@@ -98,7 +107,7 @@ def resume(L: Any, ctx: Any, mem: Any, parked: Parked, slot: Slot) -> None:
             pending = parked.todo if parked.todo else [parked.last]
             parked.todo = parked.cached + pending
             parked.n_past = 0
-        parked.state = None
+        drop(parked, spares)
     slot.parked = parked.slot = None
     slot.job = parked.job
     slot.n_past, slot.todo, slot.last = parked.n_past, parked.todo, parked.last
@@ -136,6 +145,8 @@ class Lanes:
     _parked: list[Parked]
     _samplers: Samplers
     _cache: promptcache.PromptCache | None
+    _spares: promptcache.Spares
+    """Buffers parked jobs' cells are copied into, used again."""
     steps: int
 
     def _start(self, job: Job, out: list[tuple[Job, Output]]) -> None:
@@ -190,7 +201,7 @@ class Lanes:
                 # person's next request restores it instead of reading it again)
                 self._keep(slot)
             self._vacate(slot)
-        resume(self._L, self._ctx, self._mem, parked, slot)
+        resume(self._L, self._ctx, self._mem, parked, slot, self._spares)
         slot.used = self.steps
 
     def _keep(self, slot: Slot, shared: int = 0) -> None:
@@ -203,7 +214,7 @@ class Lanes:
     def _vacate(self, slot: Slot) -> None:
         """Before another job takes ``slot``: copy out a parked job's cells it holds."""
         if slot.parked is not None:
-            save(self._L, self._ctx, slot.parked)
+            save(self._L, self._ctx, slot.parked, self._spares)
 
     def _end_parked(self, out: list[tuple[Job, Output]], *, all_: bool) -> None:
         """End the parked jobs that were cancelled (``all_``: every one) as cancelled."""
@@ -211,6 +222,7 @@ class Lanes:
             if all_ or parked.job._cancel_reason is not None:
                 self._parked.remove(parked)
                 self._samplers.free(parked.sampler)
+                drop(parked, self._spares)
                 if parked.slot is not None:
                     parked.slot.parked = None  # (its cells stay, as any conversation's)
                 out.append((parked.job, Output("", (), True, "cancelled")))

@@ -226,11 +226,66 @@ def ram_limit(mib: int) -> int:
     return min(AUTO_MAX, available // 4)
 
 
-def copy_state(L: Any, ctx: Any, seq: int) -> State | None:
-    """Sequence ``seq``'s KV state, copied out of ``ctx`` (None when it has none)."""
+class Spares:
+    """Buffers to copy states into that were used before: copying into fresh memory pays
+    for its pages (an 8 MB state on a busy 2-core CPU: ~5 ms of a ~6 ms copy), into a used
+    buffer not. For what is copied out only to go back soon (a parked job's cells): its
+    buffer is spare again once the state is restored (``give_back``). Keeps ``limit``
+    spare bytes at most, the newest. Engine thread only."""
+
+    HEADROOM = 1.25
+    """A new buffer's size over the state's: a job's cells grow while it runs."""
+
+    def __init__(self, limit: int = 64 << 20) -> None:
+        self.limit = limit
+        self._free: list[Any] = []
+        self._lent: dict[int, tuple[Any, Any]] = {}
+        """id(state) -> (the state, the buffer it is a view of)."""
+
+    def lend(self, size: int) -> Any:
+        """A buffer of at least ``size`` bytes: the smallest spare that holds it, or new."""
+        fit = [b for b in self._free if len(b) >= size]
+        if not fit:
+            return (ctypes.c_uint8 * int(size * self.HEADROOM))()
+        buf = min(fit, key=len)
+        self._free.remove(buf)
+        return buf
+
+    def view(self, buf: Any, n: int) -> Any:
+        """The first ``n`` bytes of ``buf`` (lent), as the state they hold."""
+        state = (ctypes.c_uint8 * n).from_buffer(buf)
+        self._lent[id(state)] = (state, buf)
+        return state
+
+    def give_back(self, state: Any) -> None:
+        """``state`` (from ``view``) is read no more: its buffer is spare again."""
+        _, buf = self._lent.pop(id(state))
+        self.spare(buf)
+
+    def spare(self, buf: Any) -> None:
+        self._free.append(buf)
+        while sum(len(b) for b in self._free) > self.limit:
+            self._free.pop(0)
+
+    @property
+    def bytes(self) -> int:
+        """What the spare buffers hold."""
+        return sum(len(b) for b in self._free)
+
+
+def copy_state(L: Any, ctx: Any, seq: int, spares: Spares | None = None) -> State | None:
+    """Sequence ``seq``'s KV state, copied out of ``ctx`` (None when it has none); into a
+    buffer ``spares`` lends when given (give it back once the state is restored)."""
     size = int(L.llama_state_seq_get_size(ctx, seq))
     if size <= 0:
         return None
+    if spares is not None:
+        buf = spares.lend(size)
+        n = int(L.llama_state_seq_get_data(ctx, buf, size, seq))
+        if n <= 0:
+            spares.spare(buf)
+            return None
+        return spares.view(buf, n)
     buf = (ctypes.c_uint8 * size)()
     n = int(L.llama_state_seq_get_data(ctx, buf, size, seq))
     if n <= 0:

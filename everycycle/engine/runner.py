@@ -177,6 +177,7 @@ class Runner(EngineThread):
         self._slots = [Slot(seq=i) for i in range(parallel)]
         self._pending: deque[Job] = deque()
         self._parked: list[Parked] = []
+        self._spares = promptcache.Spares()
         self._closing = False
         # Guards the model against use from other threads (tokenize) while close() frees it.
         self._life = threading.Lock()
