@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from llamacheck import smollm2
 
 from everycycle.chatfmt import constraint
-from everycycle.chatfmt.tools import ToolFormat, call_grammar
+from everycycle.chatfmt.callgrammar import call_grammar
+from everycycle.chatfmt.tools import ToolFormat
 
 
 def agent_tools(agent: str) -> list[dict[str, Any]]:
@@ -72,7 +73,7 @@ def main() -> None:
         if not tools:
             continue
         started = time.perf_counter()
-        grammar = call_grammar(ToolFormat.GENERIC, tools, forced=False)
+        grammar = call_grammar(ToolFormat.GENERIC, tools, forced=False).grammar
         vocab.constraints.check(grammar)
         compiled = (time.perf_counter() - started) * 1e3
         times = walk(vocab, grammar)

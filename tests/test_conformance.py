@@ -51,9 +51,13 @@ def groups() -> Iterator[tuple[str, int, dict[str, Any]]]:
 
 
 def refusal_names_why(message: str) -> bool:
-    """A refusal names the keyword it does not implement, or what it cannot resolve."""
+    """A refusal names the keyword it does not implement and its place, or what it
+    cannot resolve."""
     if "Unimplemented keys" in message:
-        return bool(re.search(r'Unimplemented keys: \[".+"\]', message))
+        return False  # (llguidance's own words, without the place)
+    if "constraint engine" in message:
+        return bool(re.search(r"`[^`]+` \(at #[^`]*\) (is not enforced|has branches)",
+                              message))
     return len(message) > len("json_schema: ")
 
 

@@ -9,6 +9,7 @@ from collections.abc import Collection
 from ..protocol import ToolCall
 from .chat import ChatPrompt
 from .reasoning import ReasoningFormat, ReasoningSplitter
+from .schemacheck import ArgumentCheck
 from .toolparse import CallDelta, StreamParser, TextDelta
 from .tools import ToolFormat
 
@@ -17,13 +18,19 @@ class ChatOutput:
     """Feeds on the generated text; gives back (answer, reasoning) pieces to send now,
     and at the end the tool calls and how many were malformed."""
 
-    def __init__(self, prompt: ChatPrompt, tool_names: Collection[str] | None) -> None:
+    def __init__(self, prompt: ChatPrompt, tool_names: Collection[str] | None,
+                 check: ArgumentCheck | None = None) -> None:
         self._thinking = (ReasoningSplitter(ReasoningFormat[prompt.reasoning],
                                             starts_inside=prompt.starts_inside)
                           if prompt.reasoning else None)
         self._tools = (StreamParser(ToolFormat[prompt.tool_format], names=tool_names)
                        if prompt.tool_format and tool_names else None)
         self.calls: list[ToolCall] = []
+        self._check = check
+        self.invalid: list[str] = []
+        """Calls whose arguments break their tool's schema where its grammar did not
+        enforce all of it (``schemacheck``): why, one line each. They are returned as
+        the model wrote them."""
         self._args: dict[int, list[str]] = {}
         self._heads: dict[int, tuple[str, str]] = {}
 
@@ -43,6 +50,9 @@ class ChatOutput:
         for index in sorted(self._heads):
             call_id, name = self._heads[index]
             self.calls.append(ToolCall(call_id, name, "".join(self._args[index])))
+            problem = self._check.problem(name, self.calls[-1].arguments) if self._check else None
+            if problem is not None:
+                self.invalid.append(f"'{name}': {problem}")
         return answer, thought
 
     @property

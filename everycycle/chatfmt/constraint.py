@@ -5,8 +5,10 @@ Every constraint — a JSON Schema (``json_schema``, OpenAI's ``response_format`
 ``grammar``) and the tool-call grammars of ``tools.py`` — becomes one llguidance grammar
 (its serialized form, a string), which the engine's matcher enforces token by token
 (``engine/constraint.py``). llguidance is the constraint engine llama.cpp itself offers
-as its grammar backend; we write no converter of our own: a schema keyword it does not
-implement is refused with a 400 naming it, never dropped.
+as its grammar backend; we write no converter of our own: in a schema a client asked us
+to enforce (``response_format``, a ``strict`` tool), a keyword it does not implement is
+refused with a 400 naming it and its place, never dropped; a tool list's schemas are
+compiled ``lenient`` instead (``tools.py``, ``schemacheck.py``).
 
 Pure: no llama.cpp, no tokenizer. ``check`` compiles the grammar's rules (no vocabulary)
 so that what is broken is refused before a model is asked.
@@ -20,6 +22,9 @@ from typing import Any
 
 from ..errors import InvalidRequestError, ProtocolError
 from ..protocol.validation import parse_json
+from .schemacheck import SCHEMA_MAPS as _SCHEMA_MAPS
+from .schemacheck import VALUES as _VALUES
+from .schemacheck import refusal
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 """What OpenAI's ``response_format: {"type": "json_object"}`` asks for."""
@@ -52,29 +57,56 @@ def _llg() -> Any:
     return llguidance
 
 
-@functools.cache
-def limits() -> Any:
-    """The parser's limits on what a grammar may cost (llguidance's ``LLParserLimits``).
-    The lexer's fuel is a fifth of llguidance's defaults (measured: a ``pattern`` of
-    ``^(a{1000}){1000}$`` took 34 s to its first mask with the defaults, and fails in
-    0.5 s with these); errors stay short (no grammar dump)."""
-    return _llg().LLParserLimits(verbose_errors=False, initial_lexer_fuel=200_000,
+LEXER_FUEL = 200_000
+"""The lexer's fuel for a small grammar: a fifth of llguidance's default (measured: a
+``pattern`` of ``^(a{1000}){1000}$`` took 34 s to its first mask with the default, and
+fails in 0.5 s with this)."""
+FUEL_PER_CHAR = 4
+"""More fuel for each character of a grammar, so that a long tool list (measured: 300
+tools of 30 properties, 1.2 MB, needs ~1.1M) compiles in time in proportion to its length
+(~50k fuel a millisecond): 0.6 s for that list."""
+
+
+@functools.lru_cache(maxsize=64)
+def _limits(fuel: int) -> Any:
+    return _llg().LLParserLimits(verbose_errors=False, initial_lexer_fuel=fuel,
                                  step_lexer_fuel=50_000)
 
 
-def json_schema(schema: str | dict[str, Any] | bool, where: str = "json_schema") -> str:
+def fuel(grammar: str) -> int:
+    """The lexer's fuel for ``grammar``: its compile budget grows with its length
+    (``FUEL_PER_CHAR`` a character past the first 64k, rounded up to 64k characters so
+    that few budgets exist)."""
+    size = -(-len(grammar) // 65536) * 65536 if len(grammar) > 65536 else 0
+    return LEXER_FUEL + FUEL_PER_CHAR * size
+
+
+def limits(grammar: str = "") -> Any:
+    """The parser's limits on what ``grammar`` may cost (llguidance's
+    ``LLParserLimits``, with ``fuel``); errors stay short (no grammar dump)."""
+    return _limits(fuel(grammar))
+
+
+def json_schema(schema: str | dict[str, Any] | bool, where: str = "json_schema",
+                hint: str = "") -> str:
     """The llguidance grammar for a JSON Schema (its JSON text, or parsed).
 
     Raises InvalidRequestError naming what is wrong: not JSON, not a schema, a keyword
-    llguidance does not implement, a schema too large.
+    llguidance does not implement (and its place; ``hint`` follows that sentence), a
+    schema too large.
     """
-    parsed = for_generation(_parse(schema, where), where)
+    written = _parse(schema, where)
+    parsed = for_generation(written, where)
     count_nodes(parsed, where)
     try:
         grammar: str = _llg().LLMatcher.grammar_from_json_schema(parsed, defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"{where}: {exc}") from None
-    return check(grammar, where)
+    error = _llg().LLMatcher.validate_grammar(grammar, None, limits=limits(grammar))
+    if error:
+        raise InvalidRequestError(refusal(where, written, error, hint)
+                                  or f"{where}: {short(error)}")
+    return grammar
 
 
 def for_generation(schema: dict[str, Any] | bool, where: str) -> dict[str, Any]:
@@ -162,10 +194,20 @@ def gbnf(text: str, where: str = "grammar") -> str:
 def check(grammar: str, where: str) -> str:
     """``grammar`` once llguidance has compiled its rules without error; else
     InvalidRequestError with llguidance's message (which names the keyword or rule)."""
-    error = _llg().LLMatcher.validate_grammar(grammar, None, limits=limits())
+    error = _llg().LLMatcher.validate_grammar(grammar, None, limits=limits(grammar))
     if error:
         raise InvalidRequestError(f"{where}: {short(error)}")
     return grammar
+
+
+def compile_messages(grammar: str) -> tuple[str | None, list[str]]:
+    """Compile ``grammar``'s rules (no vocabulary): (its error or None, and llguidance's
+    warnings: what a ``lenient`` schema in it had relaxed)."""
+    failed, messages = _llg().LLMatcher.validate_grammar_with_warnings(
+        grammar, None, limits=limits(grammar))
+    if failed:
+        return short(messages[0] if messages else "the grammar does not compile"), []
+    return None, [str(m) for m in messages]
 
 
 def short(message: str, limit: int = 600) -> str:
@@ -216,11 +258,6 @@ def _rewrite(schema: Any, close: bool) -> Any:
     return out
 
 
-_VALUES = frozenset(("const", "enum", "default", "examples"))
-"""Keywords whose value is data, not a schema: left exactly as they are."""
-_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions",
-                          "dependentSchemas"))
-"""Keywords whose value maps names (never keywords) to schemas."""
 
 
 def count_nodes(schema: object, where: str, limit: int = MAX_SCHEMA_NODES) -> int:

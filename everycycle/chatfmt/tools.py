@@ -16,7 +16,8 @@ Formats, in the spirit of llama.cpp's common/chat.cpp:
 Parsing is one state machine (``StreamParser``); ``parse`` feeds it the whole text, so
 streamed and whole results agree. A call that does not decode, or names an unknown tool,
 goes back into the content verbatim and is counted in ``malformed``. Whitespace between
-content and a recognised call, and between calls, is dropped.
+content and a recognised call, and between calls, is dropped. The grammar of calls is
+``callgrammar.py``'s.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidRequestError
-from .constraint import JSON_OPTIONS, WS_PATTERN, count_nodes, for_generation, lark
 
 
 class ToolFormat(enum.Enum):
@@ -89,11 +89,14 @@ def triggers(fmt: ToolFormat) -> list[str]:
 
 @dataclass(frozen=True)
 class Tool:
-    """One function tool: its name, description and parameters' JSON schema."""
+    """One function tool: its name, description and parameters' JSON schema; ``strict``
+    (only where a client says ``strict: true``): the schema is enforced whole, or the
+    request refused."""
 
     name: str
     description: str
     parameters: dict[str, Any]
+    strict: bool = False
 
 
 def normalize_tools(tools: Sequence[Mapping[str, Any]]) -> list[Tool]:
@@ -124,7 +127,7 @@ def normalize_tools(tools: Sequence[Mapping[str, Any]]) -> list[Tool]:
             raise InvalidRequestError(f"{where}.parameters must be a JSON schema object")
         description = tool.get("description")
         out.append(Tool(name, description if isinstance(description, str) else "",
-                        dict(params)))
+                        dict(params), tool.get("strict") is True))
     return out
 
 
@@ -157,83 +160,3 @@ def add_system_prompt(messages: Sequence[Mapping[str, Any]], text: str) -> list[
     else:
         out.insert(0, {"role": "system", "content": text})
     return out
-
-
-# -- grammar -----------------------------------------------------------------------------
-
-
-def _lit(text: str) -> str:
-    """``text`` as a Lark string literal."""
-    return json.dumps(text, ensure_ascii=False)
-
-
-def _call_rules(fmt: ToolFormat, chosen: Sequence[Tool]) -> list[str]:
-    """``call``: one call of one of ``chosen``, as ``fmt`` writes its JSON object (the
-    name first, then the arguments, each tool's own schema on its arguments);
-    ``bare``: the rest of a LLAMA3 call after its ``"name":``."""
-    args_key = "parameters" if fmt is ToolFormat.LLAMA3 else "arguments"
-    rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(chosen)))}",
-             f"bare: {' | '.join(f'bare_{i}' for i in range(len(chosen)))}"]
-    for i, tool in enumerate(chosen):
-        schema = {**for_generation(tool.parameters, "tools"), "x-guidance": JSON_OPTIONS}
-        tail = ""
-        if fmt is ToolFormat.MISTRAL:
-            tail = f' WS "," WS {_lit(json.dumps("id"))} WS ":" WS MISTRAL_ID'
-        rules += [
-            f'call_{i}: "{{" WS {_lit(json.dumps("name"))} WS ":" bare_{i}',
-            (f"bare_{i}: WS {_lit(json.dumps(tool.name, ensure_ascii=False))} WS \",\" WS "
-            f"{_lit(json.dumps(args_key))} WS \":\" WS args_{i}{tail} WS \"}}\""),
-            f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}",
-        ]
-    return rules
-
-
-def call_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], *, forced: bool,
-                 name: str | None = None, parallel: bool = True) -> str:
-    """The constraint (llguidance's grammar) for a well-formed call, in ``fmt``, of one
-    of ``tools`` (only the one named ``name`` when given) whose arguments follow that
-    tool's schema; ``parallel`` allows several calls. Unless ``forced`` (or a name is
-    given), the output may be free text, and must be a call from the format's trigger
-    on (``triggers``, LLAMA3's ``LLAMA3_START``); GENERIC then also allows
-    ``{"response": "..."}``.
-
-    Raises InvalidRequestError for bad tools, an unknown ``name``, or a schema the
-    constraint engine refuses (naming its keyword).
-    """
-    chosen = normalize_tools(tools)
-    if name is not None:
-        chosen = [t for t in chosen if t.name == name]
-        if not chosen:
-            raise InvalidRequestError(f"tool_choice names {name!r}, which is not in tools")
-    if not chosen:
-        raise InvalidRequestError("tools is empty: there is nothing to call")
-    count_nodes([t.parameters for t in chosen], "tools")
-    free = not forced and name is None
-    if fmt is ToolFormat.HERMES:
-        close = f"WS call WS {_lit(HERMES_CLOSE)}"
-        more = f" (WS {_lit(HERMES_OPEN)} {close})*" if parallel else ""
-        start = f"lead {close}{more} | TEXT" if free else f"{_lit(HERMES_OPEN)} {close}{more}"
-        rules = [f"lead[lazy]: TEXT {_lit(HERMES_OPEN)}"]
-    elif fmt is ToolFormat.LLAMA3:
-        more = ' (WS (";" WS)? call)*' if parallel else ""
-        start = (f"py_lead WS call{more} | bare_lead bare{more} | TEXT" if free
-                 else f"({_lit(PYTHON_TAG)} WS)? call{more}")
-        rules = [f"py_lead[lazy]: TEXT {_lit(PYTHON_TAG)}",
-                 f"bare_lead[lazy]: /{LLAMA3_START}/"]
-    elif fmt is ToolFormat.MISTRAL:
-        array = '"[" WS call (WS "," WS call)* WS "]"' if parallel else '"[" WS call WS "]"'
-        start = "lead WS array | TEXT" if free else f"{_lit(MISTRAL_OPEN)} WS array"
-        rules = [f"array: {array}", f"lead[lazy]: TEXT {_lit(MISTRAL_OPEN)}",
-                 'MISTRAL_ID: /"[a-zA-Z0-9]{9}"/']
-    else:
-        listed = "call (WS \",\" WS call)*" if parallel else "call"
-        response = {"type": "object", "properties": {"response": {"type": "string"}},
-                    "required": ["response"], "additionalProperties": False,
-                    "x-guidance": JSON_OPTIONS}
-        start = "calls | response" if free else "calls"
-        rules = [(f'calls: "{{" WS {_lit(json.dumps("tool_calls"))} WS ":" WS "[" WS '
-                 f'{listed} WS "]" WS "}}"'),
-                 f"response: %json {json.dumps(response)}"]
-    lines = ["%llguidance {}", f"start: {start}", *rules, *_call_rules(fmt, chosen),
-             f"WS: /{WS_PATTERN}/", r"TEXT: /(.|\n)*/"]
-    return lark("\n".join(lines), "tools")

@@ -11,9 +11,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..chatfmt import constraint
+from ..chatfmt.callgrammar import CallGrammar, CallGrammars
 from ..chatfmt.chat import ChatPrompt
 from ..chatfmt.chatoutput import ChatOutput
-from ..chatfmt.tools import ToolFormat, call_grammar, tool_names
+from ..chatfmt.schemacheck import ArgumentCheck
+from ..chatfmt.tools import ToolFormat, tool_names
 from ..engine.contract import Engine
 from ..engine.jobs import Job, JobSpec, Sampling
 from ..errors import InvalidRequestError, ProtocolError
@@ -40,12 +42,12 @@ def _tools(req: Generate) -> list[dict[str, Any]] | None:
     return list(tools)
 
 
-def _tool_grammar(req: Generate, prompt: ChatPrompt, tools: list[dict[str, Any]]) -> str:
+def _tool_grammar(req: Generate, prompt: ChatPrompt, grammars: CallGrammars) -> CallGrammar:
     """The constraint that holds the model to well-formed calls (lazy under ``auto``:
-    free text stays free until a call begins)."""
-    assert prompt.tool_format is not None
+    free text stays free until a call begins), compiled once per list."""
+    assert prompt.tool_format is not None and req.tools is not None
     forced = req.tool_choice is ToolChoice.REQUIRED or req.tool_name is not None
-    return call_grammar(ToolFormat[prompt.tool_format], tools, forced=forced,
+    return grammars.get(ToolFormat[prompt.tool_format], req.tools, forced=forced,
                         name=req.tool_name, parallel=req.parallel_tool_calls is True)
 
 
@@ -75,9 +77,11 @@ def _model_grammar(spec: ModelSpec, req: Generate) -> str | None:
 
 
 def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: object,
-              background_age: float | None = None) -> tuple[Job, ChatOutput | None]:
+              background_age: float | None = None, grammars: CallGrammars | None = None
+              ) -> tuple[Job, ChatOutput | None]:
     """The engine Job for ``req`` on ``engine``, routed by ``tag``, and what splits its
-    output (None: the text is the answer).
+    output (None: the text is the answer). ``grammars``: the compiled tool lists kept
+    (a fresh one, keeping nothing, when not given).
 
     Raises InvalidRequestError for what cannot run: too long a prompt or input, a
     schema, grammar or tools that do not compile, a conversation for a completion model.
@@ -111,10 +115,12 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
         grammar = constraint.gbnf(req.grammar)
     elif (own := _model_grammar(spec, req)) is not None:
         grammar = constraint.gbnf(own, f"model '{spec.name}' grammar")
-    elif tools is not None and prompt is not None:
-        grammar = _tool_grammar(req, prompt, tools)
+    check: ArgumentCheck | None = None
+    if grammar is None and tools is not None and prompt is not None:
+        calls = _tool_grammar(req, prompt, grammars or CallGrammars(0))
+        grammar, check = calls.grammar, calls.check
     names = tool_names(tools) if tools is not None else None
-    output = (ChatOutput(prompt, names) if prompt is not None
+    output = (ChatOutput(prompt, names, check) if prompt is not None
               and ChatOutput.needed(prompt, names) else None)
     # On by default only where a draft's batch cannot change the output (the engine
     # checked at load); asked for explicitly, it runs regardless.

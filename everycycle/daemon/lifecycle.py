@@ -336,6 +336,9 @@ class Requests:
                     lane.background_moved = now
         started = active.started or now
         outcome_kind = event.kind if isinstance(event, Error) else None
+        for problem in active.output.invalid if active.output else ():
+            log.warning("request %s: a call of %s; returned as the model wrote it", rid,
+                        problem)
         outcome = Outcome(
             request_id=rid,
             model=active.model or active.req.model,
@@ -351,6 +354,7 @@ class Requests:
             principal=active.peer.principal.name,
             tool_calls=len(active.output.calls) if active.output else 0,
             malformed_calls=active.output.malformed if active.output else 0,
+            invalid_calls=len(active.output.invalid) if active.output else 0,
             context_limit=active.context_limit,
             lane=active.lane,
             cancel_cause=(active.cancelled.cause.value if active.cancelled is not None

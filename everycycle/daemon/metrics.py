@@ -154,8 +154,10 @@ class Metrics:
             "(queue, or the quota that refused them).", ["principal", "limit"],
             registry=self.registry)
         self.tool_calls = Counter(
-            "everycycle_tool_calls", "Tool calls parsed from models' output, and those "
-            "that did not parse (returned as text).", ["model", "outcome"],
+            "everycycle_tool_calls", "Tool calls parsed from models' output, those that "
+            "did not parse (returned as text), and those whose arguments break the parts "
+            "of their tool's schema the grammar did not enforce (invalid: returned as "
+            "written).", ["model", "outcome"],
             registry=self.registry)
         self._supervisor = supervisor
         self.registry.register(_Fleet(supervisor))
@@ -174,6 +176,8 @@ class Metrics:
             self.tool_calls.labels(model, "parsed").inc(outcome.tool_calls)
         if outcome.malformed_calls:
             self.tool_calls.labels(model, "malformed").inc(outcome.malformed_calls)
+        if outcome.invalid_calls:
+            self.tool_calls.labels(model, "invalid").inc(outcome.invalid_calls)
         self.prompt_tokens.labels(model).inc(outcome.prompt_tokens)
         self.cached_tokens.labels(model).inc(outcome.cached_tokens)
         self.generated_tokens.labels(model).inc(outcome.generated_tokens)

@@ -59,6 +59,9 @@ class Outcome:
     """Tool calls it made (its finish reason is then ``tool_calls``)."""
     malformed_calls: int = 0
     """Tool calls that did not parse: they reached the client as text."""
+    invalid_calls: int = 0
+    """Tool calls whose arguments break their tool's whole schema, where its grammar
+    enforced only part of it: returned as the model wrote them."""
     context_limit: int | None = None
     """Set when the prompt did not fit: the context's tokens (``prompt_tokens`` holds
     the prompt's), for the dialects' own "too long" errors."""

@@ -22,6 +22,7 @@ import anyio.abc
 import anyio.to_thread
 
 from .. import paths
+from ..chatfmt.callgrammar import CallGrammars
 from ..chatfmt.chatoutput import ChatOutput
 from ..engine.contract import Engine
 from ..engine.jobs import Job, Output
@@ -111,6 +112,8 @@ class Supervisor:
         self.requests = Requests(self.quotas, self._report, self.tasks)
         self.requests.background_age = self.limits.background_age
         self.remote = RemoteHosts([*rpc, *registry.rpc])
+        self.call_grammars = CallGrammars()
+        """Tool lists' compiled grammars: an agent sends the same list every turn."""
         self._outputs: Handoff[list[tuple[Job, Output]] | Engine] = Handoff()
         self.residency = Residency(
             registry, self.requests, self.remote, notify=self._outputs.put,
@@ -463,7 +466,8 @@ class Supervisor:
             try:
                 age = self.limits.background_age if active.background else None
                 return await anyio.to_thread.run_sync(build_job, model.spec, engine,
-                                                      active.req, active, age)
+                                                      active.req, active, age,
+                                                      self.call_grammars)
             except InternalError:
                 if engine.dead is None or attempt == 2:
                     raise

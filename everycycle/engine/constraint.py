@@ -125,6 +125,9 @@ class Constraints:
 
     KEEP = 16
     """Compiled grammars kept (each job takes a copy; an agent's tools repeat)."""
+    KEEP_CHARS = 16 << 20
+    """At most this much grammar text among them (a tool list's grammar is about its
+    JSON's length; the newest is always kept)."""
 
     def __init__(self, L: Any, vocab: Any, n_vocab: int) -> None:
         self._L = L
@@ -133,6 +136,7 @@ class Constraints:
         self._tokenizer: Any = None
         self._eos: list[int] = []
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._chars = 0
         self._lock = threading.Lock()
         self._build = threading.Lock()
 
@@ -153,7 +157,7 @@ class Constraints:
                 return
         import llguidance
 
-        m = llguidance.LLMatcher(self._tok(), grammar, log_level=0, limits=limits())
+        m = llguidance.LLMatcher(self._tok(), grammar, log_level=0, limits=limits(grammar))
         if m.is_error():
             raise InvalidRequestError(f"grammar: {short(m.get_error())}")
         bits = np.zeros((self._n_vocab + 31) // 32, dtype=np.int32)
@@ -165,9 +169,13 @@ class Constraints:
             raise InvalidRequestError("grammar: it matches no text at all (a $ref cycle, "
                                       "or rules that never end?)")
         with self._lock:
+            if grammar not in self._compiled:  # (another thread may have compiled it too)
+                self._chars += len(grammar)
             self._compiled[grammar] = m
-            while len(self._compiled) > self.KEEP:
-                self._compiled.popitem(last=False)
+            self._compiled.move_to_end(grammar)
+            while len(self._compiled) > 1 and (len(self._compiled) > self.KEEP
+                                               or self._chars > self.KEEP_CHARS):
+                self._chars -= len(self._compiled.popitem(last=False)[0])
 
     def matcher(self, grammar: str) -> Matcher:
         """A fresh matcher for ``grammar`` (a copy of the compiled one)."""
@@ -183,5 +191,6 @@ class Constraints:
         """Drop the compiled grammars and the tokenizer (the vocabulary is being freed)."""
         with self._lock:
             self._compiled.clear()
+            self._chars = 0
         with self._build:
             self._tokenizer = None

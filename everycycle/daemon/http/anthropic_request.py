@@ -10,7 +10,8 @@ taken. Other blocks (documents, server tool results) are refused.
 
 A ``system``-role message inside ``messages`` (Claude Code sends them) joins the system
 prompt, which leads the conversation as every template wants it. ``cache_control`` on
-any block, tool flags (``defer_loading``, ``cache_control``, ``strict``), server tools
+any block, tool flags (``defer_loading``, ``cache_control``; ``strict: true`` has the
+tool's schema enforced whole or refused), server tools
 (``web_search_*``, ``bash_*``, ...: we run none; they are left out of the prompt, with a
 debug line) and ``metadata``/``context_management``/``output_config``/``service_tier``
 are accepted; ``output_config.effort`` asks a thinking model to think.
@@ -183,8 +184,10 @@ def _tool(i: int, tool: object) -> dict[str, Any] | None:
     if not (isinstance(name, str) and isinstance(schema, dict)
             and isinstance(description, str)):
         raise _bad(where, "a tool is {name, description?, input_schema: {...}}")
-    return {"type": "function",
-            "function": {"name": name, "description": description, "parameters": schema}}
+    function: dict[str, Any] = {"name": name, "description": description, "parameters": schema}
+    if tool.get("strict") is True:  # (enforced whole, or refused)
+        function["strict"] = True
+    return {"type": "function", "function": function}
 
 
 def tools(data: dict[str, Any]) -> dict[str, Any]:

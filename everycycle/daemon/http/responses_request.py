@@ -140,7 +140,8 @@ def _function(where: str, tool: dict[str, Any], prefix: str = "") -> dict[str, A
     namespace's name and a dot)."""
     if not isinstance(tool.get("name"), str):
         raise _bad(where, "a tool needs its name")
-    function: dict[str, Any] = {k: tool[k] for k in ("description", "parameters") if k in tool}
+    function: dict[str, Any] = {k: tool[k] for k in ("description", "parameters", "strict")
+                                if k in tool}
     function["name"] = prefix + tool["name"]
     if tool.get("type") == "custom":  # freeform: one string
         function["parameters"] = {
