@@ -19,13 +19,15 @@ from everycycle.hardware.ggufwrite import finish
 N_EMBD, N_HEAD, N_LAYER, N_FF, N_CTX = 64, 4, 2, 128, 32768
 
 
-def write_tiny_bpe_gguf(path: Path, tokenizer_from: Path, *, seed: int = 7) -> Path:
-    """Write the model to ``path`` with the tokenizer of the GGUF ``tokenizer_from``."""
+def write_tiny_bpe_gguf(path: Path, tokenizer_from: Path, *, seed: int = 7,
+                        chat_template: str | None = None, n_ctx: int = N_CTX) -> Path:
+    """Write the model to ``path`` with the tokenizer of the GGUF ``tokenizer_from`` (and
+    its chat template, unless ``chat_template`` is given), trained for ``n_ctx``."""
     source = gguf.GGUFReader(str(tokenizer_from))
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-random-bpe")
-    w.add_context_length(N_CTX)
+    w.add_context_length(n_ctx)
     w.add_embedding_length(N_EMBD)
     w.add_block_count(N_LAYER)
     w.add_feed_forward_length(N_FF)
@@ -36,7 +38,8 @@ def write_tiny_bpe_gguf(path: Path, tokenizer_from: Path, *, seed: int = 7) -> P
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     n_vocab = 0
     for key, field in source.fields.items():
-        if not key.startswith("tokenizer."):
+        if not key.startswith("tokenizer.") or (
+                key == "tokenizer.chat_template" and chat_template is not None):
             continue
         value = field.contents()
         sub = field.types[1] if len(field.types) > 1 else None
@@ -44,6 +47,8 @@ def write_tiny_bpe_gguf(path: Path, tokenizer_from: Path, *, seed: int = 7) -> P
         if key == "tokenizer.ggml.tokens":
             n_vocab = len(value)
     assert n_vocab, f"{tokenizer_from} has no tokenizer.ggml.tokens"
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     def t(name: str, *shape: int) -> None:
         w.add_tensor(name, (rng.standard_normal(shape) * 0.5).astype(np.float32))

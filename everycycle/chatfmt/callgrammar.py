@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -164,8 +165,15 @@ def _schema_error(schema: Mapping[str, Any]) -> str | None:
     error = compile_messages(f"%llguidance {{}}\nstart: %json {json.dumps(body)}")[0]
     if error is None:
         return None
-    return (error.split(" 1 | ", 1)[0].removeprefix("at 2(8): ")
-            .removeprefix("failed to compile JSON schema: ").strip())
+    return _without_dump(error)
+
+
+def _without_dump(error: str) -> str:
+    """llguidance's error without its place in our grammar, its preamble and the
+    grammar's lines after it (``at 63(10): failed to compile JSON schema: … 61 |
+    call_18: …``)."""
+    error = re.sub(r"^at \d+\(\d+\): ", "", error).removeprefix("failed to compile JSON schema: ")
+    return re.split(r" \d+ \| ", error, maxsplit=1)[0].strip()
 
 
 def _relaxed_until_it_compiles(schema: dict[str, Any]
@@ -227,7 +235,7 @@ def _past_budget(chosen: Sequence[Tool], grammar: str, error: str) -> str:
     largest = max(chosen, key=lambda t: len(json.dumps(t.parameters)))
     return (f"tools: the list is past the constraint engine's compile budget "
             f"({fuel(grammar):,} lexer fuel for {len(grammar):,} characters of grammar: "
-            f"{error}), though each tool compiles alone; the largest is '{largest.name}' "
+            f"{_without_dump(error)}), though each tool compiles alone; the largest is '{largest.name}' "
             f"({len(json.dumps(largest.parameters)):,} bytes of schema)")
 
 

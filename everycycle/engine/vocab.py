@@ -8,10 +8,12 @@ while these run.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 from ..errors import InvalidRequestError
+from .tokencache import Pieces
 
 Turns = Sequence[tuple[bytes, str]]
 """(role, content) pairs."""
@@ -32,10 +34,55 @@ class Vocab:
         """The GGUF's chat template if llama.cpp can render it (probed once)."""
         self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
         """Whether tokenizing adds BOS itself."""
+        self._add_eos = bool(L.llama_vocab_get_add_eos(self._vocab))
+        self._pieces: Pieces | None = None
+        self._built = False
+        self._pieces_lock = threading.Lock()
 
     def tokenize(self, text: str, *, special: bool, add_special: bool = True) -> list[int]:
         """``text``'s tokens; ``special``: control tokens' text is parsed as them;
-        ``add_special``: BOS (and EOS) added where the vocabulary says."""
+        ``add_special``: BOS (and EOS) added where the vocabulary says. A long text with
+        special tokens is tokenized by its pieces, long ones once (``tokencache``)."""
+        if special and len(text) >= Pieces.MIN_CHARS and (pieces := self._piece_cache()):
+            tokens = pieces.tokenize(text)
+            if add_special and self.add_bos:
+                tokens.insert(0, self._L.llama_vocab_bos(self._vocab))
+            if add_special and self._add_eos:
+                tokens.append(self._L.llama_vocab_eos(self._vocab))
+            return tokens
+        return self._tokenize(text, special=special, add_special=add_special)
+
+    def _piece_cache(self) -> Pieces | None:
+        """The vocabulary's piece cache (built on first use: every token's attributes
+        read once); None where llama.cpp's tokenizer is not SPM or BPE."""
+        with self._pieces_lock:
+            if not self._built:
+                self._built = True
+                L = self._L
+                if L.llama_vocab_type(self._vocab) not in (L.LLAMA_VOCAB_TYPE_SPM,
+                                                           L.LLAMA_VOCAB_TYPE_BPE):
+                    self._pieces = None
+                else:
+                    self._pieces = Pieces(self._specials(), lambda text: self._tokenize(
+                        text, special=True, add_special=False))
+            return self._pieces
+
+    def _specials(self) -> list[tuple[str, bool]]:
+        """(text, may be cut before) of every token llama.cpp's tokenizer partitions on."""
+        L = self._L
+        partition = (L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_USER_DEFINED
+                     | L.LLAMA_TOKEN_ATTR_UNKNOWN)
+        out = []
+        for tok in range(self.n_vocab):
+            attr = L.llama_vocab_get_attr(self._vocab, tok)
+            if attr & partition:
+                text = (L.llama_vocab_get_text(self._vocab, tok) or b"").decode("utf-8",
+                                                                                "replace")
+                out.append((text, bool(attr & L.LLAMA_TOKEN_ATTR_CONTROL)
+                            and not attr & L.LLAMA_TOKEN_ATTR_LSTRIP))
+        return out
+
+    def _tokenize(self, text: str, *, special: bool, add_special: bool) -> list[int]:
         L = self._L
         data = text.encode("utf-8")
         n_max = len(data) + 8

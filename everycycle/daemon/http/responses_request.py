@@ -140,9 +140,9 @@ def _function(where: str, tool: dict[str, Any], prefix: str = "") -> dict[str, A
     namespace's name and a dot)."""
     if not isinstance(tool.get("name"), str):
         raise _bad(where, "a tool needs its name")
-    function: dict[str, Any] = {k: tool[k] for k in ("description", "parameters", "strict")
-                                if k in tool}
-    function["name"] = prefix + tool["name"]
+    # (in chat's order, name first: the same tools render the same prompt in either API)
+    function: dict[str, Any] = {"name": prefix + tool["name"]}
+    function.update((k, tool[k]) for k in ("description", "parameters", "strict") if k in tool)
     if tool.get("type") == "custom":  # freeform: one string
         function["parameters"] = {
             "type": "object", "required": [CUSTOM_INPUT], "additionalProperties": False,
