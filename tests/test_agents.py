@@ -222,3 +222,63 @@ def test_a_wait_longer_than_the_agents_idle_limit_does_not_end_its_turn(
     out = child.before or ""
     assert child.exitstatus == 0, out[-3000:]
     assert OK in out and "done" in out, out[-3000:]  # the whole turn, tool call and all
+
+
+# An agent configured by hand with an MCP server, as its docs say, on a plain entry: the
+# server's tools (Playwright MCP's: `propertyNames` in browser_drop) ride in every
+# request. The entry has no grammar keys; its model (Qwen2.5's Hermes template, where a
+# turn may end before any call) is biased to end its answer at once, so the turn is
+# quick, and the request still carries the whole tool list through its grammar's compile.
+MCP = {
+    "claude": (["-p", "Say hi.", "--output-format", "stream-json", "--verbose",
+                "--mcp-config", "{mcp}"],
+               # (its tool search defers MCP tools; off, they are sent, as most clients do)
+               {"ENABLE_TOOL_SEARCH": "false"}, 15_000),
+    "codex": (["exec", "--skip-git-repo-check", "Say hi."], {}, 12_000),
+}
+
+
+@pytest.mark.parametrize("agent", sorted(MCP))
+def test_an_agent_with_an_mcp_server_answers_a_turn_on_a_plain_entry(
+        agent: str, tmp_path: Path) -> None:
+    folder = _need(agent).parent
+    server = _need("playwright-mcp")
+    home, work = tmp_path / "home", tmp_path / "work"
+    (home / ".codex").mkdir(parents=True)
+    work.mkdir()
+    # Codex reads its servers from ~/.codex/config.toml; Claude Code from --mcp-config
+    (home / ".codex" / "config.toml").write_text(
+        f'[mcp_servers.playwright]\ncommand = "{server}"\nargs = []\n')
+    mcp = tmp_path / "mcp.json"
+    mcp.write_text(json.dumps({"mcpServers": {"playwright": {"command": str(server),
+                                                             "args": []}}}))
+    source = local_file(load_registry().get("smollm2-135m"))
+    from templatehelp import fixture_source
+
+    model = write_tiny_bpe_gguf(tmp_path / "hermes-bpe.gguf", source,
+                                chat_template=fixture_source("qwen2.5-instruct"))
+    models = tmp_path / "plain.toml"
+    models.write_text(f'[models.plain]\npath = "{model}"\ncontext = 32768\nparallel = 1\n'
+                      'logit_bias = {"2" = 100}\n')  # (<|im_end|>: the answer ends at once)
+    args, agent_env, at_least = MCP[agent]
+    env = {**os.environ, "HOME": str(home), "PATH": f"{folder}:{os.environ['PATH']}",
+           "NO_COLOR": "1", **agent_env}
+    child = pexpect.spawn(EC[0], [*EC[1:], "launch", agent, "-m", "plain", "--models",
+                                  str(models), "--http", "127.0.0.1:0", "--",
+                                  *[a.format(mcp=mcp) for a in args]],
+                          cwd=str(work), env=env, timeout=240, encoding="utf-8",
+                          codec_errors="replace", dimensions=(50, 200))
+    try:
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+        subprocess.run([*EC, "stop"], capture_output=True, timeout=60, check=False)
+    out = child.before or ""
+    assert child.exitstatus == 0, out[-3000:]
+    if agent == "claude":
+        assert '"name":"playwright","status":"connected"' in out, out[-3000:]
+    records = [json.loads(line) for line in paths.audit_file().read_text().splitlines()]
+    turns = [r for r in records if r.get("model") == "plain" and "request_id" in r]
+    assert turns and all(r["outcome"] == "Finished" for r in turns), turns
+    # the MCP server's tools were in the prompt (the agent's own alone are fewer tokens)
+    assert max(r["prompt_tokens"] for r in turns) > at_least, turns

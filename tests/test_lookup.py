@@ -506,3 +506,21 @@ def test_the_default_model_drafts_a_story_that_repeats_itself() -> None:
     # How long the drafts are follows this machine's measured step times, so the share
     # accepted varies from run to run (77–95% seen); most must be.
     assert drafted > 0 and accepted > drafted / 2
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 3), max_size=80), st.lists(st.integers(0, 3), max_size=20))
+def test_a_prompt_indexed_at_once_is_indexed_as_token_by_token(
+        prompt: list[int], more: list[int]) -> None:
+    """(the prompt's n-grams are made in bulk: an agent's 20k tokens on the decode thread)"""
+    from everycycle.engine.lookup import PromptLookup
+
+    bulk, one_by_one = PromptLookup(prompt), PromptLookup([])
+    for t in prompt:
+        one_by_one.append(t)
+    assert bulk._index == one_by_one._index and bulk._tokens == one_by_one._tokens
+    for t in more:
+        bulk.append(t)
+        one_by_one.append(t)
+    assert bulk._index == one_by_one._index
+    assert bulk.draft(4) == one_by_one.draft(4)

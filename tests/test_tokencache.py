@@ -123,3 +123,16 @@ def test_the_cache_is_bounded(vocab: Vocab) -> None:
     for i in range(20):
         pieces.tokenize(f"<|x|>{'a' * 30}{i}")
     assert pieces._chars <= 100 and len(pieces._kept) <= 4
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 3), max_size=3000), st.integers(0, 3000), st.booleans(),
+       st.sampled_from([list, tuple]))
+def test_common_prefix_counts_what_two_prompts_share(
+        tokens: list[int], cut: int, differ: bool, kind: type) -> None:
+    """(compared block by block: a long agent prompt's 20k tokens against each slot)"""
+    from everycycle.engine.jobs import common_prefix
+
+    cut = min(cut, len(tokens))
+    other = tokens[:cut] + [9] + tokens[cut:] if differ else tokens[:cut]
+    assert common_prefix(tokens, kind(other)) == cut == common_prefix(kind(tokens), other)

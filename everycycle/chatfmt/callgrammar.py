@@ -286,6 +286,27 @@ class CallGrammars:
         self._compiling: dict[tuple[str, str, bool, str | None, bool], threading.Lock] = {}
         self.hits = 0
         self.compiled = 0
+        self._parsed: OrderedDict[str, tuple[list[dict[str, Any]], list[str]]] = OrderedDict()
+
+    KEEP_PARSED = 8
+    """Lists kept parsed (an agent's; a few agents at once)."""
+
+    def parsed(self, tools_json: str) -> tuple[list[dict[str, Any]], list[str]]:
+        """The list ``tools_json`` (a JSON array) parsed, and its tools' names (checked
+        as ``normalize_tools`` checks them), once per text: the same objects for every
+        request that sends it, never to be changed. Raises InvalidRequestError."""
+        with self._lock:
+            found = self._parsed.get(tools_json)
+            if found is not None:
+                self._parsed.move_to_end(tools_json)
+                return found
+        tools = json.loads(tools_json)
+        names = [t.name for t in normalize_tools(tools)]
+        with self._lock:
+            self._parsed[tools_json] = (tools, names)
+            while len(self._parsed) > self.KEEP_PARSED:
+                self._parsed.popitem(last=False)
+        return tools, names
 
     def get(self, fmt: ToolFormat, tools_json: str, *, forced: bool, name: str | None,
             parallel: bool) -> CallGrammar:
@@ -306,8 +327,8 @@ class CallGrammars:
                     self.hits += 1
                     return found
             try:
-                compiled = call_grammar(fmt, json.loads(tools_json), forced=forced, name=name,
-                                        parallel=parallel)
+                compiled = call_grammar(fmt, self.parsed(tools_json)[0], forced=forced,
+                                        name=name, parallel=parallel)
             except BaseException:
                 with self._lock:
                     self._compiling.pop(key, None)

@@ -6,7 +6,6 @@ Blocking (tokenizing, compiling a grammar): the supervisor calls it on a worker 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +14,7 @@ from ..chatfmt.callgrammar import CallGrammar, CallGrammars
 from ..chatfmt.chat import ChatPrompt
 from ..chatfmt.chatoutput import ChatOutput
 from ..chatfmt.schemacheck import ArgumentCheck
-from ..chatfmt.tools import ToolFormat, tool_names
+from ..chatfmt.tools import ToolFormat
 from ..engine.contract import Engine
 from ..engine.jobs import Job, JobSpec, Sampling
 from ..errors import InvalidRequestError, ProtocolError
@@ -31,15 +30,19 @@ def sampling(req: Generate, model_defaults: Mapping[str, Any], grammar: str | No
     return Sampling({**model_defaults, **sampling_values(req)}, grammar)
 
 
-def _tools(req: Generate) -> list[dict[str, Any]] | None:
-    """The request's tools, unless ``tool_choice`` is none. Raises InvalidRequestError."""
+Listed = tuple[list[dict[str, Any]], list[str]]
+"""A request's tools, and their names."""
+
+
+def _tools(req: Generate, grammars: CallGrammars) -> Listed | None:
+    """The request's tools (each one a well-formed function tool; parsed once per list)
+    and their names, unless ``tool_choice`` is none. Raises InvalidRequestError."""
     if req.tools is None or req.tool_choice is ToolChoice.NONE:
         return None
-    tools = json.loads(req.tools)  # (a JSON array: the protocol checked)
-    tool_names(tools)  # each one a well-formed function tool
-    if req.tool_name is not None and req.tool_name not in tool_names(tools):
+    tools, names = grammars.parsed(req.tools)  # (a JSON array: the protocol checked)
+    if req.tool_name is not None and req.tool_name not in names:
         raise InvalidRequestError(f"tool_name names '{req.tool_name}', which is not in tools")
-    return list(tools)
+    return tools, names
 
 
 def _tool_grammar(req: Generate, prompt: ChatPrompt, grammars: CallGrammars) -> CallGrammar:
@@ -94,7 +97,9 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
                   tag=tag)
         job.spec.check_fits(engine.n_ctx_slot)
         return job, None
-    tools = _tools(req)
+    grammars = grammars or CallGrammars(0)
+    listed = _tools(req, grammars)
+    tools, names = listed if listed is not None else (None, None)
     prompt: ChatPrompt | None = None
     if req.messages is not None:
         if spec.format is Format.RAW:
@@ -117,9 +122,8 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
         grammar = constraint.gbnf(own, f"model '{spec.name}' grammar")
     check: ArgumentCheck | None = None
     if grammar is None and tools is not None and prompt is not None:
-        calls = _tool_grammar(req, prompt, grammars or CallGrammars(0))
+        calls = _tool_grammar(req, prompt, grammars)
         grammar, check = calls.grammar, calls.check
-    names = tool_names(tools) if tools is not None else None
     output = (ChatOutput(prompt, names, check) if prompt is not None
               and ChatOutput.needed(prompt, names) else None)
     # On by default only where a draft's batch cannot change the output (the engine

@@ -81,16 +81,19 @@ class PromptCache:
     # ------------------------------------------------------------------ finding
 
     def best(self, tokens: Sequence[int], better_than: int) -> Found | None:
-        """The saved prefix sharing the most tokens with ``tokens``, if it shares more
-        than ``better_than`` (on disk: at least kvdisk.MIN_TOKENS; in RAM: enough more
-        to be worth its copy, ``worth_restoring``); RAM wins a tie."""
+        """The saved prefix sharing the most tokens with ``tokens``, if it shares
+        enough more than ``better_than`` to be worth its copy (``worth_restoring``; on
+        disk: at least kvdisk.MIN_TOKENS, and its read and checksum: an agent's turn
+        whose slot holds all but its last few tokens was restored from a 10 MB file);
+        RAM wins a tie."""
         with self._lock:
             ram = max(self.ram, key=lambda k: common_prefix(k, tokens), default=None)
             state = self.ram[ram] if ram is not None else None
         shared = common_prefix(ram, tokens) if ram is not None else 0
         if self.disk is not None:
             entry = self.disk.best(tokens, max(better_than, shared))
-            if entry is not None:
+            if entry is not None and worth_restoring(
+                    common_prefix(entry.tokens, tokens) - better_than, len(entry.tokens)):
                 return Found(entry.tokens, entry=entry)
         if ram is None or shared <= better_than or not worth_restoring(
                 shared - better_than, len(ram)):
