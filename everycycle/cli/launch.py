@@ -16,13 +16,16 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from .. import paths, statefile
 from ..errors import EverycycleError
 from .common import app, exit_for, fail, hub_model
+
+if TYPE_CHECKING:
+    from ..models.registry import ModelSpec
 
 PROVIDER = "everycycle"
 
@@ -35,7 +38,11 @@ class Endpoint:
     key: str
     model: str
     context: int
-    """The model's context, in tokens a slot."""
+    """The model's context as loaded, in tokens a slot."""
+    trained: int = 0
+    """The context the model was trained for (0: unknown)."""
+    chosen: bool = False
+    """Whether the daemon chose the context (models.toml names none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,16 +69,26 @@ the turns that follow."""
 
 
 def context_warning(agent: Agent, where: Endpoint) -> str | None:
-    """A line for stderr when the model's context cannot hold the agent's session."""
+    """A line for stderr when the model's context cannot hold the agent's session,
+    saying why: models.toml's ``context``, what the model was trained for, or memory."""
     if where.context >= agent.prompt + ROOM:
         return None
     too_long = where.context < agent.prompt
+    first = (f"{agent.command}'s first request alone is about {agent.prompt:,} tokens (its "
+             "system prompt and tools), " + ("so every request will be refused as too long"
+                                              if too_long else
+                                              "which leaves little room for a session"))
+    if where.trained and where.trained < agent.prompt + ROOM and where.context >= min(
+            where.trained, 1 << (where.trained.bit_length() - 1)):
+        return (f"everycycle: warning: model '{where.model}' was trained for a "
+                f"{where.trained:,}-token context; {first}: pick a model trained for more.")
+    if where.chosen:
+        return (f"everycycle: warning: model '{where.model}' has a {where.context:,}-token "
+                f"context, the most its executor's memory holds for it now; {first}: "
+                "unload other models, or give it `parallel = 1` in models.toml.")
     return (f"everycycle: warning: model '{where.model}' has a {where.context:,}-token "
-            f"context; {agent.command}'s first request alone is about {agent.prompt:,} "
-            f"tokens (its system prompt and tools), "
-            + ("so every request will be refused as too long" if too_long else
-               "which leaves little room for a session") +
-            f". Give the model `context = {max(32_768, agent.prompt + ROOM)}` in models.toml.")
+            f"context; {first}. Give the model `context = {max(32_768, agent.prompt + ROOM)}`"
+            " in models.toml, or leave `context` out to have it chosen.")
 
 
 def _claude_env(e: Endpoint) -> dict[str, str | None]:
@@ -147,20 +164,37 @@ def endpoint(model: str | None, models: Path | None, socket: Path | None,
 
     sock = socket or paths.socket_path()
     name = hub_model(model, models, False) if model else load_registry(models).default_name()
-    context = load_registry(models).get(name).context  # (read again: a pull may add it)
+    spec = load_registry(models).get(name)  # (read again: a pull may add it)
     try:
-        with SyncClient(sock) as c:
-            http = c.describe_fleet().http
+        with SyncClient(sock):
+            pass
     except DaemonUnavailableError:
         _detach(sock, ["daemon", "--http", http or f"127.0.0.1:{DEFAULT_HTTP_PORT}",
                        *(["--models", str(models)] if models else [])])
-        with SyncClient(sock) as c:
-            http = c.describe_fleet().http
+    with SyncClient(sock) as c:
+        c.load(name)  # (its context is chosen as it loads: the agent is told it)
+        fleet = c.describe_fleet()
+    http = fleet.http
     if http is None:
         fail("the daemon runs without HTTP, which agents need: stop it (everycycle stop) "
              "and start it with `everycycle daemon --detach --http 127.0.0.1:"
              f"{DEFAULT_HTTP_PORT}`, or let `launch` start it", 69)
-    return Endpoint(http.rstrip("/"), load_or_create_token(), name, context)
+    loaded = next((m.context for m in fleet.loaded_models if m.name == name and m.context),
+                  None)
+    context = loaded or spec.context or 4096
+    return Endpoint(http.rstrip("/"), load_or_create_token(), name, context,
+                    trained=_trained(spec), chosen=spec.context is None)
+
+
+def _trained(spec: ModelSpec) -> int:
+    """The context ``spec``'s model was trained for (0: its file cannot be read)."""
+    from ..hardware.memory import trained_context
+    from ..models.registry import local_file
+
+    try:
+        return trained_context(local_file(spec))
+    except EverycycleError:
+        return 0
 
 
 @app.command(help=_help(), context_settings={"allow_extra_args": True,

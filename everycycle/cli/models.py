@@ -68,6 +68,7 @@ def _row(spec: Any, default: bool, store: str | None) -> dict[str, Any]:
     return {"name": spec.name, "default": default, "source": spec.source,
             "store": store, "revision": spec.revision, "available": _available(spec),
             "context": spec.context, "parallel": spec.parallel, "executor": spec.executor,
+            "context_auto": spec.context is None,
             "kind": "completion" if spec.format is Format.RAW else "chat",
             "kv_cache_type": spec.kv_cache_type, **_needs(spec)}
 
@@ -105,7 +106,8 @@ def models_add(
         "hf://owner/repo/file.gguf[@revision], or a model in another tool's store: "
         "ollama:MODEL[:TAG], lmstudio:PUBLISHER/REPO, llamacpp:NAME (see models --all)")],
     context: Annotated[int | None, typer.Option(
-        "--context", help="Tokens per slot (default 4096, or the store's own).")] = None,
+        "--context", help="Tokens per slot (default: the store's own, else chosen at "
+        "load from what the model was trained for and the memory it has).")] = None,
     parallel: Annotated[int | None, typer.Option(
         "--parallel", help="Slots: requests decoded at once (default 4).")] = None,
 ) -> None:
@@ -126,7 +128,7 @@ def models_add(
             sys.stderr.write(f"everycycle: added '{name}' ({entry['path']}, sha256 "
                              f"{entry['sha256']}, read in place) to {where}\n")
             return
-        where, got, digest = manage.add(name, url, context=context or 4096,
+        where, got, digest = manage.add(name, url, context=context,
                                         parallel=parallel or 4,
                                         progress=sys.stderr.isatty())
     except EverycycleError as exc:
@@ -180,6 +182,33 @@ def _store_rows(registry_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def host_context(path: Path, spec: Any) -> int:
+    """The context a slot of ``spec`` gets when the daemon chooses it on this machine's
+    CPU (``memory.fit_context`` on its host memory): what ``models`` shows before a
+    load."""
+    import os
+
+    from ..hardware.executors import host_available
+    from ..hardware.memory import fit_context
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return fit_context(path, parallel=spec.parallel, kv_cache_type=spec.kv_cache_type,
+                       free=host_available() or total, total=total)
+
+
+def _loaded_context(name: str) -> int | None:
+    """The context a running daemon loaded ``name`` with, if one has it loaded."""
+    from ..client import SyncClient
+
+    try:
+        with SyncClient() as c:
+            fleet = c.describe_fleet()
+    except EverycycleError:
+        return None
+    return next((m.context for m in fleet.loaded_models if m.name == name and m.context),
+                None)
+
+
 def _needs(spec: Any) -> dict[str, int | str | None]:
     """What ``spec`` will need in memory (weights, KV cache), and how its chats are
     rendered (``jinja``, ``llama.cpp``, ``chatml``; ``none`` for a completion model)
@@ -202,14 +231,16 @@ def _needs(spec: Any) -> dict[str, int | str | None]:
                 return unknown
         else:
             found = local_file(spec)
-        needs = plan(found, context=spec.context, parallel=spec.parallel,
+        context = spec.context or host_context(found, spec)
+        needs = plan(found, context=context, parallel=spec.parallel,
                      kv_cache_type=spec.kv_cache_type)
         source = read_metadata(found).get("tokenizer.chat_template")
     except EverycycleError:
         return unknown
     renderer, note = (("none", None) if spec.format is Format.RAW
                       else renderer_of(source if isinstance(source, str) else None))
-    return {"weights_bytes": needs.weights, "kv_bytes": needs.kv, "chat_template": renderer,
+    return {"weights_bytes": needs.weights, "kv_bytes": needs.kv, "context": context,
+            "chat_template": renderer,
             "chat_template_note": note}
 
 
@@ -274,7 +305,9 @@ def show(
         "file": str(path), "kind": "completion" if spec.format is Format.RAW else "chat",
         "architecture": arch, "model_name": meta.get("general.name"),
         "context_trained": meta.get(f"{arch}.context_length"),
-        "context": spec.context, "parallel": spec.parallel, "executor": spec.executor,
+        "context": _loaded_context(spec.name) or spec.context
+        or f"auto ({host_context(path, spec)} on this machine's CPU)",
+        "parallel": spec.parallel, "executor": spec.executor,
         "parameters": sampling.to_json(spec.sampling) or None,
         "chat_renderer": f"{renderer} ({note})" if note else renderer,
         "notes": list(notes) or None,

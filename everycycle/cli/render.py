@@ -113,7 +113,7 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
     if notes:
         ex.caption = "\n".join(notes)
     models = Table(title="loaded models", title_justify="left")
-    for col in ("name", "revision", "executor", "busy", "weights+KV", "unload"):
+    for col in ("name", "revision", "executor", "busy", "ctx", "weights+KV", "unload"):
         models.add_column(col, no_wrap=True)
     for m in snapshot.loaded_models:
         slots = f"{m.busy}/{m.slots}" if m.slots is not None else "-"
@@ -123,6 +123,7 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
         if m.device_layers is not None and m.total_layers is not None:
             where += f" {m.device_layers}/{m.total_layers}"
         models.add_row(m.name, _revision(m.revision), where, slots,
+                       f"{m.context:,}" if m.context else "-",
                        _weights_kv(m.weights_bytes, m.kv_bytes),
                        "busy" if m.busy or m.queued  # (not unloaded while it has work)
                        else _idle_unload(m.unload_in_ms, m.keep_alive_ms))
@@ -210,9 +211,12 @@ def models_view(rows: Sequence[dict[str, Any]], note: str | None = None, *,
         mark = " *" if r["default"] else ""
         where = [r["source"], _revision(r["revision"])] if wide else []
         table.add_row(f"{r['name']}{mark}", r["kind"], *where,
-                      "yes" if r["available"] else "no", f"{r['context']}×{r['parallel']}",
+                      "yes" if r["available"] else "no",
+                      f"{r['context'] or 'auto'}{'*' if r.get('context_auto') else ''}"
+                      f"×{r['parallel']}",
                       _weights_kv(r.get("weights_bytes"), r.get("kv_bytes")))
-    table.caption = ("* the default model" + ("" if wide else "; --wide: source, revision")
+    table.caption = ("* the default model; ctx*: chosen at load (here, on the CPU)"
+                     + ("" if wide else "; --wide: source, revision")
                      + (f"\n{note}" if note else ""))
     return table
 

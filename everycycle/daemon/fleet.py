@@ -152,6 +152,7 @@ class FleetView:
             prompt_cache_evictions=cache.evictions if cache else None,
             state=("failed" if m.failed is not None else "restarting" if m.up is not None
                    else None),
+            context=m.options.context,
         )
 
     def _principal_loads(self) -> tuple[PrincipalLoad, ...] | None:

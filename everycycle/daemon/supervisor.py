@@ -341,6 +341,15 @@ class Supervisor:
     def inflight(self, peer: Peer) -> int:
         return len(self.requests.of(peer))
 
+    def context_of(self, name: str) -> int | None:
+        """Tokens a slot of model ``name``: as loaded, else models.toml's ``context``;
+        None when neither says (it is chosen at load)."""
+        model = self.residency.models.get(name)
+        if model is not None:
+            return model.options.context
+        spec = self.registry.models.get(name)
+        return spec.context if spec is not None else None
+
     # ------------------------------------------------------------------ admission
 
     async def _generate(self, peer: Peer, req: Generate | Embed) -> None:

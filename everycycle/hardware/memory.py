@@ -188,3 +188,46 @@ def plan(path: Path, *, context: int, parallel: int, kv_cache_type: str = "f16",
         layers, other = [0] * n_layer, size
     return MemoryPlan(weights=size, kv=sum(layer_kv),
                       layer_weights=tuple(layers), other_weights=other, layer_kv=layer_kv)
+
+
+DEFAULT_TRAINED = 4096
+"""A GGUF that does not say what context it was trained for is taken for this."""
+AGENT_CONTEXT = 32768
+"""The context a default aims at where the model was trained for it: a coding agent's
+first prompt is 7-15k tokens, and its session grows from there."""
+GROWTH_SHARE = 0.75
+"""A default context grows past ``AGENT_CONTEXT`` only into this share of the memory
+that is free (the rest stays for the other models, the prompt caches, the system)."""
+
+
+def trained_context(path: Path) -> int:
+    """The context ``path``'s model was trained for (GGUF ``{arch}.context_length``)."""
+    from .gguf import read_metadata
+
+    meta = read_metadata(path)
+    value = meta.get(f"{meta.get('general.architecture', '')}.context_length")
+    return value if isinstance(value, int) and value > 0 else DEFAULT_TRAINED
+
+
+def fit_context(path: Path, *, parallel: int, kv_cache_type: str, free: int,
+                total: int) -> int:
+    """The context a slot gets when models.toml names none: the largest power of two
+    (the trained length itself where that is one) not past what the model was trained
+    for whose plan — weights and ``parallel`` slots of KV cache of ``kv_cache_type`` —
+    fits: up to ``AGENT_CONTEXT`` in the executor's ``total`` memory (making room there
+    is the load's business, as for any model), and past it only into ``GROWTH_SHARE`` of
+    what is ``free`` now. Never below 256 tokens."""
+    trained = trained_context(path)
+    top = 1 << (trained.bit_length() - 1)  # (the largest power of two <= trained)
+
+    def fits(context: int, room: float) -> bool:
+        return plan(path, context=context, parallel=parallel,
+                    kv_cache_type=kv_cache_type).total <= room
+
+    context = min(top, AGENT_CONTEXT)
+    while context > 256 and not fits(context, total):
+        context //= 2
+    while context < top and context >= AGENT_CONTEXT and fits(2 * context,
+                                                              free * GROWTH_SHARE):
+        context *= 2
+    return context

@@ -61,7 +61,7 @@ def repo_path(path: Path, commit: str) -> str:
     return "/".join(parts[parts.index(commit) + 1:]) if commit in parts else path.name
 
 
-def add(name: str, url: str, *, context: int = 4096, parallel: int = 4,
+def add(name: str, url: str, *, context: int | None = None, parallel: int = 4,
         progress: bool = False) -> tuple[Path, Fetched, str]:
     """Fetch ``url`` and record it as ``name`` (file, commit and sha256 pinned): (the
     models.toml written, what was fetched, its sha256). Raises ConfigError when the name
@@ -74,7 +74,9 @@ def add(name: str, url: str, *, context: int = 4096, parallel: int = 4,
     digest = hub.sha256_of(got.path)
     where = add_user_entry(name, {
         "hf_repo": got.repo, "hf_file": repo_path(got.path, got.commit),
-        "revision": got.commit, "sha256": digest, "context": context, "parallel": parallel,
+        "revision": got.commit, "sha256": digest, "parallel": parallel,
+        # (no context unless asked: chosen at load from the model and the memory)
+        **({"context": context} if context is not None else {}),
         **({"mmproj": f"hf://{got.repo}/{repo_path(got.projector, got.commit)}@{got.commit}",
             "mmproj_sha256": hub.sha256_of(got.projector)} if got.projector else {}),
     })

@@ -107,7 +107,9 @@ class ModelSpec:
     revision: str | None = None
     sha256: str | None = None
     description: str = ""
-    context: int = 4096
+    context: int | None = None
+    """Tokens a slot; None: chosen at load from what the model was trained for and the
+    memory it has (``room.context_for``)."""
     parallel: int = 4
     executor: str = "auto"
     format: Format | None = None
@@ -276,7 +278,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         revision=raw.get("revision"),
         sha256=sha,
         description=raw.get("description", ""),
-        context=raw.get("context", 4096),
+        context=raw.get("context"),
         parallel=raw.get("parallel", 4),
         executor=raw.get("executor", "auto"),
         format=Format(fmt) if fmt else None,

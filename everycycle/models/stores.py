@@ -365,7 +365,7 @@ def spec_of(m: StoreModel) -> ModelSpec:
     """A registry entry for ``m``, named by its ref (its file pinned where the store
     names its digest)."""
     return ModelSpec(name=m.ref, origin=m.root, path=m.path, sha256=m.sha256,
-                     description=m.description, context=m.context or 4096,
+                     description=m.description, context=m.context,
                      sampling=m.sampling,
                      mmproj=str(m.projector) if m.projector is not None else None,
                      mmproj_sha256=m.projector_sha256)

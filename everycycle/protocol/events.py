@@ -103,7 +103,8 @@ class ExecutorSummary:
     "slots": U32, "busy": U32, "queued": U32, "device_layers": U32, "total_layers": U32,
     "unload_in_ms": COUNT, "keep_alive_ms": (-1, COUNT[1]), "weights_bytes": COUNT,
     "kv_bytes": COUNT, "engine_pid": COUNT, "engine_rss": COUNT, "engine_restarts": COUNT,
-    "prompt_cache_bytes": COUNT, "prompt_cache_hits": COUNT, "prompt_cache_evictions": COUNT})
+    "prompt_cache_bytes": COUNT, "prompt_cache_hits": COUNT, "prompt_cache_evictions": COUNT,
+    "context": COUNT})
 class LoadedModel:
     """A model resident on an executor; ``revision`` is its pinned commit, if any."""
 
@@ -151,6 +152,9 @@ class LoadedModel:
     held_by: str | None = field(default=None, metadata=_EXT)
     """While its load waits for memory: who holds it (``'b' (300 MiB, busy)``); its
     ``state`` says the same in a sentence."""
+    context: int | None = field(default=None, metadata=_EXT)
+    """Tokens a slot, as loaded (models.toml's ``context``, or chosen from what the
+    model was trained for and the memory it has)."""
 
 
 @message(names=(), ranges={"age_ms": COUNT, "tokens": COUNT, "eta_ms": COUNT})

@@ -176,7 +176,7 @@ class OllamaMeta(Dialect):
                         "size": size, "digest": (spec.sha256 or "") if spec else "",
                         "details": f.details(), "expires_at": expires,
                         "size_vram": 0 if m.assigned_executor == "cpu" else size,
-                        "context_length": spec.context if spec else None,
+                        "context_length": m.context or (spec.context if spec else None),
                         "executor": m.assigned_executor})
         return JSONResponse({"models": out})
 
@@ -190,7 +190,9 @@ class OllamaMeta(Dialect):
                             "(POST /api/pull downloads it)", "model_not_found")
         template = facts.meta.get("tokenizer.chat_template")
         template = template if isinstance(template, str) else ""
-        params = {**sampling.to_json(spec.sampling), "num_ctx": spec.context}
+        context = self.api.supervisor.context_of(name)
+        params = {**sampling.to_json(spec.sampling),
+                  **({"num_ctx": context} if context is not None else {})}
         modelfile = (f"# everycycle: model '{name}' from {spec.source}\nFROM {facts.path}\n"
                      + "".join(f"PARAMETER {k} {v}\n" for k, v in params.items())
                      + (f'TEMPLATE """{template}"""\n' if template else ""))

@@ -378,13 +378,15 @@ class OpenAI(Dialect):
         for name in names:
             spec = sup.registry.models[name]
             here = loaded.get(name)
+            # a slot's context as loaded; models.toml's before a load (null: chosen then)
+            context = here.context if here is not None and here.context else spec.context
             out.append({"id": name, "object": "model", "created": 0, "owned_by": "everycycle",
                         "revision": spec.revision, "loaded": here is not None,
                         "executor": here.assigned_executor if here else None,
                         "default": name == sup.registry.default,
                         # a slot's context, under the names clients read it by
-                        "context_length": spec.context, "max_model_len": spec.context,
-                        "max_context_length": spec.context})
+                        "context_length": context, "max_model_len": context,
+                        "max_context_length": context})
         return out
 
     async def list_models(self, request: HttpRequest) -> Response:

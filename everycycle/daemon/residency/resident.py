@@ -267,13 +267,16 @@ class Residency:
         path = await anyio.to_thread.run_sync(lambda: local_file(spec, download=True))
         projector = await anyio.to_thread.run_sync(
             lambda: projector_file(spec, download=True))
-        need = plan(path, context=spec.context, parallel=spec.parallel,
+        wanted = executor or spec.executor
+        # (the context chosen now stays the model's for its residency: spec carries it)
+        context = await room.context_for(self, spec, path, wanted)
+        spec = replace(spec, context=context)
+        need = plan(path, context=context, parallel=spec.parallel,
                     kv_cache_type=spec.kv_cache_type)
         if projector is not None:  # (loaded beside the model: counted with its weights)
             size = projector.stat().st_size
             need = replace(need, weights=need.weights + size,
                            other_weights=need.other_weights + size)
-        wanted = executor or spec.executor
         key = wanted.removeprefix("rpc:").rpartition("/")[0] if wanted.startswith("rpc:") else ""
         if key:
             down = self.remote.down(key)

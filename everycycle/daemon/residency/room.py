@@ -31,7 +31,7 @@ from ...engine.contract import Engine, LoadOptions
 from ...errors import AllocationError, EverycycleError, RejectedError, RequestCancelledError
 from ...hardware import cpukernels
 from ...hardware import executors as ex
-from ...hardware.memory import MemoryPlan
+from ...hardware.memory import MemoryPlan, fit_context, plan, trained_context
 from ...models.registry import ModelSpec
 from ..events import DaemonEvent, RoomWait
 from .remote import in_order
@@ -357,7 +357,8 @@ class Eviction:
 
 def load_options(res: Host, spec: ModelSpec, placement: ex.Placement,
                  projector: Path | None = None) -> LoadOptions:
-    """How ``spec``'s engine loads on ``placement``."""
+    """How ``spec``'s engine loads on ``placement`` (its context chosen: ``context_for``)."""
+    assert spec.context is not None, "the context is chosen before the load"
     offload = placement.offload
     remote = placement.executor.remote
     kernels = cpukernels.decide(paths.state_dir())
@@ -383,3 +384,29 @@ def load_options(res: Host, spec: ModelSpec, placement: ex.Placement,
                                    if offload is not None else ()),
                    n_gpu_layers=offload.n_gpu_layers if offload else 0,
                    tensor_split=tuple(offload.split) if offload else ())
+
+
+async def context_for(res: Host, spec: ModelSpec, path: Path, wanted: str) -> int:
+    """The context a slot of ``spec`` gets: models.toml's ``context`` (past the length
+    the model was trained for only there, with a warning, as llama-server warns), else
+    the largest that fits where it would go (``memory.fit_context``: the executor the
+    placement picks for it now, its total memory up to an agent's context, and what is
+    free past that)."""
+    trained = await anyio.to_thread.run_sync(trained_context, path)
+    if spec.context is not None:
+        if spec.context > trained:
+            log.warning("%s: context %d is past the %d tokens the model was trained for; "
+                        "its answers may degrade there", spec.name, spec.context, trained)
+        return spec.context
+    executors = in_order(await res.measure(), res.remote.executors())
+    small = plan(path, context=256, parallel=spec.parallel, kv_cache_type=spec.kv_cache_type)
+    try:
+        where = ex.place(wanted, executors, small, max_layers=spec.gpu_layers).executor
+    except EverycycleError:  # (the load says why; the context is not what stops it)
+        where = max(executors, key=lambda e: e.memory_total)
+    context = await anyio.to_thread.run_sync(lambda: fit_context(
+        path, parallel=spec.parallel, kv_cache_type=spec.kv_cache_type,
+        free=where.memory_free, total=where.memory_total))
+    log.info("%s: context %d tokens a slot (trained for %d; %s has %s free)", spec.name,
+             context, trained, where.name, _mib(where.memory_free))
+    return context
