@@ -51,7 +51,8 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
                     chat_template: str | None = CHAT_TEMPLATE,
                     sliding_window: int | None = None, n_head: int = N_HEAD,
                     n_layer: int = N_LAYER, n_embd: int = N_EMBD, n_ff: int = N_FF,
-                    split_max_tensors: int = 0, head_dim: int | None = None) -> Path:
+                    split_max_tensors: int = 0, head_dim: int | None = None,
+                    n_ctx: int = N_CTX) -> Path:
     """Write the tiny model to ``path`` and return it (with ``split_max_tensors``, as a
     split GGUF of that many tensors a part, ``STEM-00001-of-0000N.gguf`` and on beside
     ``path``: the first part is returned).
@@ -72,7 +73,7 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
     if sliding_window is not None or head_dim is not None:
         w.add_key_length(head)
         w.add_value_length(head)
-    write_hparams(w, n_ctx=N_CTX, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, n_head=n_head,
+    write_hparams(w, n_ctx=n_ctx, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, n_head=n_head,
                   file_type=gguf.LlamaFileType.ALL_F32, tokens=tokens, scores=scores,
                   types=types, head_dim=head)
     w.add_add_bos_token(True)

@@ -174,6 +174,9 @@ def load(
     keep_alive: Annotated[str | None, typer.Option(
         "--keep-alive", help="How long it stays loaded once idle: 5m, 1h, 0, -1 (always).")]
     = None,
+    context: Annotated[int | None, typer.Option(
+        "--context", min=16, help="At least this many tokens a slot (a model loaded with "
+        "fewer is loaded again; up to what it was trained for).")] = None,
     offline: OfflineOpt = False,
     models: ModelsOpt = None,
     socket: SocketOpt = None,
@@ -183,6 +186,7 @@ def load(
     \b
     Example:
       everycycle load gemma-3-270m --executor cpu
+      everycycle load smollm2-135m --context 8192
     """
     keep_ms = None
     if keep_alive is not None:
@@ -200,14 +204,16 @@ def load(
         exit_for(exc)
 
     def load_and_look(c: Any) -> LoadedModel | None:
-        c.load(model, executor, keep_alive_ms=keep_ms)
+        c.load(model, executor, keep_alive_ms=keep_ms, context=context)
         return next((m for m in c.describe_fleet().loaded_models if m.name == model), None)
 
     loaded = call(socket, load_and_look)
     where = f" on {loaded.assigned_executor}" if loaded is not None else ""
     engine = (f" (engine pid {loaded.engine_pid})"
               if loaded is not None and loaded.engine_pid is not None else "")
-    sys.stderr.write(f"everycycle: loaded {model}{where}{engine}\n")
+    ctx = (f", {loaded.context:,} tokens a slot" if loaded is not None and loaded.context
+           else "")
+    sys.stderr.write(f"everycycle: loaded {model}{where}{engine}{ctx}\n")
 
 
 @app.command()

@@ -153,12 +153,13 @@ def _help() -> str:
 
 
 def endpoint(model: str | None, models: Path | None, socket: Path | None,
-             http: str | None = None) -> Endpoint:
+             http: str | None = None, need: int | None = None) -> Endpoint:
     """The running daemon's HTTP address (starting one if none runs), its token and the
-    model. Raises EverycycleError subclasses."""
+    model, loaded (with ``need`` tokens a slot where it was trained for them). Raises
+    EverycycleError subclasses."""
     from ..client import SyncClient
     from ..daemon.keys import load_or_create_token
-    from ..errors import DaemonUnavailableError
+    from ..errors import DaemonUnavailableError, RequestFailedError
     from ..models.registry import load_registry
     from .daemon import DEFAULT_HTTP_PORT, _detach
 
@@ -171,8 +172,17 @@ def endpoint(model: str | None, models: Path | None, socket: Path | None,
     except DaemonUnavailableError:
         _detach(sock, ["daemon", "--http", http or f"127.0.0.1:{DEFAULT_HTTP_PORT}",
                        *(["--models", str(models)] if models else [])])
+    trained = _trained(spec)
+    short_of_memory = False
     with SyncClient(sock) as c:
-        c.load(name)  # (its context is chosen as it loads: the agent is told it)
+        # (its context chosen as it loads, raised to what the agent needs where it can be)
+        if need and trained >= need:
+            try:
+                c.load(name, context=need)
+            except RequestFailedError:  # (memory: loaded as it can be, and the agent told)
+                short_of_memory = True
+        if not need or trained < need or short_of_memory:
+            c.load(name)
         fleet = c.describe_fleet()
     http = fleet.http
     if http is None:
@@ -183,7 +193,7 @@ def endpoint(model: str | None, models: Path | None, socket: Path | None,
                   None)
     context = loaded or spec.context or 4096
     return Endpoint(http.rstrip("/"), load_or_create_token(), name, context,
-                    trained=_trained(spec), chosen=spec.context is None)
+                    trained=trained, chosen=spec.context is None or short_of_memory)
 
 
 def _trained(spec: ModelSpec) -> int:
@@ -221,7 +231,7 @@ def launch(
         fail(f"{row.command} is not installed: npm install -g {row.package}", 69)
     env = dict(os.environ)
     try:
-        where = endpoint(model, models, socket, http)
+        where = endpoint(model, models, socket, http, need=row.prompt + ROOM)
         changes = row.env(where)
     except EverycycleError as exc:
         exit_for(exc)

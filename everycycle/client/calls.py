@@ -113,9 +113,10 @@ def cancel_if_active(target: str) -> Call[None]:
 
 
 def load(model: str, executor: str | None = None, *,
-         keep_alive_ms: int | None = None) -> Call[None]:
-    """Make ``model`` resident. Raises RequestFailedError."""
-    return Call(Load(new_request_id(), model, executor, keep_alive_ms), _nothing)
+         keep_alive_ms: int | None = None, context: int | None = None) -> Call[None]:
+    """Make ``model`` resident (with at least ``context`` tokens a slot, if given).
+    Raises RequestFailedError."""
+    return Call(Load(new_request_id(), model, executor, keep_alive_ms, context), _nothing)
 
 
 def unload(model: str) -> Call[None]:

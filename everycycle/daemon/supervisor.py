@@ -66,7 +66,7 @@ from .keys import may_act_for
 from .lifecycle import Requests, Tasks
 from .outcome import Limits, Outcome, Peer, prompt_bytes
 from .quota import Quotas
-from .residency import EngineFactory, Residency, Resident, room
+from .residency import EngineFactory, Residency, Resident, context, room
 from .residency.remote import RemoteHosts
 from .subscribe import Subscribers
 
@@ -130,6 +130,8 @@ class Supervisor:
         self.subscribers = Subscribers(self.bus)
         self.fleet = FleetView(self.residency, self.requests)
         self._admission: dict[str, anyio.Lock] = {}
+        self._raising: dict[str, int] = {}
+        """Per model, the requests waiting for it to be loaded with more context."""
         self._deaths: deque[Engine] = deque()
         self._deaths_due: anyio.Event | None = None
 
@@ -271,6 +273,10 @@ class Supervisor:
                 spec = self.residency.spec_for(request.model, allow_paths=peer.allow_paths)
                 model = await self.residency.ensure_loaded(spec, request.executor,
                                                            retry_failed=True)
+                if request.context is not None and model.options.context < request.context:
+                    model = await context.with_context(
+                        self.residency, self.requests.lane(spec.name), self._raising, spec,
+                        request.context)
                 self.residency.touch(model, request.keep_alive_ms)
                 peer.emit(Done(rid))
             elif isinstance(request, Unload):
@@ -403,7 +409,13 @@ class Supervisor:
             model = None
             active.waiting = anyio.CancelScope()
             with active.waiting:
-                model = await self.residency.ensure_loaded(spec, None, allow_load=allow_load)
+                need = req.context if isinstance(req, Generate) else None
+                model = await self.residency.ensure_loaded(
+                    await context.for_load(self.residency, spec, need), None,
+                    allow_load=allow_load)
+                if need is not None and model.options.context < need:
+                    model = await context.with_context(self.residency, lane, self._raising,
+                                                       spec, need, allow_load)
             active.waiting = None
             if model is None:  # cancelled while it waited: the load goes on for others
                 raise RequestCancelledError(

@@ -12,6 +12,7 @@ from ..errors import ProtocolError, TooLargeError
 from . import sampling
 from .sampling import Bias  # noqa: F401 - the extension fields' type, by name
 from .validation import (
+    CONTEXT,
     DEADLINE,
     KEEP_ALIVE,
     MAX_EMBED_INPUTS,
@@ -165,7 +166,7 @@ class Message:
 
 @message(ranges={
     "max_tokens": (1, MAX_TOKENS_LIMIT), **sampling.RANGES, "deadline_ms": DEADLINE,
-    "keep_alive_ms": KEEP_ALIVE, "logprobs": (0, 20)})
+    "keep_alive_ms": KEEP_ALIVE, "logprobs": (0, 20), "context": CONTEXT})
 @sampling.with_extensions
 class Generate:
     """Generate text with ``model`` from ``prompt`` or from a conversation, ``messages``.
@@ -221,6 +222,10 @@ class Generate:
     own ``enable_thinking``); its thoughts arrive in ``TokenChunk.reasoning``."""
     priority: Priority | None = field(default=None, metadata=_EXT)
     """Its lane (an extension; absent: interactive)."""
+    context: int | None = field(default=None, metadata=_EXT)
+    """The tokens a slot must hold for it (an extension; Ollama's ``num_ctx``): a model
+    loaded with less is loaded again with at least this many, once, where the model was
+    trained for them and memory allows; one loaded with more serves it as it is."""
 
     def _validate(self) -> None:
         self._validate_tools()
@@ -287,7 +292,8 @@ class Cancel:
     target: str
 
 
-@message(names=("model", "executor"), ranges={"keep_alive_ms": KEEP_ALIVE})
+@message(names=("model", "executor"), ranges={"keep_alive_ms": KEEP_ALIVE,
+                                              "context": CONTEXT})
 class Load:
     """Make ``model`` resident, on ``executor`` if given."""
 
@@ -296,6 +302,8 @@ class Load:
     executor: str | None = None
     keep_alive_ms: int | None = field(default=None, metadata=_EXT)
     """As Generate's (an extension)."""
+    context: int | None = field(default=None, metadata=_EXT)
+    """As Generate's (an extension): resident with at least this many tokens a slot."""
 
 
 @message()

@@ -44,6 +44,8 @@ U32: Range = (0, U32_MAX)
 COUNT: Range = (0, I64_MAX)
 KEEP_ALIVE: Range = (-1, MAX_KEEP_ALIVE_MS)
 DEADLINE: Range = (1, MAX_DEADLINE_MS)
+CONTEXT: Range = (16, 1 << 20)
+"""Tokens a slot (models.toml's ``context`` takes the same)."""
 
 T = TypeVar("T")
 

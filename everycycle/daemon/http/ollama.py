@@ -215,7 +215,7 @@ class Ollama(Dialect):
     def _generation(self, request: HttpRequest, data: dict[str, Any], prefix: str, *,
                     chat: bool, **fields: Any) -> _Answer:
         name = parse.model(self.reader, request, data.get("model"))
-        options = parse.options(request, data, self.api.supervisor.context_of(name))
+        options = parse.options(request, data)
         req = protocol_errors(Generate, request_id(request, prefix), name, **fields, **options)
         shape = _Shape(chat=chat, model=self._echo(data, name))
         return _Answer(self.api, req, request.state.principal, shape,

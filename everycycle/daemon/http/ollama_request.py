@@ -3,8 +3,9 @@
 Every mistake is an HttpError (400) naming the field.
 
 Ollama's options that only tune a llama.cpp load (``num_thread``, ``num_gpu``, ``mirostat``,
-…) are ignored, as Ollama ignores options a model does not take; ``num_ctx`` larger than
-the model's slot context is refused (the context is set in models.toml).
+…) are ignored, as Ollama ignores options a model does not take; ``num_ctx`` is the
+context a slot must hold (Generate's ``context``): a model loaded with less is loaded
+again, once, with at least that much; one loaded with more is not reloaded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from starlette.requests import Request as HttpRequest
 from ...chatfmt.constraint import JSON_OBJECT_SCHEMA
 from ...models.registry import parse_keep_alive
 from ...protocol import Message, sampling
+from ...protocol.validation import CONTEXT
 from . import openai_request
 from .common import HttpError, Reader, deadline, priority, sampling_options
 
@@ -63,9 +65,9 @@ def response_format(raw: object) -> dict[str, str]:
     raise HttpError(400, '`format` must be "json" or a JSON schema object', "invalid_format")
 
 
-def options(request: HttpRequest, data: dict[str, Any], context: int | None) -> dict[str, Any]:
-    """``options`` (num_predict, the sampling parameters Ollama takes, stop, num_ctx), ``keep_alive``, ``format`` and the deadline header, as Generate's
-    fields. ``context`` is the model's slot context, if known."""
+def options(request: HttpRequest, data: dict[str, Any]) -> dict[str, Any]:
+    """``options`` (num_predict, the sampling parameters Ollama takes, stop, num_ctx),
+    ``keep_alive``, ``format`` and the deadline header, as Generate's fields."""
     raw = data.get("options")
     if raw is None:
         raw = {}
@@ -88,10 +90,7 @@ def options(request: HttpRequest, data: dict[str, Any], context: int | None) -> 
     if num_ctx is not None:
         if isinstance(num_ctx, bool) or not isinstance(num_ctx, int):
             raise HttpError(400, "options.num_ctx must be an integer", "invalid_options")
-        if context is not None and num_ctx > context:
-            raise HttpError(400, f"options.num_ctx {num_ctx} is larger than this model's "
-                            f"context of {context} tokens per request: the context is set "
-                            "in models.toml (`context = N`)", "invalid_num_ctx")
+        out["context"] = max(num_ctx, CONTEXT[0])  # (a smaller one asks for nothing)
     limit = deadline(request)
     if limit is not None:
         out["deadline_ms"] = limit

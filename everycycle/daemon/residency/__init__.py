@@ -7,6 +7,7 @@ the room they need, as one concept.
                  starting an engine (again on fewer GPU layers); sees the residency
                  through its ``Host`` protocol
     remote.py    RPC hosts: their executors, probed and watched, ordered for placement
+    context.py   a request that needs more context than its model was loaded with
 """
 
 from .resident import EngineFactory, Loading, Residency, Resident

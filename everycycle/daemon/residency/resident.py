@@ -219,6 +219,16 @@ class Residency:
         assert attempt.model is not None
         return attempt.model
 
+    async def reload(self, spec: ModelSpec, reason: str) -> None:
+        """Unload ``spec``'s model and load it again as ``spec`` says (waiters of the
+        model from now on wait for this load: it is registered before the unload)."""
+        model = self.models.get(spec.name)
+        if model is None or spec.name in self.loading:
+            return
+        attempt = self.loading[spec.name] = Loading(spec)
+        await self.unload(spec.name, reason, "reload")
+        self.tasks.start_soon(self._load, attempt, model.executor)
+
     async def _load(self, attempt: Loading, executor: str | None) -> None:
         """Load ``attempt``'s model and tell its waiters."""
         name = attempt.spec.name
