@@ -91,7 +91,7 @@ def test_the_shipped_entry_loads_what_smollm2_was_trained_for(
         spawn_daemon: SpawnDaemon) -> None:
     if not SMOLLM2.exists():
         pytest.skip("the default model is not installed")
-    spawn_daemon("--models", str(Path(__file__).parent.parent / "everycycle" / "models.toml"))
+    spawn_daemon(models=Path(__file__).parent.parent / "everycycle" / "models.toml")
     subprocess.run([*EC, "load", "smollm2-135m"], check=True, capture_output=True,
                    timeout=300)
     assert loaded_context("smollm2-135m") == 8192

@@ -104,6 +104,19 @@ async def test_a_changed_gguf_never_restores(tmp_path: Path, tiny_gguf: Path) ->
         assert changed.cached_tokens == 0
 
 
+async def test_a_larger_context_restores_what_a_smaller_one_saved(
+        tmp_path: Path, tiny_gguf: Path) -> None:
+    """(a model loaded again with more context, for a client's num_ctx, keeps its
+    conversations' prefixes)"""
+    talk = (Message(Role.USER, "hello world " * 60),)
+    async with running_daemon(registry(tmp_path, tiny_gguf, context=1024)):
+        answer, cold = await turn("m", talk)
+    async with running_daemon(registry(tmp_path, tiny_gguf, context=4096)):
+        again, warm = await turn("m", talk)
+    assert warm.cached_tokens == cold.prompt_tokens - 1  # restored from disk
+    assert again == answer
+
+
 def _flip(f: Path) -> None:
     data = bytearray(f.read_bytes())
     mid = len(data) // 2

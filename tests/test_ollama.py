@@ -133,8 +133,9 @@ def test_errors_are_ollama_shaped(url: str, client: ollama.Client) -> None:
     with pytest.raises(ollama.ResponseError, match="model 'nope' not found") as info:
         client.chat(model="nope", messages=HI)
     assert info.value.status_code == 404
-    with pytest.raises(ollama.ResponseError, match="set in models.toml") as info:
-        client.generate(model="tiny4", prompt="x", options={"num_ctx": 4096})
+    with pytest.raises(ollama.ResponseError, match="more than model 'tiny4' was trained "
+                       r"for \(16,384\)") as info:
+        client.generate(model="tiny4", prompt="x", options={"num_ctx": 32768})
     assert info.value.status_code == 400
     client.generate(model="tiny4", prompt="x", options={"num_ctx": 512, "num_predict": 1,
                                                         "num_thread": 3})

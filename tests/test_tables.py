@@ -45,7 +45,7 @@ def test_fleet_at_80_columns() -> None:
         loaded_models=(
             LoadedModel("smollm2-135m", "pypi-0.1.2", "cpu", slots=4, busy=4, queued=2,
                         weights_bytes=92 * MIB, kv_bytes=360 * MIB, keep_alive_ms=300_000,
-                        engine_pid=4242, engine_rss=528 * MIB),
+                        engine_pid=4242, engine_rss=528 * MIB, context=8192),
             LoadedModel("qwen2.5-0.5b", "a" * 40, "cuda", slots=4, busy=0, queued=0,
                         weights_bytes=380 * MIB, kv_bytes=1536 * MIB, device_layers=24,
                         total_layers=24, unload_in_ms=299_000, keep_alive_ms=300_000,
@@ -65,6 +65,7 @@ def test_fleet_at_80_columns() -> None:
     assert "idle" not in text.split("qwen2.5-0.5b")[0].splitlines()[-1]  # busy is not idle
     whole(text, ["smollm2-135m", "pypi-0.1.2", "aaaaaaaaaaaa", "cuda 24/24", "4/4 +2",
                  "busy", "in 4m59s", "92+360 MiB", "0e027cbc1e344af7ba61dcc091e0f280",
+                 "context 8,192 a slot",
                  "running", "queued bg  ~1m05s", "bg: background lane; ~: starts in",
                  "last died: SIGSEGV (segmentation fault)",
                  "last eviction: 'gemma-3-270m' for 'qwen2.5-0.5b' at ",

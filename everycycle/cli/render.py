@@ -75,7 +75,8 @@ def _revision(rev: str | None) -> str:
 
 
 def _engine_line(m: LoadedModel) -> str:
-    """``engine smollm2-135m: pid 4242, 180 MiB; restarted 2x, last SIGILL (...)``."""
+    """``engine smollm2-135m: pid 4242, 180 MiB; context 8,192 a slot; restarted 2x``,
+    and the last death on a line of its own."""
     parts = []
     if m.state == "failed":
         parts.append(f"FAILED (`everycycle load {m.name}` tries again)")
@@ -83,8 +84,10 @@ def _engine_line(m: LoadedModel) -> str:
         parts.append("restarting")
     elif m.engine_pid is not None:
         parts.append(f"pid {m.engine_pid}" + (f", {_mib(m.engine_rss)}" if m.engine_rss else ""))
-    else:
+    elif not m.context:
         return ""
+    if m.context:
+        parts.append(f"context {m.context:,} a slot")
     if m.engine_restarts:
         parts.append(f"restarted {m.engine_restarts}x")
     line = f"engine {m.name}: " + "; ".join(parts)
@@ -113,7 +116,7 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
     if notes:
         ex.caption = "\n".join(notes)
     models = Table(title="loaded models", title_justify="left")
-    for col in ("name", "revision", "executor", "busy", "ctx", "weights+KV", "unload"):
+    for col in ("name", "revision", "executor", "busy", "weights+KV", "unload"):
         models.add_column(col, no_wrap=True)
     for m in snapshot.loaded_models:
         slots = f"{m.busy}/{m.slots}" if m.slots is not None else "-"
@@ -123,7 +126,6 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
         if m.device_layers is not None and m.total_layers is not None:
             where += f" {m.device_layers}/{m.total_layers}"
         models.add_row(m.name, _revision(m.revision), where, slots,
-                       f"{m.context:,}" if m.context else "-",
                        _weights_kv(m.weights_bytes, m.kv_bytes),
                        "busy" if m.busy or m.queued  # (not unloaded while it has work)
                        else _idle_unload(m.unload_in_ms, m.keep_alive_ms))

@@ -115,6 +115,8 @@ class Lane:
     queue: list[Active] = field(default_factory=list)
     admitting: int = 0
     """Requests between admission and a slot or the queue: never unload under them."""
+    raising: int = 0
+    """Of those, the ones waiting for the model to be loaded with more context."""
     background_moved: float = 0.0
     """When background work last started or ended, or began to wait (monotonic)."""
 

@@ -112,8 +112,7 @@ class Supervisor:
         self.requests = Requests(self.quotas, self._report, self.tasks)
         self.requests.background_age = self.limits.background_age
         self.remote = RemoteHosts([*rpc, *registry.rpc])
-        self.call_grammars = CallGrammars()
-        """Tool lists' compiled grammars: an agent sends the same list every turn."""
+        self.call_grammars = CallGrammars()  # (an agent sends the same list every turn)
         self._outputs: Handoff[list[tuple[Job, Output]] | Engine] = Handoff()
         self.residency = Residency(
             registry, self.requests, self.remote, notify=self._outputs.put,
@@ -130,8 +129,6 @@ class Supervisor:
         self.subscribers = Subscribers(self.bus)
         self.fleet = FleetView(self.residency, self.requests)
         self._admission: dict[str, anyio.Lock] = {}
-        self._raising: dict[str, int] = {}
-        """Per model, the requests waiting for it to be loaded with more context."""
         self._deaths: deque[Engine] = deque()
         self._deaths_due: anyio.Event | None = None
 
@@ -271,12 +268,9 @@ class Supervisor:
             elif isinstance(request, Load):
                 self._know(request.model)
                 spec = self.residency.spec_for(request.model, allow_paths=peer.allow_paths)
-                model = await self.residency.ensure_loaded(spec, request.executor,
-                                                           retry_failed=True)
-                if request.context is not None and model.options.context < request.context:
-                    model = await context.with_context(
-                        self.residency, self.requests.lane(spec.name), self._raising, spec,
-                        request.context)
+                model = await context.loaded(
+                    self.residency, self.requests.lane(spec.name), spec, request.context,
+                    executor=request.executor, retry_failed=True)
                 self.residency.touch(model, request.keep_alive_ms)
                 peer.emit(Done(rid))
             elif isinstance(request, Unload):
@@ -347,15 +341,6 @@ class Supervisor:
     def inflight(self, peer: Peer) -> int:
         return len(self.requests.of(peer))
 
-    def context_of(self, name: str) -> int | None:
-        """Tokens a slot of model ``name``: as loaded, else models.toml's ``context``;
-        None when neither says (it is chosen at load)."""
-        model = self.residency.models.get(name)
-        if model is not None:
-            return model.options.context
-        spec = self.registry.models.get(name)
-        return spec.context if spec is not None else None
-
     # ------------------------------------------------------------------ admission
 
     async def _generate(self, peer: Peer, req: Generate | Embed) -> None:
@@ -391,7 +376,7 @@ class Supervisor:
         lane = self.requests.lane(spec.name)
         active.waiting = anyio.CancelScope()  # a Cancel or deadline ends these waits
         with active.waiting:
-            await self._give_way(spec.name, active)
+            await room.give_way(self.residency, spec.name, active)
         if active.cancelled is not None:
             raise RequestCancelledError(active.cancelled.message)
         lane.admitting += 1  # (never unloaded under it, from here to a slot or the queue)
@@ -409,13 +394,9 @@ class Supervisor:
             model = None
             active.waiting = anyio.CancelScope()
             with active.waiting:
-                need = req.context if isinstance(req, Generate) else None
-                model = await self.residency.ensure_loaded(
-                    await context.for_load(self.residency, spec, need), None,
-                    allow_load=allow_load)
-                if need is not None and model.options.context < need:
-                    model = await context.with_context(self.residency, lane, self._raising,
-                                                       spec, need, allow_load)
+                model = await context.loaded(self.residency, lane, spec, req.context if
+                                             isinstance(req, Generate) else None,
+                                             allow_load=allow_load)
             active.waiting = None
             if model is None:  # cancelled while it waited: the load goes on for others
                 raise RequestCancelledError(
@@ -427,18 +408,6 @@ class Supervisor:
                 await self._admit(model, active)
         finally:
             lane.admitting -= 1
-
-    async def _give_way(self, name: str, active: Active) -> None:
-        """Hold a new request of ``name`` while its model gives way to a load that has
-        waited for the memory it holds (room.RoomWaits.yields): it runs once the model
-        is loaded again."""
-        waits = self.residency.room_waits
-        while (model := self.residency.models.get(name)) is not None and waits.yields(
-                model, time.monotonic()):
-            if active.position is None:
-                self.requests.tell_position(active, len(self.requests.lane(name).queue) + 1)
-            active.move(RequestState.WAITING)
-            await anyio.sleep(room.POLL_S)
 
     def _check_principal(self, peer: Peer, req: Generate | Embed) -> None:
         """The principal's own limits: which models, how many at once, how fast (a lane's)."""

@@ -159,8 +159,10 @@ class Runner(EngineThread):
         self._mem = L.llama_get_memory(ctx)
         self.n_ctx_slot = L.llama_n_ctx(ctx) // parallel
         cache_dir, limit = kv_disk
+        # (not keyed by the context: a state restores into any context that holds it,
+        # so a model loaded again with more keeps its saved prefixes)
         disk = (kvdisk.KVDisk(cache_dir, kvdisk.store_key(
-            path, self.n_ctx_slot, kv_cache_type, *cpukernels.build_identity()), limit)
+            path, kv_cache_type, *cpukernels.build_identity()), limit)
             if cache_dir is not None and limit > 0 else None)
         self._cache = (promptcache.PromptCache(kv_ram, disk)
                        if (disk is not None or kv_ram > 0) and mmproj is None

@@ -42,6 +42,7 @@ from ...models.registry import ModelSpec, local_file
 from ...protocol import Unload, sampling
 from ..events import PullProgress
 from ..keys import load_or_create_token
+from ..residency import context as residency_context
 from . import ollama_request as parse
 from .common import HttpError, Reader, presented_key, request_id
 from .exchange import STATUS, Dialect, Spawner, control, dumps
@@ -190,7 +191,7 @@ class OllamaMeta(Dialect):
                             "(POST /api/pull downloads it)", "model_not_found")
         template = facts.meta.get("tokenizer.chat_template")
         template = template if isinstance(template, str) else ""
-        context = self.api.supervisor.context_of(name)
+        context = residency_context.of(self.api.supervisor.residency, name)
         params = {**sampling.to_json(spec.sampling),
                   **({"num_ctx": context} if context is not None else {})}
         modelfile = (f"# everycycle: model '{name}' from {spec.source}\nFROM {facts.path}\n"

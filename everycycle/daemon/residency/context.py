@@ -54,23 +54,38 @@ async def ensure_context(res: Residency, spec: ModelSpec, need: int,
                      f"request needs {need:,})")
 
 
-async def with_context(res: Residency, lane: Lane, raising: dict[str, int], spec: ModelSpec,
-                       need: int, allow_load: bool = True) -> Resident:
-    """``spec``'s model with at least ``need`` tokens a slot: loaded again with enough
-    once its other work has ended, the requests asking for more (counted in
-    ``raising``) waiting together. Raises InvalidRequestError past its trained
-    context, and what its load raises."""
-    raising[spec.name] = raising.get(spec.name, 0) + 1
+async def loaded(res: Residency, lane: Lane, spec: ModelSpec, need: int | None, *,
+                 executor: str | None = None, allow_load: bool = True,
+                 retry_failed: bool = False) -> Resident:
+    """``spec``'s model loaded (``Residency.ensure_loaded``) with at least ``need`` tokens
+    a slot: loaded again with enough once its other work has ended, the requests asking
+    for more (``lane.raising``) waiting together. Raises InvalidRequestError past its
+    trained context, and what its load raises."""
+    model = await res.ensure_loaded(await for_load(res, spec, need), executor,
+                                    allow_load=allow_load, retry_failed=retry_failed)
+    if need is None or model.options.context >= need:
+        return model
+    lane.raising += 1
     try:
         for _ in range(3):  # (another's reload may have come first, with less)
+            await ensure_context(res, spec, need, lambda: not lane.running and not lane.queue
+                                 and lane.admitting <= lane.raising)
             model = await res.ensure_loaded(spec, None, allow_load=allow_load)
             if model.options.context >= need:
-                return model
-            await ensure_context(res, spec, need, lambda: not lane.running and not lane.queue
-                                 and lane.admitting <= raising.get(spec.name, 0))
-        return await res.ensure_loaded(spec, None, allow_load=allow_load)
+                break
+        return model
     finally:
-        raising[spec.name] -= 1
+        lane.raising -= 1
+
+
+def of(res: Residency, name: str) -> int | None:
+    """Tokens a slot of model ``name``: as loaded, else models.toml's ``context``; None
+    when neither says (it is chosen at load)."""
+    model = res.models.get(name)
+    if model is not None:
+        return model.options.context
+    spec = res.registry.models.get(name)
+    return spec.context if spec is not None else None
 
 
 async def for_load(res: Residency, spec: ModelSpec, need: int | None) -> ModelSpec:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+import anyio
 import anyio.to_thread
 
 from ... import paths
@@ -33,10 +34,11 @@ from ...hardware import cpukernels
 from ...hardware import executors as ex
 from ...hardware.memory import MemoryPlan, fit_context, plan, trained_context
 from ...models.registry import ModelSpec
-from ..events import DaemonEvent, RoomWait
+from ..events import DaemonEvent, RequestState, RoomWait
 from .remote import in_order
 
 if TYPE_CHECKING:
+    from ..active import Active
     from ..lifecycle import Requests
     from .remote import RemoteHosts
     from .resident import Loading, Resident
@@ -410,3 +412,15 @@ async def context_for(res: Host, spec: ModelSpec, path: Path, wanted: str) -> in
     log.info("%s: context %d tokens a slot (trained for %d; %s has %s free)", spec.name,
              context, trained, where.name, _mib(where.memory_free))
     return context
+
+
+async def give_way(res: Host, name: str, active: Active) -> None:
+    """Hold a new request of ``name`` while its model gives way to a load that has
+    waited for the memory it holds (``RoomWaits.yields``): it runs once the model is
+    loaded again."""
+    while (model := res.models.get(name)) is not None and res.room_waits.yields(
+            model, time.monotonic()):
+        if active.position is None:
+            res.requests.tell_position(active, len(res.requests.lane(name).queue) + 1)
+        active.move(RequestState.WAITING)
+        await anyio.sleep(POLL_S)
