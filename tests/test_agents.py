@@ -72,6 +72,22 @@ AGENTS = {
 }
 
 
+def _launch(agent: str, model: str, models: Path, args: list[str], work: Path,
+            env: dict[str, str]) -> tuple[int | None, str]:
+    """``everycycle launch AGENT -m MODEL -- ARGS`` on a pseudo-terminal in ``work``,
+    starting a daemon (stopped after): its exit status and what it printed."""
+    child = pexpect.spawn(EC[0], [*EC[1:], "launch", agent, "-m", model, "--models",
+                                  str(models), "--http", "127.0.0.1:0", "--", *args],
+                          cwd=str(work), env=env, timeout=240, encoding="utf-8",
+                          codec_errors="replace", dimensions=(50, 200))
+    try:
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+        subprocess.run([*EC, "stop"], capture_output=True, timeout=60, check=False)
+    return child.exitstatus, child.before or ""
+
+
 @pytest.fixture(scope="module")
 def bpe_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source = local_file(load_registry().get("smollm2-135m"))
@@ -101,18 +117,8 @@ def test_launch_runs_the_agent_and_one_tool_call(agent: str, agent_models: Path,
     env = {**os.environ, "HOME": str(home), "PATH": f"{folder}:{os.environ['PATH']}",
            "NO_COLOR": "1"}
     _, args = AGENTS[agent]
-    child = pexpect.spawn(EC[0], [*EC[1:], "launch", agent, "-m", f"agent-{agent}",
-                                  "--models", str(agent_models), "--http", "127.0.0.1:0",
-                                  "--", *args],
-                          cwd=str(work), env=env, timeout=240, encoding="utf-8",
-                          codec_errors="replace", dimensions=(50, 200))
-    try:
-        child.expect(pexpect.EOF)
-    finally:
-        child.close()
-        subprocess.run([*EC, "stop"], capture_output=True, timeout=60, check=False)
-    out = child.before or ""
-    assert child.exitstatus == 0, out[-3000:]
+    status, out = _launch(agent, f"agent-{agent}", agent_models, args, work, env)
+    assert status == 0, out[-3000:]
     assert "daemon pid" in out and f"{agent} on http://127.0.0.1:" in out  # (it started one)
     assert "everycycle: warning" not in out, out[-3000:]  # (a context that holds it, unasked)
     assert OK in out, out[-3000:]  # the agent ran the model's call
@@ -265,18 +271,9 @@ def test_an_agent_with_an_mcp_server_answers_a_turn_on_a_plain_entry(
     args, agent_env, at_least = MCP[agent]
     env = {**os.environ, "HOME": str(home), "PATH": f"{folder}:{os.environ['PATH']}",
            "NO_COLOR": "1", **agent_env}
-    child = pexpect.spawn(EC[0], [*EC[1:], "launch", agent, "-m", "plain", "--models",
-                                  str(models), "--http", "127.0.0.1:0", "--",
-                                  *[a.format(mcp=mcp) for a in args]],
-                          cwd=str(work), env=env, timeout=240, encoding="utf-8",
-                          codec_errors="replace", dimensions=(50, 200))
-    try:
-        child.expect(pexpect.EOF)
-    finally:
-        child.close()
-        subprocess.run([*EC, "stop"], capture_output=True, timeout=60, check=False)
-    out = child.before or ""
-    assert child.exitstatus == 0, out[-3000:]
+    status, out = _launch(agent, "plain", models, [a.format(mcp=mcp) for a in args], work,
+                          env)
+    assert status == 0, out[-3000:]
     if agent == "claude":
         assert '"name":"playwright","status":"connected"' in out, out[-3000:]
     records = [json.loads(line) for line in paths.audit_file().read_text().splitlines()]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -148,13 +147,9 @@ def test_a_megabyte_list_has_no_cap_and_compiles_once() -> None:
     text = json.dumps(tools)
     assert len(text) > 1_000_000
     kept = CallGrammars()
-    started = time.monotonic()
     first = kept.get(G, text, forced=False, name=None, parallel=True)
-    cold = time.monotonic() - started
-    started = time.monotonic()
     again = kept.get(G, text, forced=False, name=None, parallel=True)
-    assert again is first and kept.compiled == 1 and kept.hits == 1
-    assert time.monotonic() - started < cold / 10
+    assert again is first and kept.compiled == 1 and kept.hits == 1  # (compiled once)
     # bounded by bytes: another list pushes it out
     small = CallGrammars(max_bytes=len(text) + len(first.grammar) + 10)
     small.get(G, text, forced=False, name=None, parallel=True)
