@@ -113,8 +113,11 @@ def test_models_add_records_the_resolved_commit_and_sha256(fake: FakeHub,
     assert out.returncode == 0, out.stderr
     text = paths.user_models_file().read_text()
     assert f'revision = "{COMMIT}"' in text and sha(tiny_gguf) in text
+    assert "context" not in text  # (chosen at load from what it was trained for)
     rows = json.loads(ec("models", "--json").stdout)
     assert {r["name"]: r["available"] for r in rows}["mine"] is True
+    mine = {r["name"]: r for r in rows}["mine"]
+    assert mine["context_auto"] is True and mine["context"] == 16384  # (the tiny GGUF's)
     again = ec("models", "add", "mine", "hf://acme/tiny/tiny.gguf")
     assert again.returncode == 2 and "already defined" in again.stderr
 
