@@ -11,6 +11,7 @@ engine reports llama.cpp's own figure once a model is loaded (tests hold the two
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,6 +154,29 @@ def swa_layers(meta: dict[str, Any], arch: str, n_layer: int) -> list[bool]:
     return [False] * n_layer
 
 
+def _header(path: Path) -> tuple[dict[str, Any], tuple[int, list[int], int]]:
+    """``path``'s metadata and its weights' bytes (every part of a split GGUF: all, per
+    layer, the rest), read once while the file stays as it is (a context is fitted by
+    planning several). Not to be changed by the caller."""
+    try:
+        st = path.stat()
+    except OSError:
+        from .gguf import read_metadata
+
+        read_metadata(path)  # (its error: the file is not a readable GGUF)
+        raise
+    return _read_header(path, st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_header(path: Path, mtime_ns: int, size: int, inode: int
+                 ) -> tuple[dict[str, Any], tuple[int, list[int], int]]:
+    from .gguf import model_bytes, read_metadata
+
+    meta = read_metadata(path, wanted_suffixes=(".attention.sliding_window_pattern",))
+    return meta, model_bytes(path)
+
+
 def plan(path: Path, *, context: int, parallel: int, kv_cache_type: str = "f16",
          n_ubatch: int = 512) -> MemoryPlan:
     """The memory ``path`` needs with ``parallel`` slots of ``context`` tokens.
@@ -160,11 +184,9 @@ def plan(path: Path, *, context: int, parallel: int, kv_cache_type: str = "f16",
     Raises InvalidRequestError for a file that is not a readable GGUF, ConfigError for
     an unknown ``kv_cache_type``.
     """
-    from .gguf import model_bytes, read_metadata
-
     kv_type_id(kv_cache_type)
     per_element = KV_CACHE_TYPES[kv_cache_type][1]
-    meta = read_metadata(path, wanted_suffixes=(".attention.sliding_window_pattern",))
+    meta, (size, layers, other) = _header(path)
     arch = meta.get("general.architecture", "")
 
     def num(key: str, default: int) -> int:
@@ -183,7 +205,6 @@ def plan(path: Path, *, context: int, parallel: int, kv_cache_type: str = "f16",
     layer_kv = tuple(int(parallel * (swa_cells if swa else per_seq) * n_head_kv
                          * (k_dim + v_dim) * per_element)
                      for swa in swa_layers(meta, arch, n_layer))
-    size, layers, other = model_bytes(path)  # (every part of a split GGUF)
     if len(layers) != n_layer:  # an architecture whose layers are not blk.N: one lump
         layers, other = [0] * n_layer, size
     return MemoryPlan(weights=size, kv=sum(layer_kv),
@@ -202,9 +223,7 @@ that is free (the rest stays for the other models, the prompt caches, the system
 
 def trained_context(path: Path) -> int:
     """The context ``path``'s model was trained for (GGUF ``{arch}.context_length``)."""
-    from .gguf import read_metadata
-
-    meta = read_metadata(path)
+    meta = _header(path)[0]
     value = meta.get(f"{meta.get('general.architecture', '')}.context_length")
     return value if isinstance(value, int) and value > 0 else DEFAULT_TRAINED
 
