@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
@@ -43,7 +44,8 @@ class Pieces:
         self._risky = {m: _crossing(m, texts) for m in markers}
         """Per marker, the (special, offset) that could span a cut where it starts."""
         self.max_chars = max_chars
-        self._kept: OrderedDict[str, list[int]] = OrderedDict()
+        self._kept: OrderedDict[str, array[int]] = OrderedDict()
+        """Pieces' tokens, 4 bytes each (Python ints in a list would take 36)."""
         self._chars = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -76,14 +78,14 @@ class Pieces:
         cuts.append(len(text))
         return list(itertools.pairwise(cuts))
 
-    def _piece(self, piece: str) -> list[int]:
+    def _piece(self, piece: str) -> array[int]:
         with self._lock:
             found = self._kept.get(piece)
             if found is not None:
                 self._kept.move_to_end(piece)
                 self.hits += 1
                 return found
-        tokens = self._tokenize(piece)
+        tokens = array("i", self._tokenize(piece))
         with self._lock:
             if piece not in self._kept:
                 self._chars += len(piece)
