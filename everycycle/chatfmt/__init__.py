@@ -8,8 +8,12 @@ chatoutput.py      one request's output split as it streams: answer, thinking, t
 template.py        the sandboxed Jinja environment that renders a GGUF's chat template as
                    Hugging Face transformers does
 templatebudget.py  a render's budget of time, operations and bytes
-tools.py           tool-call formats (Hermes, Llama 3, Mistral, ...), their system prompts
-                   and the grammars that hold a model to a well-formed call
+tools.py           tool-call formats (Hermes, Llama 3, Mistral, ...) and their system
+                   prompts
+callgrammar.py     the grammar that holds a model to a well-formed call of a tool list,
+                   each schema compiled lenient, once per list
+schemacheck.py     what the constraint engine does not enforce: its place (a JSON pointer),
+                   the refusal, and a call's arguments checked after generation
 toolparse.py       tool calls parsed out of the output, whole or streamed
 jsonscan.py        JSON read as it streams in (where a value ends, a string's text so far)
 reasoning.py       thinking markers found in templates, and thinking split from the answer

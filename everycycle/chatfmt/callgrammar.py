@@ -235,8 +235,8 @@ def _past_budget(chosen: Sequence[Tool], grammar: str, error: str) -> str:
     largest = max(chosen, key=lambda t: len(json.dumps(t.parameters)))
     return (f"tools: the list is past the constraint engine's compile budget "
             f"({fuel(grammar):,} lexer fuel for {len(grammar):,} characters of grammar: "
-            f"{_without_dump(error)}), though each tool compiles alone; the largest is '{largest.name}' "
-            f"({len(json.dumps(largest.parameters)):,} bytes of schema)")
+            f"{_without_dump(error)}), though each tool compiles alone; the largest is "
+            f"'{largest.name}' ({len(json.dumps(largest.parameters)):,} bytes of schema)")
 
 
 def _grammar(fmt: ToolFormat, chosen: Sequence[Tool], *, free: bool, parallel: bool,

@@ -20,6 +20,7 @@ probes.py     the load-time batch probe (exactness, step timings), and the CPU-k
               probe's child (``python -m everycycle.engine.probes``)
 jobs.py       Job in, Outputs out, stop strings and held-back text
 vocab.py      a loaded model's vocabulary, and llama.cpp's own chat-template renderer
+tokencache.py a long chat prompt tokenized by its pieces, each long one once
 promptcache.py the conversations a model's slots gave up, in host RAM, spilled to disk
 kvdisk.py     a model's cached prefixes (slots' KV state) on disk, checksummed
 embedder.py   embeddings: a second context in embeddings mode, batched
