@@ -43,14 +43,14 @@ def answer(runner: Runner, tokens: list[int], n: int) -> list[int]:
             if out.finished:
                 done.set()
 
-    runner._notify = notify
+    runner.loop.notify = notify
     runner.submit(Job(JobSpec(tokens=tokens, max_tokens=n, lookup=False, sampling=Sampling.of(temperature=0.0, repeat_penalty=1.0))))
     done.wait()
     return ids
 
 
 def bound(runner: Runner, prompt: list[int], out: list[int]) -> float:
-    cost = runner._cost
+    cost = runner.costs.decode
     one = cost.estimate(1) or 1.0
     lookup = PromptLookup(prompt)
     t, spent = 0, 0.0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +11,7 @@ from enginehelp import Collector
 
 from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
 from everycycle.engine.llamalog import log_capture
+from everycycle.engine.lookup import StepCost
 from everycycle.engine.runner import Runner
 from everycycle.errors import InvalidRequestError
 from everycycle.protocol import Format
@@ -250,13 +251,14 @@ class _Watched(Runner):
 
     threads: list[str]
 
-    def _probe(self) -> bool:
+    def _probe(self) -> tuple[bool, StepCost]:
         type(self).threads.append(threading.current_thread().name)
         return super()._probe()
 
-    def _embed(self, jobs: list[Job], out: list[tuple[Job, Output]]) -> None:
+    def _embed(self, jobs: list[Job], out: list[tuple[Job, Output]],
+               progressed: Callable[[], None]) -> None:
         type(self).threads.append(threading.current_thread().name)
-        super()._embed(jobs, out)
+        super()._embed(jobs, out, progressed)
 
 
 def test_every_decode_runs_on_the_engine_thread(tiny_gguf: Path, collector: Collector) -> None:

@@ -12,10 +12,11 @@ import pytest
 from enginehelp import Collector
 
 from everycycle.chatfmt import constraint
+from everycycle.engine.drafts import NO_DRAFT, Draft, Drafter
 from everycycle.engine.jobs import Job, JobSpec, Sampling
 from everycycle.engine.lookup import StepCost
 from everycycle.engine.runner import Runner
-from everycycle.engine.slots import Slot
+from everycycle.engine.slots import Run
 
 # Long keys, and values the model picks: most of the text is forced.
 SCHEMA = {
@@ -43,19 +44,24 @@ class Flat(StepCost):
 class Forcing(Runner):
     """The real engine, its step costs flat (the probe's timings are noise here)."""
 
-    def _probe(self) -> bool:
-        exact = super()._probe()
-        self._cost = Flat()
-        self._cost.observe(1, 0.0)
-        return exact
+    def _probe(self) -> tuple[bool, StepCost]:
+        exact, _ = super()._probe()
+        flat = Flat()
+        flat.observe(1, 0.0)
+        return exact, flat
+
+
+class Undrafting(Drafter):
+    """Proposes no draft."""
+
+    def propose(self, run: Run, room: int, rows: int, expected: float) -> Draft:
+        return NO_DRAFT
 
 
 class NoDrafts(Runner):
     """The real engine, drafting nothing: one token per step."""
 
-    def _propose(self, s: Slot, room: int, rows: int, expected: float
-                 ) -> tuple[list[int], float]:
-        return [], 0.0
+    drafter_type = Undrafting
 
 
 def _decode(kind: type[Runner], tiny_gguf: Path, temperature: float

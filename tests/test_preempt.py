@@ -18,6 +18,7 @@ from enginehelp import Collector
 
 from everycycle.engine.jobs import Job, JobSpec, Sampling
 from everycycle.engine.lookup import StepCost
+from everycycle.engine.plan import StepPlan
 from everycycle.engine.preempt import ABORTED, Preempt
 from everycycle.engine.runner import Runner
 
@@ -30,18 +31,18 @@ class EveryOtherStep(Preempt):
 
     calls = 0
 
-    def decode(self, before: list, pending: Iterable[Job],  # type: ignore[type-arg]
+    def decode(self, plan: StepPlan, pending: Iterable[Job],
                run: Callable[[], int], expected_s: float | None = None) -> int | None:
         self.calls += 1
         if self.calls % 2 == 0:
-            return super().decode(before, pending, run, expected_s)
+            return super().decode(plan, pending, run, expected_s)
 
         def stopped() -> int:
             with self._lock:
                 self.interrupt()  # (set before the graph runs: it stops at its first node)
             return run()
 
-        return super().decode(before, pending, stopped, expected_s)
+        return super().decode(plan, pending, stopped, expected_s)
 
 
 @pytest.fixture
@@ -65,16 +66,16 @@ def _ids(tiny_gguf: Path, *, temperature: float, stop: bool) -> tuple[list[list[
     c = Collector()
     runner = Runner(tiny_gguf, context=1024, parallel=2, notify=c)
     try:
-        assert runner._preempt is not None  # (a plain model: its steps may stop)
+        batches = runner.loop.batches
+        assert batches.preempt is not None  # (a plain model: its steps may stop)
         if stop:
-            runner._preempt = EveryOtherStep(runner._L, runner._ctx, runner._mem,
-                                             runner._cond)
+            batches.preempt = EveryOtherStep(runner._L, runner._ctx, runner._cond)
         jobs = _jobs(runner, 0, temperature)
         with runner._cond:  # (both start in the same step, on both engines)
             for job in jobs:
                 runner.submit(job)
         return [[i for o in c.wait(job.tag, 120) for i in o.ids] for job in jobs], \
-            runner._preempt.stops
+            batches.preempt.stops
     finally:
         runner.close()
 
@@ -92,8 +93,9 @@ def test_a_stopped_step_is_undone_and_the_jobs_go_on_as_if_it_never_ran(
 def test_an_interactive_job_stops_the_background_step_it_arrives_in(runner: Runner) -> None:
     """Background jobs keep the engine busy; interactive ones arrive at random moments.
     Some arrive during a step, which then stops (``stops``); each one is served."""
-    c = runner._notify
-    assert isinstance(c, Collector) and runner._preempt is not None
+    c = runner.loop.notify
+    preempt = runner.loop.batches.preempt
+    assert isinstance(c, Collector) and preempt is not None
     bg = [Job(JobSpec(tokens=runner.tokenize(LONG * 2), max_tokens=600,
                       sampling=Sampling.of(temperature=1.0, seed=i), background_age=600),
               tag=("bg", i)) for i in range(2)]
@@ -101,13 +103,13 @@ def test_an_interactive_job_stops_the_background_step_it_arrives_in(runner: Runn
         runner.submit(job)
     wait_until(lambda: len(c.outputs.get(("bg", 0), [])) >= 3, "the background work")
     n = 0
-    while runner._preempt.stops == 0 and n < 200:
+    while preempt.stops == 0 and n < 200:
         job = Job(JobSpec(tokens=runner.tokenize(f"question {n}"), max_tokens=1,
                           sampling=Sampling.of(temperature=0.0)), tag=("it", n))
         threading.Timer(0.001 * (n % 7), runner.submit, (job,)).start()
         c.wait(("it", n), 60)
         n += 1
-    assert runner._preempt.stops >= 1
+    assert preempt.stops >= 1
     for job in bg:
         runner.cancel(job, "done")
         c.wait(job.tag, 60)
@@ -119,11 +121,11 @@ class Timing(Preempt):
 
     steps: list[tuple[bool, float | None, float]]
 
-    def decode(self, before: list, pending: Iterable[Job],  # type: ignore[type-arg]
+    def decode(self, plan: StepPlan, pending: Iterable[Job],
                run: Callable[[], int], expected_s: float | None = None) -> int | None:
-        filling = any(b.todo for b in before)
+        filling = plan.filling
         started = time.perf_counter()
-        rc = super().decode(before, pending, run, expected_s)
+        rc = super().decode(plan, pending, run, expected_s)
         self.steps.append((filling, expected_s, time.perf_counter() - started))
         return rc
 
@@ -134,12 +136,12 @@ def test_a_step_that_reads_a_prompt_is_expected_to_take_what_such_steps_took(
     (on a CPU about a row's time, and a background chunk makes a step several times a
     decode step). Steps that read prompt tokens are expected to take what such steps
     measured, so an interactive job arriving early in one stops it."""
-    c = runner._notify
-    assert isinstance(c, Collector) and runner._preempt is not None
-    timing = Timing(runner._L, runner._ctx, runner._mem, runner._cond)
+    c = runner.loop.notify
+    assert isinstance(c, Collector) and runner.loop.batches.preempt is not None
+    timing = Timing(runner._L, runner._ctx, runner._cond)
     timing.steps = []
-    runner._preempt = timing
-    runner._cost = StepCost.fit([(1, 1e-6)])  # a decode table that prices nothing
+    runner.loop.batches.preempt = timing
+    runner.costs.decode = StepCost.fit([(1, 1e-6)])  # a decode table that prices nothing
     job = Job(JobSpec(tokens=runner.tokenize(LONG), max_tokens=4,
                       sampling=Sampling.of(temperature=1.0, seed=1), background_age=600),
               tag="bg")
@@ -156,7 +158,7 @@ def test_a_step_that_reads_a_prompt_is_expected_to_take_what_such_steps_took(
 def test_a_step_stops_for_an_interactive_job_unless_nearly_done(runner: Runner) -> None:
     """An interactive job arriving after half a step (where finishing was once the rule)
     stops it; one arriving when it is nearly done waits for the rest."""
-    preempt = Preempt(runner._L, runner._ctx, runner._mem, threading.Condition())
+    preempt = Preempt(runner._L, runner._ctx, threading.Condition())
     try:
         def step(arrive_s: float) -> Callable[[], int]:
             def run() -> int:
@@ -166,10 +168,11 @@ def test_a_step_stops_for_an_interactive_job_unless_nearly_done(runner: Runner) 
                 return ABORTED if preempt._flag[0] == b"x" else 0
             return run
 
-        assert preempt.decode([], [], step(0.6), expected_s=1.0) is None
-        assert preempt.decode([], [], step(0.9), expected_s=1.0) == 0
+        assert preempt.decode(StepPlan(), [], step(0.6), expected_s=1.0) is None
+        assert preempt.decode(StepPlan(), [], step(0.9), expected_s=1.0) == 0
         assert preempt.stops == 1
     finally:  # (the runner's own Preempt is the context's abort callback again)
-        assert runner._preempt is not None
-        runner._L.llama_set_abort_callback(runner._ctx, runner._preempt._callback,
-                                           ctypes.cast(runner._preempt._flag, ctypes.c_void_p))
+        own = runner.loop.batches.preempt
+        assert own is not None
+        runner._L.llama_set_abort_callback(runner._ctx, own._callback,
+                                           ctypes.cast(own._flag, ctypes.c_void_p))

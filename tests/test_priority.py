@@ -27,7 +27,7 @@ from everycycle.engine.jobs import Job, JobSpec, Output, Sampling, common_prefix
 from everycycle.engine.lookup import StepCost
 from everycycle.engine.promptcache import Spares
 from everycycle.engine.runner import Runner
-from everycycle.engine.steps import BACKGROUND_CHUNK
+from everycycle.engine.scheduler import BACKGROUND_CHUNK
 from everycycle.errors import ErrorKind
 from everycycle.protocol import Accepted, Error, Generate, Priority, TokenChunk, Tokens, encode
 
@@ -63,7 +63,7 @@ def runner(tiny_gguf: Path) -> Iterator[Runner]:
 
 
 def _log(runner: Runner) -> Ordered:
-    notify = runner._notify
+    notify = runner.loop.notify
     assert isinstance(notify, Ordered)
     return notify
 
@@ -85,7 +85,8 @@ def test_an_interactive_job_parks_a_background_one_which_resumes_where_it_stoppe
     assert sum(len(o.ids) for o in outs) == 300
     assert it.n_generated == 20 and c.outputs["it"][-1].reason == "length"
     # Its cells were copied out into a buffer that is spare again, for the next park.
-    assert runner._spares.bytes > 0 and not runner._spares._lent
+    spares = runner.loop.seating.spares
+    assert spares.bytes > 0 and not spares._lent
 
 
 def test_spare_buffers_are_lent_smallest_first_and_kept_within_a_limit() -> None:
@@ -226,22 +227,24 @@ def test_a_finished_background_conversation_is_kept_before_its_slot_is_wanted(
 def test_background_prompt_tokens_a_step_reads_follow_the_step_costs(runner: Runner) -> None:
     # A 2-core CPU's step costs (each row nearly a step of its own), one slot: with 3
     # rows decoding, 3 prompt tokens keep the step within twice a step of 3 rows.
-    runner._cost = StepCost.fit([(1, .0147), (2, .028), (4, .0427), (8, .0816),
+    room = runner.loop.scheduler.background_room
+    runner.costs.decode = StepCost.fit([(1, .0147), (2, .028), (4, .0427), (8, .0816),
                                  (16, .1546)])
-    assert runner._background_room(3) == 3
-    assert runner._background_room(0) == 2
+    assert room(3) == 3
+    assert room(0) == 2
     # With four slots, twice a step of all four: more when fewer decode.
     four = Runner(runner.path, context=1024, parallel=4, notify=Collector())
     try:
-        four._cost = runner._cost
-        assert [four._background_room(rows) for rows in range(5)] == [8, 7, 6, 5, 4]
+        four.costs.decode = runner.costs.decode
+        assert [four.loop.scheduler.background_room(rows) for rows in range(5)
+                ] == [8, 7, 6, 5, 4]
     finally:
         four.close()
     # A GPU's (rows nearly free): as many as a step may read of background prompts.
-    runner._cost = StepCost.fit([(1, .010), (2, .0101), (16, .011), (64, .013)])
-    assert runner._background_room(3) == BACKGROUND_CHUNK
-    runner._cost = StepCost()  # (nothing measured)
-    assert runner._background_room(3) == BACKGROUND_CHUNK
+    runner.costs.decode = StepCost.fit([(1, .010), (2, .0101), (16, .011), (64, .013)])
+    assert room(3) == BACKGROUND_CHUNK
+    runner.costs.decode = StepCost()  # (nothing measured)
+    assert room(3) == BACKGROUND_CHUNK
 
 
 def test_a_parked_job_can_be_cancelled_and_background_jobs_wait_for_interactive_ones(

@@ -47,10 +47,6 @@ class Engine(Protocol):
     kv_bytes: int
     offloaded: tuple[int, int] | None
     """(layers on the devices, layers + output head), as llama.cpp reported them."""
-    lookup_exact: bool
-    """Whether a multi-row batch gives each token the logits it gets alone."""
-    lookup_drafted: int
-    lookup_accepted: int
     dead: str | None
     """Why it can no longer serve (its process died, its RPC host went away); None while
     it serves."""
@@ -59,6 +55,21 @@ class Engine(Protocol):
     exit_cause: str | None
     """How its process ended when it died unasked (``SIGILL (illegal instruction)``);
     None while it serves, after ``close``, and in-process."""
+
+    @property
+    def lookup_exact(self) -> bool:
+        """Whether a multi-row batch gives each token the logits it gets alone."""
+        ...
+
+    @property
+    def lookup_drafted(self) -> int:
+        """Prompt-lookup draft tokens proposed."""
+        ...
+
+    @property
+    def lookup_accepted(self) -> int:
+        """Prompt-lookup draft tokens the model confirmed."""
+        ...
 
     @property
     def images_encoded(self) -> int:

@@ -365,3 +365,21 @@ class StepCost:
                 x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
                 table[n] = y0 + (y1 - y0) * (n - x0) / (x1 - x0)
         self._table = table
+
+
+class Costs:
+    """What steps cost on this machine, as measured: one holder every part of the engine
+    reads (the scheduler, the drafter, the batch runner that measures)."""
+
+    def __init__(self) -> None:
+        self.decode = StepCost()
+        """A step's time by row count, for steps of decode rows only (probed at load)."""
+        self.fill = StepCost()
+        """A step's time by its batch tokens, for steps that read prompt tokens (learnt
+        as they run): a prompt token costs other than a decode row."""
+
+    def estimate(self, n: int, filling: bool) -> float | None:
+        """A step of ``n`` batch tokens: as steps that read prompt tokens took (``filling``:
+        3x the decode table's on a CPU), else as a decode step of ``n`` rows."""
+        fill = self.fill.estimate(n) if filling else None
+        return fill if fill is not None else self.decode.estimate(n)

@@ -11,13 +11,14 @@ one-byte flag: no Python (and no GIL) runs on ggml's threads, and reading the fl
 nanoseconds a node. ``strlen`` of ``""`` is 0 (go on); of ``"x"`` is 1 (stop), whose low
 byte is the ``bool`` the caller reads.
 
-Only a step of background jobs alone is ever stopped, and only while no interactive job
-waits (one that could not get a slot does not stop steps again and again). The step is
-then undone: each of its slots gets back its position, cached tokens, unread prompt and
-draft, and its KV cells from that position on are removed (other micro-batches of the
-step may have been stored). No sampler ran, so sampling, constraints and held-back text
-are untouched: the jobs go on as if the step never was. A model whose cache cannot lose
-its last positions (recurrent, hybrid, sliding-window) is never stopped.
+Only a step of background jobs alone is ever stopped (``StepPlan.background``), and only
+while no interactive job waits (one that could not get a slot does not stop steps again
+and again). The step is then undone by the batch runner (``batchrun.py``): a slot changes
+only once its step has run, so undoing one is removing the cells the step's positions
+may have been stored in (other micro-batches of the step may have been). No sampler ran,
+so sampling, constraints and held-back text are untouched: the jobs go on as if the step
+never was. A model whose cache cannot lose its last positions (recurrent, hybrid,
+sliding-window) is never stopped.
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ import ctypes.util
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from .jobs import Job
-from .slots import Slot
+from .plan import StepPlan
 
 ABORTED = 2
 """What ``llama_decode`` returns for a step it abandoned."""
@@ -53,23 +53,11 @@ def _strlen() -> Any:
         return None
 
 
-@dataclass
-class _Before:
-    """A slot as it was before the step."""
-
-    slot: Slot
-    n_past: int
-    n_cached: int
-    todo: list[int]
-
-
 class Preempt:
-    """The flag a background step is stopped by, and what undoes the step. ``lock`` is
-    the engine's: ``interrupt`` is called under it (by ``submit``)."""
+    """The flag a background step is stopped by, and whether it was. ``lock`` is the
+    engine's: ``interrupt`` is called under it (by ``submit``)."""
 
-    def __init__(self, L: Any, ctx: Any, mem: Any, lock: threading.Condition) -> None:
-        self._L = L
-        self._mem = mem
+    def __init__(self, L: Any, ctx: Any, lock: threading.Condition) -> None:
         self._lock = lock
         self._flag = ctypes.create_string_buffer(2)
         self._callback: Any = None
@@ -84,19 +72,16 @@ class Preempt:
             L.llama_set_abort_callback(ctx, self._callback, ctypes.cast(self._flag,
                                                                         ctypes.c_void_p))
 
-    def snapshot(self, active: list[Slot]) -> list[_Before] | None:
-        """Before a step is built: its slots as they are, if it may be stopped (its jobs
-        all background ones); else None."""
-        if self._callback is None or not active or not all(
-                s.job is not None and s.job.background for s in active):
-            return None
-        return [_Before(s, s.n_past, len(s.cached), list(s.todo)) for s in active]
+    @property
+    def usable(self) -> bool:
+        """Whether steps can be stopped here (libc's strlen was found)."""
+        return self._callback is not None
 
-    def decode(self, before: list[_Before], pending: Iterable[Job], run: Callable[[], int],
+    def decode(self, plan: StepPlan, pending: Iterable[Job], run: Callable[[], int],
                expected_s: float | None = None) -> int | None:
-        """``run`` the step (``llama_decode``, expected to take ``expected_s``), stoppable
-        unless an interactive job waits already. Its result; None when it was stopped, and
-        undone: each slot back as it was (``before``)."""
+        """``run`` the step ``plan`` (``llama_decode``, expected to take ``expected_s``),
+        stoppable unless an interactive job waits already. Its result; None when it was
+        stopped (its cells are then the caller's to remove)."""
         with self._lock:
             self._armed = not any(not job.background for job in pending)
             self._flag[0] = b"\0"
@@ -110,13 +95,6 @@ class Preempt:
                 self._flag[0] = b"\0"
         if not (asked and rc == ABORTED):
             return rc
-        for b in before:
-            s = b.slot
-            self._L.llama_memory_seq_rm(self._mem, s.seq, b.n_past, -1)
-            s.n_past = b.n_past
-            del s.cached[b.n_cached:]
-            s.todo[:] = b.todo
-            s.draft = []
         self.stops += 1
         return None
 

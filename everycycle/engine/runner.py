@@ -1,15 +1,17 @@
 """The engine: a GGUF model resident on an executor, decoding for N slots on its own thread.
 
 llama.cpp's low-level API through llama-cpp-python, with llama.cpp's own sampler
-chain. One ``Runner`` owns one ``llama_model`` and ``llama_context`` and a worker
-thread; every call into the context happens on that thread. Each step admits pending
-jobs into free slots (``_admit``), puts the pending work of every active slot —
-prefill chunks, one token per decoding slot, prompt-lookup drafts — into one
-``llama_batch`` (``_build``), runs one ``llama_decode``, samples each slot with its
-own chain (``_sample``), and hands that step's outputs to ``notify`` in one call.
-Requests leave between steps, so a cancel takes effect within one step. A slot keeps
-its KV cells after a request ends; a new request sharing a prefix with them only
-prefills the rest.
+chain. One ``Runner`` owns one ``llama_model`` and ``llama_context`` and the thread
+every call into the context happens on. It builds the engine from parts, each with its
+own state and explicit inputs:
+
+- ``Scheduler`` (scheduler.py): each step's decisions as plain data (plan.py) — which
+  jobs start, park, resume; which rows the one ``llama_decode`` holds;
+- ``Drafter`` (drafts.py): the drafts a slot proposes, and what they came to;
+- ``BatchRunner`` (batchrun.py): executes a plan, stoppable (``Preempt``), timed;
+- ``Seating`` (seating.py): jobs on and off slots with their KV cells (prompt cache,
+  parking, images);
+- ``StepLoop`` (steps.py): the thread's loop, admit → plan → run → apply.
 
 The Runner satisfies the ``Engine`` contract (contract.py): the daemon runs one inside
 an engine process of its own (process.py); embedded mode runs one in its own process.
@@ -21,30 +23,33 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from .. import paths
 from ..chatfmt.chat import ChatFormat, ChatPrompt, flat
-from ..errors import InternalError
+from ..errors import EverycycleError, InternalError
 from ..hardware import cpukernels
 from ..protocol import Format, Message, Role
 from . import kvdisk, promptcache
+from .batchrun import BatchRunner
 from .constraint import Constraints
 from .contract import CacheStats, LoadOptions, Notify
+from .drafts import Drafter
 from .jobs import EMBED_MAX_TOKENS, Job, Output
 from .llamaload import create_context, devices_for, load_model
 from .logits import RowLogits
-from .lookup import History, PromptLookup, StepCost
-from .parking import Parked
+from .lookup import Costs, History, PromptLookup, StepCost
 from .preempt import Preempt
+from .probes import batch_probe
 from .rerank import Pairs
 from .sampling import Samplers
+from .scheduler import Scheduler
+from .seating import Outputs, Seating
 from .slots import Slot
-from .steps import EngineThread
+from .steps import Inbox, StepLoop
 from .vision import Vision
 from .vocab import Vocab
 
@@ -53,7 +58,7 @@ log = logging.getLogger(__name__)
 __all__ = ["EMBED_MAX_TOKENS", "Job", "Output", "Runner"]
 
 
-class Runner(EngineThread):
+class Runner:
     """A model loaded on an executor, with ``parallel`` slots and a decode thread.
 
     Construct it off the event loop (loading takes time). Raises InvalidRequestError
@@ -66,6 +71,8 @@ class Runner(EngineThread):
     exit_cause: str | None = None
     lookup_type: type[PromptLookup] = PromptLookup
     """What drafts tokens for greedy jobs (tests put an oracle here)."""
+    drafter_type: type[Drafter] = Drafter
+    """What proposes drafts (tests put one that proposes none here)."""
 
     @classmethod
     def load(cls, path: Path, options: LoadOptions, notify: Notify) -> Runner:
@@ -109,7 +116,6 @@ class Runner(EngineThread):
         self._L = L
         self.path = path
         self.parallel = parallel
-        self._notify = notify
         self._n_batch = n_batch
         self._weights = load_model(L, path, gpu_devices=list(gpu_devices),
                                    n_gpu_layers=n_gpu_layers, tensor_split=list(tensor_split),
@@ -126,18 +132,9 @@ class Runner(EngineThread):
         threads = n_threads or max(1, os.cpu_count() or 1)
         self._threads = threads
         self._embedder: Any = None
-        self.lookup_drafted = 0
-        """Prompt-lookup draft tokens proposed, and those the model confirmed."""
-        self.lookup_accepted = 0
-        self.forced_drafted = 0
-        """Draft tokens a grammar forced, and those the model confirmed."""
-        self.forced_accepted = 0
-        self._cost = StepCost()
-        """A step's time by row count: how long a draft pays (probed at load)."""
-        self._fill = StepCost()
-        """A step's time by its batch tokens, for steps that read prompt tokens (learnt
-        as they run): a prompt token costs other than a decode row."""
-        self._history = History()
+        self.costs = Costs()
+        """What steps cost here: how long a draft pays, how long a step should take."""
+        history = History()
         """Recent finished sequences, for prompt-lookup drafts across requests."""
         ctx, self.kv_bytes = create_context(L, self._weights, path, context=context,
                                             parallel=parallel, n_batch=n_batch,
@@ -155,7 +152,6 @@ class Runner(EngineThread):
                 raise
         self._n_swa = int(L.llama_model_n_swa(model))
         self._ctx = ctx
-        self._logits = RowLogits(L, ctx, self._n_vocab)
         self._mem = L.llama_get_memory(ctx)
         self.n_ctx_slot = L.llama_n_ctx(ctx) // parallel
         cache_dir, limit = kv_disk
@@ -164,38 +160,101 @@ class Runner(EngineThread):
         disk = (kvdisk.KVDisk(cache_dir, kvdisk.store_key(
             path, kv_cache_type, *cpukernels.build_identity()), limit)
             if cache_dir is not None and limit > 0 else None)
-        self._cache = (promptcache.PromptCache(kv_ram, disk)
-                       if (disk is not None or kv_ram > 0) and mmproj is None
-                       and self._n_swa == 0 else None)
+        cache = self._cache = (promptcache.PromptCache(kv_ram, disk)
+                               if (disk is not None or kv_ram > 0) and mmproj is None
+                               and self._n_swa == 0 else None)
         """Conversations the slots gave up (RAM) or held at close (disk), restored by
         prompts that extend them."""
         self._batch = L.llama_batch_init(n_batch, 0, 1)
         plain = (self._n_swa == 0 and not L.llama_model_is_recurrent(model)
                  and not L.llama_model_is_hybrid(model)
                  and os.environ.get("EVERYCYCLE_PREEMPT") != "0")  # (bench/priority.py's A/B)
-        self._cond = threading.Condition()
-        self._preempt = Preempt(L, ctx, self._mem, self._cond) if plain else None
+        self._inbox = Inbox()
+        self._cond = self._inbox.cond
+        preempt = Preempt(L, ctx, self._cond) if plain else None
         """Stops a background step for an arriving interactive job (None: never)."""
-        self._slots = [Slot(seq=i) for i in range(parallel)]
-        self._pending: deque[Job] = deque()
-        self._parked: list[Parked] = []
-        self._spares = promptcache.Spares()
-        self._closing = False
+        self._drafter = self.drafter_type(self.costs)
+        self._seating = Seating(
+            L, ctx, self._mem, samplers=self._samplers, constraints=self._constraints,
+            cache=cache, vision=self._vision, history=history,
+            lookup_type=lambda: self.lookup_type, n_ctx_slot=self.n_ctx_slot,
+            n_swa=self._n_swa, n_batch=n_batch)
+        self.loop = StepLoop(
+            L=L, ctx=ctx, vocab=self.vocab, logits=RowLogits(L, ctx, self._n_vocab),
+            samplers=self._samplers, slots=[Slot(seq=i) for i in range(parallel)],
+            inbox=self._inbox, drafter=self._drafter, costs=self.costs,
+            scheduler=Scheduler(n_batch=n_batch, n_ctx_slot=self.n_ctx_slot,
+                                parallel=parallel, costs=self.costs, drafter=self._drafter),
+            batches=BatchRunner(L, ctx, self._mem, self._batch, self.costs, preempt),
+            seating=self._seating, notify=notify, n_ctx_slot=self.n_ctx_slot,
+            probe=self._probe, embed=self._embed, label=self.label)
         # Guards the model against use from other threads (tokenize) while close() frees it.
         self._life = threading.Lock()
         self._freed = False
         self._chat_format: ChatFormat | None = None
-        self.lookup_exact = False
-        """Whether this model, on this build and device, gives each token the same logits
-        in a multi-row batch as alone: then prompt-lookup drafts change nothing but speed,
-        and greedy jobs use them by default. (Probed on the engine thread at start.)"""
         probed = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(probed,),
+        self._thread = threading.Thread(target=self.loop.run, args=(probed,),
                                         name=f"engine:{path.name}", daemon=True)
         self._thread.start()
         probed.wait()
 
+    # ------------------------------------------------------------------ engine thread
+
+    def _probe(self) -> tuple[bool, StepCost]:
+        """Whether batches are bit-exact here, and a step's time by rows, measured."""
+        toks = self.vocab.tokenize(
+            "The quick brown fox jumps over the lazy dog again and again", special=False)
+        return batch_probe(self._L, self._ctx, self._mem, self._batch, n_vocab=self._n_vocab,
+                           n_batch=self._n_batch, n_ctx_slot=self.n_ctx_slot, toks=toks)
+
+    def _embed(self, jobs: list[Job], out: Outputs, progressed: Callable[[], None]) -> None:
+        """Embed every input of ``jobs`` in shared batches, in a context of their own."""
+        from .embedder import Embedder
+
+        try:
+            if self._embedder is None:
+                self._embedder = Embedder(self._L, self._model, n_threads=self._threads,
+                                          n_batch=EMBED_MAX_TOKENS)
+        except EverycycleError as exc:
+            out.extend((job, Output("", (), True, "error", exc)) for job in jobs)
+            return
+        self._embedder.run(jobs, out, progress=progressed)
+
     # ------------------------------------------------------------------ any thread
+
+    @property
+    def steps(self) -> int:
+        """Steps the engine has made (progress, for the daemon's hung-engine watch)."""
+        return self.loop.steps
+
+    @property
+    def step_seconds(self) -> tuple[float, ...]:
+        return self.loop.step_seconds
+
+    @property
+    def lookup_exact(self) -> bool:
+        """Whether this model, on this build and device, gives each token the same logits
+        in a multi-row batch as alone: then prompt-lookup drafts change nothing but speed,
+        and greedy jobs use them by default. (Probed on the engine thread at start.)"""
+        return self.loop.lookup_exact
+
+    @property
+    def lookup_drafted(self) -> int:
+        """Prompt-lookup draft tokens proposed (and, below, those the model confirmed)."""
+        return self._drafter.lookup_drafted
+
+    @property
+    def lookup_accepted(self) -> int:
+        return self._drafter.lookup_accepted
+
+    @property
+    def forced_drafted(self) -> int:
+        """Draft tokens a grammar forced (and, below, those the model confirmed)."""
+        return self._drafter.forced_drafted
+
+    @property
+    def forced_accepted(self) -> int:
+        return self._drafter.forced_accepted
 
     @property
     def prompt_cache(self) -> CacheStats | None:
@@ -306,11 +365,12 @@ class Runner(EngineThread):
         job.spec.check_fits(self.n_ctx_slot)
         self._samplers.check(job.spec.sampling)
         with self._cond:
-            if self._closing:
+            if self._inbox.closing:
                 raise InternalError("the model is being unloaded")
-            self._pending.append(job)
-            if self._preempt is not None and not job.background:
-                self._preempt.interrupt()
+            self._inbox.pending.append(job)
+            preempt = self.loop.batches.preempt
+            if preempt is not None and not job.background:
+                preempt.interrupt()
             self._cond.notify()
 
     def cancel(self, job: Job, reason: str) -> None:
@@ -326,7 +386,7 @@ class Runner(EngineThread):
         Idempotent; waits for a tokenization in progress on another thread.
         """
         with self._cond:
-            self._closing = True
+            self._inbox.closing = True
             self._cond.notify()
         self._thread.join()
         with self._life:
@@ -341,7 +401,7 @@ class Runner(EngineThread):
             self._constraints.close()
             if self._cache is not None:  # (on the engine thread's behalf: it has ended)
                 self._cache.spill([(slot.cached, partial(
-                    promptcache.copy_state, L, self._ctx, slot.seq)) for slot in self._slots])
+                    promptcache.copy_state, L, self._ctx, slot.seq)) for slot in self.loop.slots])
             L.llama_batch_free(self._batch)
             L.llama_free(self._ctx)
             L.llama_model_free(self._model)

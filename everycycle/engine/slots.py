@@ -1,5 +1,7 @@
-"""One decoding slot of a Runner: its sequence in the KV cache, its job, its samplers,
-and the text it owes the client (whole UTF-8 characters, stop strings held back)."""
+"""A Runner's slots: a ``Slot`` is a sequence in the KV cache and the tokens its cells
+hold; a ``Run`` is the job on it and everything kept for that job (its position, the
+prompt left to read, samplers, matcher, drafter, and the text it owes the client: whole
+UTF-8 characters, stop strings held back). Parking a job takes its ``Run`` away whole."""
 
 from __future__ import annotations
 
@@ -13,39 +15,34 @@ from .jobs import Job, Logprob, common_prefix, stop_split
 from .lookup import PromptLookup
 
 
+def _utf8() -> Any:
+    return codecs.getincrementaldecoder("utf-8")("replace")
+
+
 @dataclass(eq=False)
-class Slot:
-    seq: int
-    cached: list[int] = field(default_factory=list)
-    job: Job | None = None
+class Run:
+    """A job on a slot, and all the slot keeps for it."""
+
+    job: Job
+    n_past: int = 0
+    """Positions of the slot's sequence written for this job."""
+    todo: list[int] = field(default_factory=list)
+    """Prompt tokens left to read."""
+    last: int = -1
+    """The last token taken: the next decode row's."""
     sampler: Any = None
+    """Its llama.cpp sampler chain (None: plain greedy)."""
     grammar: Matcher | None = None
     """Under a constraint: the job's matcher (``constraint.py``)."""
-    todo: list[int] = field(default_factory=list)
-    n_past: int = 0
-    last: int = -1
-    decoder: Any = None
+    lookup: PromptLookup | None = None
+    """Its prompt-lookup drafter (None: it drafts no lookup tokens)."""
+    prompt: Any = None
+    """A job with images: its libmtmd prompt, once read (vision.Prompt)."""
+    decoder: Any = field(default_factory=_utf8)
     held_text: str = ""
     held_ids: list[int] = field(default_factory=list)
     held_logprobs: list[Logprob] = field(default_factory=list)
     """With a job that asked for them: one per held id."""
-    lookup: PromptLookup | None = None
-    draft: list[int] = field(default_factory=list)
-    """This step's draft, in batch rows ``draft_row`` on."""
-    draft_row: int = 0
-    draft_forced: bool = False
-    """Whether this step's draft is the tokens its grammar forces (else prompt lookup's)."""
-    prompt: Any = None
-    """A job with images: its libmtmd prompt, once read (vision.Prompt)."""
-    used: int = 0
-    """When a job last started here (the engine's step count then)."""
-    parked: Any = None
-    """The parked job (parking.Parked) whose KV cells this free slot still holds."""
-
-    def reset_text(self) -> None:
-        """A new job: nothing held back."""
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.held_text, self.held_ids, self.held_logprobs = "", [], []
 
     def take_logprobs(self) -> tuple[Logprob, ...] | None:
         """The held ids' log-probabilities (None when the job asked for none)."""
@@ -87,6 +84,23 @@ class Slot:
             if cut is not None:
                 text, reason = text[:cut], "stop"
         return text, self.held_ids, reason
+
+
+@dataclass(eq=False)
+class Slot:
+    """One sequence of the KV cache: the tokens its cells hold, and its job, if any."""
+
+    seq: int
+    cached: list[int] = field(default_factory=list)
+    run: Run | None = None
+    used: int = 0
+    """When a job last started here (the engine's step count then)."""
+    parked: Any = None
+    """The parked job (parking.Parked) whose KV cells this free slot still holds."""
+
+    @property
+    def job(self) -> Job | None:
+        return self.run.job if self.run is not None else None
 
 
 def best_slot(free: Sequence[Slot], tokens: Sequence[int]) -> tuple[Slot, int]:
