@@ -185,16 +185,28 @@ def test_a_socket_subscription_hears_events_until_cancelled(spawn_daemon: Any) -
 
 
 def test_the_state_machine_refuses_illegal_moves() -> None:
-    S = ev.RequestState
-    ev.check(S.ADMITTING, S.QUEUED)
-    ev.check(S.QUEUED, S.RUNNING)
+    S, I = ev.RequestState, ev.RequestInput
+    assert ev.next_state(S.ADMITTING, I.QUEUE) is S.QUEUED
+    assert ev.next_state(S.QUEUED, I.START) is S.RUNNING
+    assert ev.next_state(S.RUNNING, I.PARK) is S.PARKED
+    assert ev.next_state(S.PARKED, I.RESUME) is S.RUNNING
+    assert ev.next_state(S.WAITING, I.GIVE_WAY) is S.WAITING  # (staying: no move)
     for state in S:
         if state is not S.FINISHED:
-            ev.check(state, S.FINISHED)
-    for old, new in ((S.RUNNING, S.QUEUED), (S.FINISHED, S.RUNNING), (S.QUEUED, S.LOADING),
-                     (S.FINISHED, S.FINISHED)):
-        with pytest.raises(ev.IllegalTransition):
-            ev.check(old, new)
+            assert ev.next_state(state, I.FINISH) is S.FINISHED
+    for old, happened in ((S.RUNNING, I.QUEUE), (S.FINISHED, I.START), (S.QUEUED, I.LOAD),
+                          (S.FINISHED, I.FINISH), (S.QUEUED, I.PARK), (S.RUNNING, I.RESUME),
+                          (S.PARKED, I.START)):
+        with pytest.raises(ev.IllegalTransition, match=f"cannot {happened.value} while"):
+            ev.next_state(old, happened)
+
+
+def test_every_state_but_the_first_is_reached_and_every_live_one_can_finish() -> None:
+    S = ev.RequestState
+    reached = {new for (_, _), new in ev.MOVES.items()}
+    assert reached == set(S)  # (admitting too: again, after a load or a wait)
+    assert all((state, ev.RequestInput.FINISH) in ev.MOVES for state in S
+               if state is not S.FINISHED)
 
 
 def test_a_reader_that_falls_behind_is_cut_off_with_a_last_event() -> None:

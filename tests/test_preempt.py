@@ -158,11 +158,12 @@ def test_a_step_that_reads_a_prompt_is_expected_to_take_what_such_steps_took(
 def test_a_step_stops_for_an_interactive_job_unless_nearly_done(runner: Runner) -> None:
     """An interactive job arriving after half a step (where finishing was once the rule)
     stops it; one arriving when it is nearly done waits for the rest."""
-    preempt = Preempt(runner._L, runner._ctx, threading.Condition())
+    now = [0.0]
+    preempt = Preempt(runner._L, runner._ctx, threading.Condition(), clock=lambda: now[0])
     try:
         def step(arrive_s: float) -> Callable[[], int]:
             def run() -> int:
-                time.sleep(arrive_s)
+                now[0] += arrive_s  # (the step's clock, as the job arrives)
                 with preempt._lock:
                     preempt.interrupt()
                 return ABORTED if preempt._flag[0] == b"x" else 0

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import openai
 import pytest
 from daemonhelp import EC, Raw, wait_until
 from enginehelp import Collector
-from httphelp import audit, blocker, fleet_http
+from httphelp import EventReader, audit, blocker, fleet_http
 
 from everycycle.client import SyncClient
 from everycycle.daemon.eta import Rates, Work, starts
@@ -323,6 +324,59 @@ def test_run_interactive_goes_first_while_run_background_holds_the_slot(
     wait_until(lambda: len(audit()) >= 2, "both audit records")
     lanes_by_outcome = {(r["lane"], r["outcome"]) for r in audit()}
     assert lanes_by_outcome == {("background", "Cancelled"), ("interactive", "Finished")}
+
+
+def test_a_parked_request_says_so_in_events_and_fleet_and_can_be_cancelled_there(
+        spawn_daemon: object) -> None:
+    """Parked is a state of its own: the background request whose slot an interactive
+    one took is ``parked`` on /v1/events and in fleet (not ``running``), ``running``
+    again once it resumes, and a cancel reaches it while parked."""
+    spawn_daemon("--http", "127.0.0.1:0")  # type: ignore[operator]  # (tiny: one slot)
+    seen = EventReader(f"{fleet_http()}/v1/events")
+    long = {"max_tokens": 8000, "temperature": 1.0}
+    got: dict[str, list[object]] = {}
+
+    def generate(rid: str, priority: Priority) -> threading.Thread:
+        def run() -> None:
+            with SyncClient() as mine:
+                got[rid] = list(mine.generate("tiny", "x", request_id=rid,
+                                              priority=priority, **long))
+        t = threading.Thread(target=run)
+        t.start()
+        wait_until(lambda: seen.of("request", request_id=rid, state="running"), rid)
+        return t
+
+    try:
+        bg = generate("bg-1", Priority.BACKGROUND)
+        it = generate("it-1", Priority.INTERACTIVE)
+        wait_until(lambda: seen.of("request", request_id="bg-1", state="parked"), "parked")
+        with SyncClient() as c:
+            states = {r.request_id: r.state for r in c.describe_fleet().requests or ()}
+            assert states == {"bg-1": "parked", "it-1": "running"}
+            (model,) = c.describe_fleet().loaded_models
+            assert model.busy == 1  # (one slot decodes: the parked request holds none)
+            c.cancel("it-1")
+            it.join(60)
+            wait_until(lambda: len(seen.of("request", request_id="bg-1", state="running"))
+                       == 2, "the resume")
+            states = [e["state"] for e in seen.of("request", request_id="bg-1")]
+            assert states[-2:] == ["parked", "running"]
+            third = generate("it-2", Priority.INTERACTIVE)
+            wait_until(lambda: len(seen.of("request", request_id="bg-1", state="parked"))
+                       == 2, "parked again")
+            c.cancel("bg-1")  # (while parked: its engine ends it)
+            bg.join(60)
+            assert not bg.is_alive()
+            last = got["bg-1"][-1]
+            assert isinstance(last, Error) and last.kind is ErrorKind.CANCELLED, last
+            wait_until(lambda: seen.of("request", request_id="bg-1", state="finished"),
+                       "its end")
+            (end,) = seen.of("request", request_id="bg-1", state="finished")
+            assert end["cause"] == "client"
+            c.cancel("it-2")
+            third.join(60)
+    finally:
+        seen.close()
 
 
 async def _accepted(raw: Raw, rid: str) -> Accepted:

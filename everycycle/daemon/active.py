@@ -1,6 +1,6 @@
 """One request as the daemon tracks it (``Active``), its model's lane (``Lane``), and its
-moves through the request state machine (``events.TRANSITIONS``): ``move`` is the only
-way its state changes, and each move is published on the daemon's event bus."""
+moves through the request state machine (``events.MOVES``): ``on`` is the only way its
+state changes, and each change is published on the daemon's event bus."""
 
 from __future__ import annotations
 
@@ -13,7 +13,15 @@ from ..engine.contract import Engine
 from ..engine.jobs import Job
 from ..protocol import Embed, Generate, Priority
 from .eta import Work
-from .events import Bus, Cancelled, RequestState, RequestStateChanged, check
+from .events import (
+    ON_ENGINE,
+    Bus,
+    Cancelled,
+    RequestInput,
+    RequestState,
+    RequestStateChanged,
+    next_state,
+)
 from .outcome import Outcome, Peer
 
 
@@ -27,7 +35,7 @@ class Active:
     model: str = ""
     """Its model's name once known (the request may name an alias or a path)."""
     state: RequestState = RequestState.ADMITTING
-    """Changed by ``move`` only."""
+    """Changed by ``on`` only."""
     bus: Bus | None = None
     """Where its moves are told (None: nowhere, as in tests of the lifecycle alone)."""
     job: Job | None = None
@@ -62,12 +70,12 @@ class Active:
         """``interactive`` or ``background``: the lane it asked for."""
         return "background" if self.req.priority is Priority.BACKGROUND else "interactive"
 
-    def move(self, state: RequestState, outcome: Outcome | None = None) -> None:
-        """Go to ``state`` (staying is no move) and publish it. Raises IllegalTransition
-        for a move the table does not allow."""
+    def on(self, happened: RequestInput, outcome: Outcome | None = None) -> None:
+        """Move as the table says for what ``happened`` and publish the new state (staying
+        is no move). Raises IllegalTransition where the table does not go."""
+        state = next_state(self.state, happened)
         if state is self.state:
             return
-        check(self.state, state)
         self.state = state
         self.told()
         if outcome is not None and self.bus is not None:  # (the last word: how it ended)
@@ -84,7 +92,7 @@ class Active:
         """Publish where it is now (its state, and its place while it waits)."""
         if self.bus is None or self.state is RequestState.FINISHED:
             return
-        waits = self.state is not RequestState.RUNNING
+        waits = self.state not in ON_ENGINE
         self.bus.publish(RequestStateChanged(
             request_id=self.req.request_id, model=self.model or self.req.model,
             principal=self.peer.principal.name, lane=self.lane, state=self.state.value,
@@ -101,7 +109,7 @@ class Active:
         job = self.job
         prompt = len(job.spec.tokens) if job is not None else self.n_prompt
         max_tokens = self.req.max_tokens if isinstance(self.req, Generate) else 1
-        if self.state is not RequestState.RUNNING:
+        if self.state not in ON_ENGINE:
             return Work(prompt, max_tokens, self.lane)
         return Work(prompt, max_tokens, self.lane, self.n_out,
                     prompt if self.first_token is not None else None)
@@ -123,3 +131,8 @@ class Lane:
     @property
     def busy(self) -> bool:
         return bool(self.running or self.queue or self.admitting)
+
+    @property
+    def decoding(self) -> int:
+        """Its requests in a slot now (a parked one holds none)."""
+        return sum(a.state is RequestState.RUNNING for a in self.running)

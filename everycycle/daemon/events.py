@@ -1,8 +1,8 @@
 """What the daemon does, told as it happens: typed events on one bus, and the one request
 state machine whose transitions publish them.
 
-A request moves through ``RequestState`` by ``transition`` only (``TRANSITIONS`` is the
-whole table; an illegal move raises, as h11's state machine does). Residency publishes
+A request moves through ``RequestState`` by what happens to it (``RequestInput``) only:
+``MOVES`` is the whole table, and an input it lacks raises, as h11's state machine does. Residency publishes
 models loaded and unloaded (and why), engines that die and restart, and loads that wait
 for room. Outside subscribers — ``GET /v1/events`` (Server-Sent Events), the socket's
 ``Subscribe`` (``fleet --watch``) — read bounded queues: one that falls ``LIMIT`` events
@@ -38,19 +38,52 @@ class RequestState(enum.Enum):
     LOADING = "loading"
     QUEUED = "queued"
     RUNNING = "running"
+    PARKED = "parked"
+    """A background request whose slot an interactive one took: it resumes where it
+    stopped (its engine said so)."""
     FINISHED = "finished"
 
 
-_S = RequestState
-TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
-    _S.ADMITTING: frozenset({_S.WAITING, _S.LOADING, _S.QUEUED, _S.RUNNING}),
-    _S.WAITING: frozenset({_S.ADMITTING, _S.LOADING, _S.QUEUED, _S.RUNNING}),
-    _S.LOADING: frozenset({_S.ADMITTING, _S.QUEUED, _S.RUNNING}),
-    _S.QUEUED: frozenset({_S.RUNNING}),
-    _S.RUNNING: frozenset(),
-    _S.FINISHED: frozenset(),
+class RequestInput(enum.Enum):
+    """What happens to a request: the inputs of its state machine."""
+
+    GIVE_WAY = "give_way"
+    """Its model gives way to a load waiting for room: it waits."""
+    LOAD = "load"
+    """It waits for its model to load."""
+    ADMIT = "admit"
+    """Its model is there: it is admitted (tokenized, given a slot or a place)."""
+    QUEUE = "queue"
+    START = "start"
+    """It got a slot on its engine."""
+    PARK = "park"
+    """Its engine took its slot for an interactive request."""
+    RESUME = "resume"
+    """Its engine gave it a slot again."""
+    FINISH = "finish"
+
+
+_S, _I = RequestState, RequestInput
+MOVES: dict[tuple[RequestState, RequestInput], RequestState] = {
+    (_S.ADMITTING, _I.GIVE_WAY): _S.WAITING,
+    (_S.WAITING, _I.GIVE_WAY): _S.WAITING,
+    (_S.ADMITTING, _I.LOAD): _S.LOADING,
+    (_S.WAITING, _I.LOAD): _S.LOADING,
+    (_S.ADMITTING, _I.ADMIT): _S.ADMITTING,
+    (_S.WAITING, _I.ADMIT): _S.ADMITTING,
+    (_S.LOADING, _I.ADMIT): _S.ADMITTING,
+    **{(state, _I.QUEUE): _S.QUEUED for state in (_S.ADMITTING, _S.WAITING, _S.LOADING)},
+    **{(state, _I.START): _S.RUNNING
+       for state in (_S.ADMITTING, _S.WAITING, _S.LOADING, _S.QUEUED)},
+    (_S.RUNNING, _I.PARK): _S.PARKED,
+    (_S.PARKED, _I.RESUME): _S.RUNNING,
+    **{(state, _I.FINISH): _S.FINISHED for state in _S if state is not _S.FINISHED},
 }
-"""Where each state may go next (besides FINISHED, which every live state may reach)."""
+"""The whole request life: (state, what happened) → its next state; nothing else moves
+a request, and an input the table lacks is a bug (``IllegalTransition``)."""
+
+ON_ENGINE = frozenset({_S.RUNNING, _S.PARKED})
+"""The states in which its engine holds it (a cancel goes to the engine)."""
 
 
 class CancelCause(enum.Enum):
@@ -95,10 +128,13 @@ class IllegalTransition(InternalError):
     """A request asked to move where the table does not go: a bug, said as one."""
 
 
-def check(old: RequestState, new: RequestState) -> None:
-    """Raises IllegalTransition unless ``old`` may become ``new``."""
-    if old is _S.FINISHED or (new is not _S.FINISHED and new not in TRANSITIONS[old]):
-        raise IllegalTransition(f"a request cannot go from {old.value} to {new.value}")
+def next_state(state: RequestState, happened: RequestInput) -> RequestState:
+    """Where a request in ``state`` goes when ``happened``. Raises IllegalTransition
+    where the table does not go."""
+    new = MOVES.get((state, happened))
+    if new is None:
+        raise IllegalTransition(f"a request cannot {happened.value} while {state.value}")
+    return new
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

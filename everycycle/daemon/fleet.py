@@ -131,7 +131,7 @@ class FleetView:
             revision=m.spec.revision,
             assigned_executor=m.executor,
             slots=m.engine.parallel,
-            busy=len(lane.running),
+            busy=lane.decoding,
             queued=len(lane.queue),
             weights_bytes=m.engine.weights_bytes,
             kv_bytes=m.engine.kv_bytes,

@@ -48,7 +48,7 @@ from ..protocol import (
 )
 from .active import Active, Lane
 from .eta import Rates, starts
-from .events import Cancelled, RequestState
+from .events import ON_ENGINE, Cancelled, RequestInput, RequestState
 from .outcome import Outcome, Peer
 from .quota import Quotas
 
@@ -163,7 +163,7 @@ class Requests:
             at = len(lane.queue) if behind else next(
                 (i for i, a in enumerate(lane.queue) if a.background), len(lane.queue))
             lane.queue.insert(at, active)
-            active.move(RequestState.QUEUED)
+            active.on(RequestInput.QUEUE)
             self._announce(lane, engine)
         else:
             self._start(active, engine)
@@ -239,7 +239,7 @@ class Requests:
 
     def _start(self, active: Active, engine: Engine) -> None:
         assert active.job is not None
-        active.move(RequestState.RUNNING)
+        active.on(RequestInput.START)
         active.started = time.monotonic()
         active.engine = engine
         lane = self.lane(active.model)
@@ -286,7 +286,7 @@ class Requests:
         if active.cancelled is None:
             active.cancelled = why
         reason = active.cancelled.message
-        if active.state is RequestState.RUNNING:
+        if active.state in ON_ENGINE:
             if active.engine is not None and active.job is not None:
                 active.engine.cancel(active.job, reason)
         elif active.state is RequestState.QUEUED:
@@ -368,7 +368,7 @@ class Requests:
         try:
             self._report(outcome, active.req)
         finally:
-            active.move(RequestState.FINISHED, outcome)
+            active.on(RequestInput.FINISH, outcome)
             active.peer.emit(event, outcome)
 
     def _learn(self, active: Active, now: float) -> None:
@@ -403,6 +403,9 @@ class Requests:
                 continue
             if active.first_token is None and out.ids:
                 active.first_token = time.monotonic()
+            if out.parked is not None:  # (no text: its slot went, or came back)
+                active.on(RequestInput.PARK if out.parked else RequestInput.RESUME)
+                continue
             if out.progress is not None and not out.finished:
                 active.peer.emit(Progress(rid, job.n_prompt, job.n_reused, out.progress, int(
                     (time.monotonic() - active.admitted) * 1000)))

@@ -58,7 +58,7 @@ from ..protocol import (
 from . import events
 from .active import Active
 from .audit import AuditLog
-from .events import Bus, CancelCause, Cancelled, RequestEnded, RequestState
+from .events import Bus, CancelCause, Cancelled, RequestEnded, RequestInput
 from .fleet import FleetView
 from .handoff import Handoff
 from .jobbuild import build_job
@@ -386,7 +386,7 @@ class Supervisor:
                 if ahead > self.limits.max_queue:
                     raise RejectedError(f"queue full ({ahead} waiting for model "
                                         f"'{spec.name}' to load)")
-                active.move(RequestState.LOADING)  # (with every request waiting for it)
+                active.on(RequestInput.LOAD)  # (with every request waiting for it)
                 # Admitted: its place from now on (those ahead of it past the slots).
                 at = max(0, ahead - spec.parallel + 1)
                 self.requests.tell_position(active, at, self.requests.loading_eta(
@@ -401,7 +401,7 @@ class Supervisor:
             if model is None:  # cancelled while it waited: the load goes on for others
                 raise RequestCancelledError(
                     active.cancelled.message if active.cancelled else "cancelled")
-            active.move(RequestState.ADMITTING)
+            active.on(RequestInput.ADMIT)
             # Admission is FIFO per model (anyio locks are fair, and a load's waiters wake
             # in order): requests queue in arrival order though tokenizing yields.
             async with self._admission.setdefault(spec.name, anyio.Lock()):

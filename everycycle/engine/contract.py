@@ -367,13 +367,14 @@ class JobOutput(NamedTuple):
     n_generated: int
     progress: int | None = None
     n_parked: int = 0
+    parked: bool | None = None
 
     @classmethod
     def of(cls, jid: int, job: Job, o: Output) -> JobOutput:
         return cls(jid, o.text, o.ids, o.finished, o.reason,
                    WireError.of(o.error) if o.error is not None else None, o.embeddings,
                    o.logprobs, job.n_prompt, job.n_reused, job.n_generated, o.progress,
-                   job.n_parked)
+                   job.n_parked, o.parked)
 
     def unpacked(self, job: Job) -> Output:
         """The Output again, its counts set on ``job`` (the daemon's copy)."""
@@ -381,7 +382,7 @@ class JobOutput(NamedTuple):
             self.n_prompt, self.n_reused, self.n_generated, self.n_parked)
         return Output(self.text, self.ids, self.finished, self.reason,
                       self.error.exception() if self.error is not None else None,
-                      self.embeddings, self.logprobs, self.progress)
+                      self.embeddings, self.logprobs, self.progress, self.parked)
 
 
 class Outputs(NamedTuple):

@@ -76,6 +76,9 @@ class Output:
     progress: int | None = None
     """A job that asked (``JobSpec.progress``), while its prompt is read: the prompt
     tokens in its slot now (no text then)."""
+    parked: bool | None = None
+    """A background job gave its slot up to an interactive one (True) or got one back
+    (False); no text then."""
 
 
 @dataclass(frozen=True, slots=True)

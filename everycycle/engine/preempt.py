@@ -57,8 +57,11 @@ class Preempt:
     """The flag a background step is stopped by, and whether it was. ``lock`` is the
     engine's: ``interrupt`` is called under it (by ``submit``)."""
 
-    def __init__(self, L: Any, ctx: Any, lock: threading.Condition) -> None:
+    def __init__(self, L: Any, ctx: Any, lock: threading.Condition,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self._lock = lock
+        self._clock = clock
+        """Seconds (``perf_counter``; a test's own clock)."""
         self._flag = ctypes.create_string_buffer(2)
         self._callback: Any = None
         self._armed = False
@@ -85,8 +88,8 @@ class Preempt:
         with self._lock:
             self._armed = not any(not job.background for job in pending)
             self._flag[0] = b"\0"
-            self._until = time.perf_counter() + (expected_s * STOP_BEFORE if expected_s
-                                                 else 3600.0)
+            self._until = self._clock() + (expected_s * STOP_BEFORE if expected_s
+                                           else 3600.0)
         try:
             rc = run()
         finally:
@@ -102,5 +105,5 @@ class Preempt:
         """An interactive job arrived (under the lock): stop the step in flight, if it
         may be stopped and is not nearly done (STOP_BEFORE: then finishing it costs the
         job little wait, and the background work nothing)."""
-        if self._armed and time.perf_counter() < self._until:
+        if self._armed and self._clock() < self._until:
             self._flag[0] = b"x"

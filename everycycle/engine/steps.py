@@ -177,13 +177,16 @@ class StepLoop:
                 job.promoted = True
             for move in decided.moves:
                 if isinstance(move, Park):
-                    self.parked.append(self.seating.park(move.slot))
+                    parked = self.seating.park(move.slot)
+                    self.parked.append(parked)
+                    out.append((parked.job, Output("", (), parked=True)))
                 elif isinstance(move, Start):
                     kept.remove(move.job)
                     self.seating.start(move.job, move.slot, out, self.steps)
                 elif isinstance(move, Resume):
                     self.parked.remove(move.parked)
                     self.seating.resume(move.parked, move.slot, self.steps)
+                    out.append((move.parked.job, Output("", (), parked=False)))
             return embeds
 
     def _read_images(self, out: Outputs) -> None:

@@ -34,7 +34,7 @@ from ...hardware import cpukernels
 from ...hardware import executors as ex
 from ...hardware.memory import MemoryPlan, fit_context, plan, trained_context
 from ...models.registry import ModelSpec
-from ..events import DaemonEvent, RequestState, RoomWait
+from ..events import DaemonEvent, RequestInput, RoomWait
 from .remote import in_order
 
 if TYPE_CHECKING:
@@ -422,5 +422,5 @@ async def give_way(res: Host, name: str, active: Active) -> None:
             model, time.monotonic()):
         if active.position is None:
             res.requests.tell_position(active, len(res.requests.lane(name).queue) + 1)
-        active.move(RequestState.WAITING)
+        active.on(RequestInput.GIVE_WAY)
         await anyio.sleep(POLL_S)
