@@ -57,13 +57,13 @@ R = DEVICE_RESERVE
 
 def test_auto_picks_the_first_gpu_with_room() -> None:
     fleet = [gpu("cuda", 1 * GIB), gpu("vulkan", 8 * GIB, "AMD"), CPU]
-    placed = ex.place("auto", fleet, model(2 * GIB))
+    placed = ex.place(ex.Wanted.parse("auto"), fleet, model(2 * GIB))
     assert placed.name == "vulkan" and placed.offload and placed.offload.full
 
 
 def test_auto_offloads_what_fits_when_no_gpu_holds_all_of_it() -> None:
     plan = model(2 * GIB)
-    placed = ex.place("auto", [gpu("cuda", 1 * GIB + R), CPU], plan)
+    placed = ex.place(ex.Wanted.parse("auto"), [gpu("cuda", 1 * GIB + R), CPU], plan)
     assert placed.name == "cuda" and placed.offload is not None
     off = placed.offload
     per_layer = plan.layer_weights[0] + plan.layer_kv[0]
@@ -71,15 +71,15 @@ def test_auto_offloads_what_fits_when_no_gpu_holds_all_of_it() -> None:
     assert off.device_bytes[0] <= GIB < off.device_bytes[0] + per_layer
     assert off.device_bytes[0] + off.cpu_bytes == plan.total
     # The GPU holding more layers wins, wherever it is in the list.
-    placed = ex.place("auto", [gpu("cuda", GIB // 2 + R), gpu("rocm", GIB + R, "AMD"), CPU],
+    placed = ex.place(ex.Wanted.parse("auto"), [gpu("cuda", GIB // 2 + R), gpu("rocm", GIB + R, "AMD"), CPU],
                       plan)
     assert placed.name == "rocm"
 
 
 def test_auto_falls_back_to_cpu_when_no_gpu_holds_a_layer() -> None:
-    placed = ex.place("auto", [gpu("cuda", R + 1000), CPU], model(2 * GIB))
+    placed = ex.place(ex.Wanted.parse("auto"), [gpu("cuda", R + 1000), CPU], model(2 * GIB))
     assert placed.name == "cpu" and placed.offload is None
-    assert ex.place("auto", [CPU], model(2 * GIB)).name == "cpu"
+    assert ex.place(ex.Wanted.parse("auto"), [CPU], model(2 * GIB)).name == "cpu"
 
 
 def test_several_devices_share_the_layers_by_free_memory() -> None:
@@ -87,39 +87,39 @@ def test_several_devices_share_the_layers_by_free_memory() -> None:
             ex.Device("CUDA1", "NVIDIA B", 24 * GIB, 1 * GIB + R, True))
     two = ex.Executor("cuda", "NVIDIA", devs)
     plan = model(3 * GIB)
-    placed = ex.place("cuda", [two, CPU], plan)
+    placed = ex.place(ex.Wanted.parse("cuda"), [two, CPU], plan)
     assert placed.offload is not None and placed.offload.full
     assert placed.offload.split == pytest.approx((0.75, 0.25))
     assert sum(placed.offload.device_bytes) == plan.total
     # Pinned to one device: that device's room only.
-    one = ex.place("cuda:1", [two, CPU], plan)
+    one = ex.place(ex.Wanted.parse("cuda:1"), [two, CPU], plan)
     assert one.name == "cuda:1" and one.device_indices == (1,)
     assert one.offload is not None and not one.offload.full and one.offload.split == ()
     with pytest.raises(InvalidRequestError, match="cuda has devices 0 to 1"):
-        ex.place("cuda:2", [two, CPU], plan)
+        ex.place(ex.Wanted.parse("cuda:2"), [two, CPU], plan)
 
 
 def test_a_model_too_big_for_the_host_is_refused_with_the_numbers() -> None:
     small_host = ex.Executor("cpu", "AMD", (ex.Device("CPU", "AMD", 4 * GIB, 4 * GIB, False),))
     with pytest.raises(RejectedError, match="needs 6144 MiB of host memory.*has 4096 MiB "
                                             "available of 4096 MiB"):
-        ex.place("auto", [small_host], model(6 * GIB))
+        ex.place(ex.Wanted.parse("auto"), [small_host], model(6 * GIB))
     # A GPU taking most of it leaves little enough for the host.
-    assert ex.place("auto", [gpu("cuda", 5 * GIB), small_host], model(6 * GIB)).name == "cuda"
+    assert ex.place(ex.Wanted.parse("auto"), [gpu("cuda", 5 * GIB), small_host], model(6 * GIB)).name == "cuda"
     # What counts is the memory available now, not what the machine has.
     busy_host = ex.Executor("cpu", "AMD", (ex.Device("CPU", "AMD", 64 * GIB, GIB, False),))
     with pytest.raises(RejectedError, match="has 1024 MiB available of 65536 MiB"):
-        ex.place("cpu", [busy_host], model(2 * GIB))
+        ex.place(ex.Wanted.parse("cpu"), [busy_host], model(2 * GIB))
 
 
 def test_a_named_executor_missing_from_the_build_is_invalid() -> None:
     with pytest.raises(InvalidRequestError, match="'cuda' is not in this build"):
-        ex.place("cuda", [CPU], model(GIB))
+        ex.place(ex.Wanted.parse("cuda"), [CPU], model(GIB))
 
 
 def test_a_named_gpu_without_room_for_a_layer_is_rejected() -> None:
     with pytest.raises(RejectedError, match="has 0 MiB free; the model needs 2048 MiB"):
-        ex.place("cuda", [gpu("cuda", 0), CPU], model(2 * GIB))
+        ex.place(ex.Wanted.parse("cuda"), [gpu("cuda", 0), CPU], model(2 * GIB))
 
 
 def test_the_plan_reads_each_layer_from_the_file(tiny_gguf: Path) -> None:
@@ -284,3 +284,15 @@ def test_arbitrary_models_toml_text_only_raises_config_error(
         load_registry(f)
     except ConfigError as exc:
         assert str(f) in exc.message
+
+
+def test_an_executor_reference_is_parsed_once() -> None:
+    W = ex.Wanted.parse
+    assert W("auto").auto and W("auto").rpc_host is None
+    assert (W("cuda:1").name, W("cuda:1").index, str(W("cuda:1"))) == ("cuda", 1, "cuda:1")
+    assert (W("vulkan").name, W("vulkan").index) == ("vulkan", None)
+    rpc = W("rpc:10.0.0.2:50052/0")  # (an RPC server's device: a name, colons and all)
+    assert (rpc.name, rpc.index, rpc.rpc_host) == ("rpc:10.0.0.2:50052/0", None,
+                                                   "10.0.0.2:50052")
+    with pytest.raises(InvalidRequestError, match="named by its number"):
+        W("cuda:first")

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+import anyio
+
 from ..errors import InternalError, InvalidRequestError
 from ..mailbox import Mailbox
 from ..protocol import Embed, Generate
@@ -330,6 +332,7 @@ class Bus:
     def __init__(self) -> None:
         self._subs: list[Subscription] = []
         self._listeners: list[Callable[[DaemonEvent], None]] = []
+        self._waiting: list[anyio.Event] = []
         self.published = 0
 
     def listen(self, listener: Callable[[DaemonEvent], None]) -> None:
@@ -345,6 +348,23 @@ class Bus:
                 log.exception("event listener failed on %s", event.TYPE)
         for sub in list(self._subs):
             sub.offer(event)
+        woken, self._waiting = self._waiting, []
+        for waiter in woken:
+            waiter.set()
+
+    async def changed(self, within: float = 1.0) -> None:
+        """Return once the next event is published (a request moved or ended, a model
+        came or went, a wait for room ended): what the daemon's waits look again on,
+        instead of a timer. ``within``: a safety net for a change that publishes
+        nothing (a count going down after the event that caused it)."""
+        waiter = anyio.Event()
+        self._waiting.append(waiter)
+        try:
+            with anyio.move_on_after(within):
+                await waiter.wait()
+        finally:
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
 
     def subscribe(self, types: frozenset[str] | None = None, limit: int = LIMIT
                   ) -> Subscription:

@@ -124,6 +124,7 @@ class Supervisor:
         self.bus = Bus()
         """What happens, told as it happens (GET /v1/events, Subscribe)."""
         self.residency.publish = self.bus.publish
+        self.residency.changed = self.bus.changed
         if audit is not None:
             self.bus.listen(audit.on_event)
         self.subscribers = Subscribers(self.bus)

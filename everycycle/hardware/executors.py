@@ -310,7 +310,45 @@ def _check_host(placement: Placement, executors: Sequence[Executor], plan: Memor
     return placement
 
 
-def place(wanted: str, executors: Sequence[Executor], plan: MemoryPlan, *,
+@dataclass(frozen=True)
+class Wanted:
+    """Where a model is asked to go, parsed once at the edge (models.toml's
+    ``executor``, ``load --executor``): ``auto``; an executor by name (``cpu``,
+    ``vulkan``: all its GPUs; ``rpc:HOST:PORT/0``, an RPC server's device); or one
+    device of a GPU executor (``cuda:1``)."""
+
+    name: str
+    """The executor's name (``auto``: any)."""
+    index: int | None = None
+    """One of its GPUs (``cuda:1``); None: all."""
+
+    @classmethod
+    def parse(cls, text: str) -> Wanted:
+        """Raises InvalidRequestError for a device index that is not a number."""
+        if text.startswith("rpc:") or ":" not in text:
+            return cls(text)
+        base, _, index = text.partition(":")
+        if not index.isdigit():
+            raise InvalidRequestError(
+                f"executor '{text}': a device of {base} is named by its number ({base}:0)")
+        return cls(base, int(index))
+
+    def __str__(self) -> str:
+        return self.name if self.index is None else f"{self.name}:{self.index}"
+
+    @property
+    def auto(self) -> bool:
+        return self.name == "auto"
+
+    @property
+    def rpc_host(self) -> str | None:
+        """``HOST:PORT`` of an RPC server's executor; None for any other."""
+        if not self.name.startswith("rpc:"):
+            return None
+        return self.name.removeprefix("rpc:").rpartition("/")[0]
+
+
+def place(wanted: Wanted, executors: Sequence[Executor], plan: MemoryPlan, *,
           max_layers: int | None = None) -> Placement:
     """Choose where a model needing ``plan`` goes.
 
@@ -322,7 +360,7 @@ def place(wanted: str, executors: Sequence[Executor], plan: MemoryPlan, *,
     numbers). ``max_layers`` caps the layers on any GPU (models.toml's ``gpu_layers``).
     """
     by_name = {e.name: e for e in executors}
-    if wanted == "auto":
+    if wanted.auto:
         best: Placement | None = None
         for e in executors:
             if not e.is_gpu or e.remote:  # a remote executor only when named
@@ -341,9 +379,7 @@ def place(wanted: str, executors: Sequence[Executor], plan: MemoryPlan, *,
         if "cpu" in by_name:
             return _check_host(Placement(by_name["cpu"], (), None), executors, plan)
         raise RejectedError(f"no executor has {_mib(plan.total)} free for this model")
-    base, index = wanted, ""
-    if wanted not in by_name:  # cuda:1 is device 1 of cuda; rpc:HOST:PORT/0 is a name
-        base, _, index = wanted.partition(":")
+    base, index = wanted.name, wanted.index
     chosen = by_name.get(base)
     if chosen is None:
         have = ", ".join(e.name for e in executors) or "none"
@@ -351,18 +387,18 @@ def place(wanted: str, executors: Sequence[Executor], plan: MemoryPlan, *,
             f"executor '{wanted}' is not in this build of llama.cpp (have: {have})"
         )
     if not chosen.is_gpu:
-        if index:
+        if index is not None:
             raise InvalidRequestError(f"executor '{base}' takes no device index")
         return _check_host(Placement(chosen, (), None), executors, plan)
     gpus = [i for i, d in enumerate(chosen.devices) if d.is_gpu]
-    if index:
-        if not index.isdigit() or int(index) >= len(gpus):
+    if index is not None:
+        if index >= len(gpus):
             raise InvalidRequestError(
                 f"executor '{wanted}': {base} has devices 0 to {len(gpus) - 1}")
-        gpus = [gpus[int(index)]]
+        gpus = [gpus[index]]
     placement = _fit_on(chosen, gpus, plan, max_layers)
     placement = Placement(chosen, placement.device_indices, placement.offload,
-                          pinned=bool(index))
+                          pinned=index is not None)
     assert placement.offload is not None
     if not placement.offload.gpu_layers:
         free = sum(chosen.devices[i].memory_free for i in gpus)

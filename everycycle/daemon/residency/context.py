@@ -45,7 +45,7 @@ async def ensure_context(res: Residency, spec: ModelSpec, need: int,
             f"a context of {need:,} tokens is more than model '{spec.name}' was trained "
             f"for ({trained:,}); it is loaded with {model.options.context:,}")
     while not quiet():
-        await anyio.sleep(room.POLL_S)
+        await res.changed(room.WAKE_S)
         if res.models.get(spec.name) is not model:
             return  # (unloaded or reloaded meanwhile: the caller's load decides)
     context = raised(need, trained)

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -157,6 +157,7 @@ class Residency:
         """At most this many resident; None: as many as memory holds."""
         self.publish: Callable[[events.DaemonEvent], None] = lambda event: None
         """Where what happens here is told (the supervisor's bus)."""
+        self.changed: Callable[[float], Awaitable[None]] = anyio.sleep  # (Bus.changed)
         self.evictions: dict[str, int] = {}
         """Models unloaded to make room for another, by reason (memory, max_loaded_models)."""
         self.last_eviction: room.Eviction | None = None
@@ -277,7 +278,7 @@ class Residency:
         path = await anyio.to_thread.run_sync(lambda: local_file(spec, download=True))
         projector = await anyio.to_thread.run_sync(
             lambda: projector_file(spec, download=True))
-        wanted = executor or spec.executor
+        wanted = ex.Wanted.parse(executor or spec.executor)
         # (the context chosen now stays the model's for its residency: spec carries it)
         context = await room.context_for(self, spec, path, wanted)
         spec = replace(spec, context=context)
@@ -287,7 +288,7 @@ class Residency:
             size = projector.stat().st_size
             need = replace(need, weights=need.weights + size,
                            other_weights=need.other_weights + size)
-        key = wanted.removeprefix("rpc:").rpartition("/")[0] if wanted.startswith("rpc:") else ""
+        key = wanted.rpc_host or ""
         if key:
             down = self.remote.down(key)
             if down is not None:

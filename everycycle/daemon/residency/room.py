@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -49,8 +49,9 @@ SWAP_AFTER_S = 2.0
 """How long a load waits for busy models before they stop taking new requests."""
 MIN_RESIDENCY_S = 2.0
 """How long a model stays resident, taking requests, before it gives way to a load."""
-POLL_S = 0.05
-"""How often a waiting load looks again (a request ending frees no event of its own)."""
+WAKE_S = 1.0
+"""A wait for room looks again when an event is published (a request ended, a model
+went), or after this long at most (a count that went down without an event)."""
 
 
 class Host(Protocol):
@@ -62,6 +63,9 @@ class Host(Protocol):
     room_waits: RoomWaits
     requests: Requests
     remote: RemoteHosts
+
+    changed: Callable[[float], Awaitable[None]]
+    """Returns once something is published, or the seconds pass (``Bus.changed``)."""
 
     def publish(self, event: DaemonEvent) -> None: ...
 
@@ -198,7 +202,7 @@ def _short(placement: ex.Placement, spec: ModelSpec) -> bool:
                                                                offload.n_layer)
 
 
-async def make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
+async def make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: ex.Wanted
                     ) -> ex.Placement:
     """Where ``spec`` goes, after unloading idle models (least recently used first)
     while it does not fit, or gets fewer GPU layers than it could, or the daemon
@@ -220,7 +224,7 @@ async def make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
                                  outcome=outcome, held_by=waited[1]))
 
 
-async def _make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
+async def _make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: ex.Wanted
                      ) -> ex.Placement:
     busy = res.requests.busy
     shrunk = False
@@ -241,9 +245,9 @@ async def _make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
         if full:
             reason, on = "max_loaded_models", None
         elif refusal is not None:
-            if wanted.startswith("rpc:"):
+            if wanted.rpc_host is not None:
                 raise refusal
-            reason, on = "memory", None if wanted == "auto" else wanted.partition(":")[0]
+            reason, on = "memory", None if wanted.auto else wanted.name
         elif placement is not None and _short(placement, spec):
             reason, on = "memory", placement.executor.name
         else:
@@ -262,7 +266,7 @@ async def _make_room(res: Host, spec: ModelSpec, need: MemoryPlan, wanted: str
             load = res.loading.get(spec.name)
             if load is not None and load.waiters == 0:
                 raise RequestCancelledError(f"nobody waits for model '{spec.name}' any more")
-            await anyio.sleep(POLL_S)
+            await res.changed(WAKE_S)
             continue
         if going is None:
             if full:
@@ -282,7 +286,7 @@ def _layers(placement: ex.Placement) -> int:
     return placement.offload.gpu_layers if placement.offload is not None else 0
 
 
-async def start(res: Host, spec: ModelSpec, path: Path, need: MemoryPlan, wanted: str,
+async def start(res: Host, spec: ModelSpec, path: Path, need: MemoryPlan, wanted: ex.Wanted,
                 placement: ex.Placement, projector: Path | None = None
                 ) -> tuple[Engine, ex.Placement, LoadOptions]:
     """Start ``spec``'s engine at ``placement``. When llama.cpp cannot allocate there (a
@@ -388,7 +392,7 @@ def load_options(res: Host, spec: ModelSpec, placement: ex.Placement,
                    tensor_split=tuple(offload.split) if offload else ())
 
 
-async def context_for(res: Host, spec: ModelSpec, path: Path, wanted: str) -> int:
+async def context_for(res: Host, spec: ModelSpec, path: Path, wanted: ex.Wanted) -> int:
     """The context a slot of ``spec`` gets: models.toml's ``context`` (past the length
     the model was trained for only there, with a warning, as llama-server warns), else
     the largest that fits where it would go (``memory.fit_context``: the executor the
@@ -423,4 +427,4 @@ async def give_way(res: Host, name: str, active: Active) -> None:
         if active.position is None:
             res.requests.tell_position(active, len(res.requests.lane(name).queue) + 1)
         active.on(RequestInput.GIVE_WAY)
-        await anyio.sleep(POLL_S)
+        await res.changed(WAKE_S)
