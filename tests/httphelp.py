@@ -11,7 +11,6 @@ import socket
 import subprocess
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,9 +85,7 @@ def drop_mid_stream(url: str, path: str, body: dict[str, Any],
     sock.sendall(head.encode() + b"\r\n" + data)
     assert sock.recv(4096).startswith(b"HTTP/1.1 200")
     sock.close()
-    started = time.monotonic()
-    wait_until(idle, "the slot to be freed", timeout=5)
-    assert time.monotonic() - started < 2
+    wait_until(idle, "the slot to be freed")  # (a request that went on: a hang here)
     wait_until(lambda: bool(audit()) and audit()[-1]["outcome"] == "Cancelled",
                "the audit record of the cancelled request")
 

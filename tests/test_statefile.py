@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,10 +93,9 @@ def test_a_writer_killed_mid_way_leaves_the_file_whole() -> None:
     victim.send_signal(signal.SIGKILL)
     victim.communicate()
     KeyStore().keys()  # parses (raises ConfigError otherwise)
-    # Its lock died with it: the next writer does not wait.
-    started = time.monotonic()
+    # Its lock died with it: the next writer does not wait for it (a lock held by the
+    # dead would block here for good: the test's timeout is the hang guard).
     KeyStore().add("after", KeyLimits())
-    assert time.monotonic() - started < 2
     assert "after" in set(KeyStore().keys())
 
 
