@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from daemonhelp import daemon_process
 from httphelp import blocker, fleet_http
+from modelshelp import Entry, models_toml
 from nativeguard import DeathWatch, obey_the_verdict, watching
 from tinymodel import write_tiny_gguf
 
@@ -91,19 +92,10 @@ def tiny_batches_exact(tiny_gguf: Path) -> bool:
 @pytest.fixture
 def models_file(tmp_path: Path, tiny_gguf: Path) -> Path:
     """A models.toml with the tiny model as default: one slot, and a four-slot copy."""
-    f = tmp_path / "models.toml"
-    f.write_text(
-        'default = "tiny"\n'
-        "[models.tiny]\n"
-        f'path = "{tiny_gguf}"\n'
-        "context = 8192\nparallel = 1\n"
-        "[models.tiny4]\n"
-        f'path = "{tiny_gguf}"\n'
-        "context = 512\nparallel = 4\n"
-        "[models.missing]\n"
-        'path = "nowhere.gguf"\n'
-    )
-    return f
+    return models_toml(tmp_path / "models.toml",
+                       Entry("tiny", tiny_gguf, context=8192, parallel=1),
+                       Entry("tiny4", tiny_gguf, context=512, parallel=4),
+                       Entry("missing", "nowhere.gguf"), default="tiny")
 
 
 @pytest.fixture

@@ -15,7 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
+import ollama
+import openai
 from daemonhelp import EC, daemon_process, wait_until
 
 from everycycle import paths
@@ -31,7 +34,7 @@ def fleet_http(sock: Path | None = None) -> str:
 
 
 def hostport(url: str) -> tuple[str, int]:
-    host, _, port = url.removeprefix("http://").rpartition(":")
+    host, _, port = url.split("://", 1)[-1].rpartition(":")
     return host, int(port)
 
 
@@ -151,3 +154,23 @@ class EventReader:
         self.closed = True
         self._client.close()
         self._thread.join(10)
+
+
+# ---------------------------------------------------------------- one client per dialect
+
+
+def openai_client(url: str, key: str = "unused", **kw: Any) -> openai.OpenAI:
+    """The real ``openai`` client on a daemon's base URL, as a user configures it."""
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0,
+                         **{"timeout": 60, **kw})
+
+
+def anthropic_client(url: str, key: str = "unused", **kw: Any) -> anthropic.Anthropic:
+    """The real ``anthropic`` client (it appends /v1 itself)."""
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0,
+                               **{"timeout": 60, **kw})
+
+
+def ollama_client(url: str, **kw: Any) -> ollama.Client:
+    """The real ``ollama`` client (``host`` is the server's root)."""
+    return ollama.Client(host=url, **{"timeout": 60, **kw})

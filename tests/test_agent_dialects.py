@@ -65,6 +65,7 @@ CODEX: dict[str, Any] = {
     "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"],
     "prompt_cache_key": "conversation-1", "client_metadata": {"x": "y"},
 }
+from httphelp import anthropic_client
 
 
 def _sse(body: bytes) -> list[tuple[str, dict[str, Any]]]:
@@ -90,7 +91,7 @@ def test_claude_codes_request_is_answered(url: str) -> None:
 
 
 def test_the_anthropic_client_reads_the_same(url: str) -> None:
-    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as client:
+    with anthropic_client(url, "unused") as client:
         known = ("model", "system", "messages", "metadata", "tools")
         message = client.beta.messages.create(
             **{k: CLAUDE_CODE[k] for k in known}, max_tokens=8,
@@ -114,8 +115,7 @@ def test_codexs_request_is_answered(url: str) -> None:
 
 @pytest.fixture
 def openai_client(url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                       timeout=60) as c:
+    with openai_client(url, "unused", timeout=60) as c:
         yield c
 
 
@@ -176,7 +176,7 @@ def test_a_prompt_longer_than_the_context_gets_each_dialects_words(
     with pytest.raises(openai.BadRequestError) as err:
         openai_client.responses.create(model="tiny4", input=long, max_output_tokens=4)
     assert err.value.code == "context_length_exceeded"
-    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as client:
+    with anthropic_client(url, "unused") as client:
         with pytest.raises(anthropic.BadRequestError) as aerr:
             client.messages.create(model="tiny4", max_tokens=4,
                                    messages=[{"role": "user", "content": long}])

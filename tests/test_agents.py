@@ -28,6 +28,7 @@ import pytest
 from daemonhelp import EC, daemon_process
 from httphelp import fleet_http, raw
 from tinyagent import write_tiny_bpe_gguf
+from tlshelp import make_pki
 
 from everycycle import paths
 from everycycle.models.registry import load_registry, local_file
@@ -127,6 +128,29 @@ def test_launch_runs_the_agent_and_one_tool_call(agent: str, agent_models: Path,
     turns = [r for r in records if r.get("model") == f"agent-{agent}" and "request_id" in r]
     assert len(turns) >= 2 and all(r["outcome"] == "Finished" for r in turns), turns
     assert turns[-1]["cached_tokens"] > 0  # the follow-up extends the first turn's prompt
+
+
+@pytest.mark.parametrize("agent", sorted(AGENTS))
+def test_launch_over_https_with_a_private_ca(agent: str, agent_models: Path,
+                                             tmp_path: Path) -> None:
+    """A daemon serving HTTPS with a certificate from the user's own CA: ``launch`` hands
+    the agent the https URL, and the agent trusts the CA the user trusts
+    (``SSL_CERT_FILE``; given to Node's TLS as ``NODE_EXTRA_CA_CERTS`` too)."""
+    folder = _need(agent).parent
+    pki = make_pki(tmp_path)
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    env = {**os.environ, "HOME": str(home), "PATH": f"{folder}:{os.environ['PATH']}",
+           "NO_COLOR": "1", "SSL_CERT_FILE": str(pki.ca)}
+    env.pop("NODE_EXTRA_CA_CERTS", None)
+    with daemon_process("--models", str(agent_models), "--http", "127.0.0.1:0",
+                        "--tls-cert", str(pki.cert), "--tls-key", str(pki.key)):
+        status, out = _launch(agent, f"agent-{agent}", agent_models, AGENTS[agent][1],
+                              work, env)
+    assert status == 0, out[-3000:]
+    assert f"{agent} on https://127.0.0.1:" in out, out[-3000:]
+    assert OK in out and "done" in out, out[-3000:]
 
 
 @pytest.fixture

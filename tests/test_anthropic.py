@@ -13,7 +13,7 @@ from typing import Any
 import anthropic
 import pytest
 from conftest import SpawnDaemon
-from httphelp import audit, blocker, drop_mid_stream, fleet_http, hostport, raw
+from httphelp import anthropic_client, audit, blocker, drop_mid_stream, fleet_http, hostport, raw
 from templatehelp import SMOLLM2
 from test_tools import THINKING
 from tinymodel import write_tiny_gguf
@@ -30,7 +30,7 @@ ADD: Any = {"name": "add", "description": "Add two numbers and return the sum.",
 
 
 def make_client(url: str, key: str = "unused") -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
+    return anthropic_client(url, key, timeout=60)
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import jsonschema
 import openai
 import pytest
 from daemonhelp import daemon_process
-from httphelp import fleet_http
+from httphelp import fleet_http, openai_client
 
 from everycycle.chatfmt import constraint
 from everycycle.engine.runner import Runner
@@ -90,7 +90,7 @@ def test_the_json_schema_test_suite(models_file: Path, tiny_runner: Runner) -> N
     problems: list[str] = []
     with daemon_process("--models", str(models_file), "--http", "127.0.0.1:0"):
         url = fleet_http()
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        client = openai_client(url, "x")
         for name, i, group in groups():
             schema = group["schema"]
             where = f"{name}[{i}] {group['description']}"

@@ -17,7 +17,7 @@ import ollama
 import pytest
 from conftest import SpawnDaemon
 from daemonhelp import EC
-from httphelp import fleet_http
+from httphelp import fleet_http, ollama_client
 from templatehelp import SMOLLM2
 from tinymodel import write_tiny_gguf
 
@@ -120,7 +120,7 @@ def test_num_ctx_loads_the_model_again_once_and_never_for_less(
 
     threading.Thread(target=watch, daemon=True).start()
     assert ready.wait(30)
-    with ollama.Client(host=url, timeout=120) as client:
+    with ollama_client(url, timeout=120) as client:
         hi = [{"role": "user", "content": "hi"}]
         answer = client.chat(model="t", messages=hi, options={"num_ctx": 8192, "num_predict": 4})
         assert answer.done and answer.eval_count

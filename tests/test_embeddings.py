@@ -16,6 +16,7 @@ import openai
 import pytest
 from conftest import SpawnDaemon
 from daemonhelp import EC, Raw, running_daemon
+from httphelp import openai_client
 
 from everycycle.client import SyncClient, connect, embedded
 from everycycle.errors import ErrorKind
@@ -145,7 +146,7 @@ def test_http_embeddings_float_and_base64(
     with SyncClient() as c:
         url = c.describe_fleet().http
         direct = np.array(c.embed("tiny", TEXTS))
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    client = openai_client(url, "x")
     request.addfinalizer(client.close)
     floats = client.embeddings.create(model="tiny", input=TEXTS, encoding_format="float")
     assert [d.index for d in floats.data] == [0, 1, 2, 3]

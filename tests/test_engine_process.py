@@ -15,6 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 from daemonhelp import Raw, daemon_process, wait_until
+from modelshelp import Entry, models_toml
 
 from everycycle import paths
 from everycycle.client import SyncClient
@@ -32,13 +33,9 @@ from everycycle.protocol import (
 
 @pytest.fixture
 def two_models(tmp_path: Path, tiny_gguf: Path) -> Path:
-    f = tmp_path / "two.toml"
-    f.write_text(
-        'default = "a"\n'
-        f'[models.a]\npath = "{tiny_gguf}"\ncontext = 4096\nparallel = 4\n'
-        f'[models.b]\npath = "{tiny_gguf}"\ncontext = 4096\nparallel = 4\n'
-    )
-    return f
+    return models_toml(tmp_path / "two.toml",
+                       *(Entry(name, tiny_gguf, context=4096, parallel=4) for name in "ab"),
+                       default="a")
 
 
 @pytest.fixture

@@ -15,9 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import anthropic
-import ollama
-import openai
 import pytest
 from conftest import SpawnDaemon
 from httphelp import blocker, fleet_http, hostport
@@ -25,31 +22,32 @@ from httphelp import blocker, fleet_http, hostport
 HI = [{"role": "user", "content": "hello"}]
 BEAT = 0.3
 """The daemon's --http-heartbeat here (seconds)."""
+from httphelp import anthropic_client, ollama_client, openai_client
 
 
 def _chat(url: str) -> str:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as c:
+    with openai_client(url, "x", timeout=60) as c:
         return "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
             model="tiny", messages=HI, max_tokens=4, stream=True,  # type: ignore[arg-type]
             temperature=0) if ch.choices)
 
 
 def _responses(url: str) -> str:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as c:
+    with openai_client(url, "x", timeout=60) as c:
         return "".join(e.delta for e in c.responses.create(
             model="tiny", input="hello", max_output_tokens=4, temperature=0, stream=True)
             if e.type == "response.output_text.delta")
 
 
 def _messages(url: str) -> str:
-    c = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=60)
+    c = anthropic_client(url, "x", timeout=60)
     with c, c.messages.stream(model="tiny", messages=HI,  # type: ignore[arg-type]
                               max_tokens=4, extra_body={"temperature": 0}) as stream:
         return "".join(stream.text_stream)
 
 
 def _ollama(url: str) -> str:
-    with ollama.Client(host=url, timeout=60) as c:
+    with ollama_client(url, timeout=60) as c:
         return "".join(part.message.content or "" for part in c.chat(
             model="tiny", messages=HI, stream=True,
             options={"num_predict": 4, "temperature": 0}))

@@ -17,7 +17,16 @@ import openai
 import pytest
 from conftest import SpawnDaemon
 from daemonhelp import EC, readme_block, running_daemon
-from httphelp import audit, blocker, drop_mid_stream, fleet_http, fuzzed_daemon, hostport, raw
+from httphelp import (
+    audit,
+    blocker,
+    drop_mid_stream,
+    fleet_http,
+    fuzzed_daemon,
+    hostport,
+    openai_client,
+    raw,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,8 +38,7 @@ from everycycle.protocol import Format, Tokens
 
 @pytest.fixture
 def client(url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                       timeout=60) as c:
+    with openai_client(url, "unused", timeout=60) as c:
         yield c
 
 
@@ -122,7 +130,7 @@ def test_a_full_queue_is_a_rate_limit(
     request: pytest.FixtureRequest, spawn_daemon: SpawnDaemon, models_file: Path,
 ) -> None:
     spawn_daemon("--http", "127.0.0.1:0", "--max-queue", "0")
-    client = openai.OpenAI(base_url=f"{fleet_http()}/v1", api_key="x", max_retries=0)
+    client = openai_client(fleet_http(), "x")
     request.addfinalizer(client.close)
     proc = blocker(models_file)
     try:
@@ -140,13 +148,13 @@ def test_the_token_is_required_when_configured(
 ) -> None:
     spawn_daemon("--http", "127.0.0.1:0", "--http-auth")
     url = fleet_http()
-    wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    wrong = openai_client(url, "wrong")
     request.addfinalizer(wrong.close)
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
     with pytest.raises(openai.AuthenticationError):
         wrong.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
-    right = openai.OpenAI(base_url=f"{url}/v1", api_key=load_or_create_token(), max_retries=0)
+    right = openai_client(url, load_or_create_token())
     request.addfinalizer(right.close)
     assert next(m.id for m in right.models.list()) == "tiny"
     assert raw(url, "GET", "/health")[0] == 200  # health stays open for probes

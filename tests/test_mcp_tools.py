@@ -25,13 +25,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import jsonschema
-import ollama
-import openai
 import pytest
 from daemonhelp import daemon_process
-from httphelp import fleet_http
+from httphelp import anthropic_client, fleet_http, ollama_client, openai_client
 from templatehelp import SMOLLM2, fixture_source
 from tinyagent import write_tiny_bpe_gguf
 
@@ -116,8 +113,7 @@ def serve_everywhere(url: str, tools: list[dict[str, Any]]) -> Calls:
     """The list through each dialect's own client: each request answered (200)."""
     calls = Calls(tools)
     chat = openai_tools(tools)
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                       timeout=600) as oc:
+    with openai_client(url, "unused", timeout=600) as oc:
         r = oc.chat.completions.create(
             model="agent", messages=[{"role": "user", "content": ASK}], tools=chat,  # type: ignore[arg-type]
             tool_choice="required", max_tokens=MAX_TOKENS, **SAMPLED)  # type: ignore[arg-type]
@@ -133,8 +129,7 @@ def serve_everywhere(url: str, tools: list[dict[str, Any]]) -> Calls:
         for item in resp.output:
             if item.type == "function_call":
                 calls.check("responses", item.name, json.loads(item.arguments))
-    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0,
-                             timeout=600) as ac:
+    with anthropic_client(url, "unused", timeout=600) as ac:
         m = ac.messages.create(
             model="agent", max_tokens=MAX_TOKENS, extra_body={"temperature": 1.0},
             messages=[{"role": "user", "content": ASK}], tool_choice={"type": "any"},
@@ -144,7 +139,7 @@ def serve_everywhere(url: str, tools: list[dict[str, Any]]) -> Calls:
         for block in m.content:
             if block.type == "tool_use":
                 calls.check("anthropic", block.name, block.input)
-    with ollama.Client(host=url, timeout=600) as olc:
+    with ollama_client(url, timeout=600) as olc:
         answer = olc.chat(model="agent", messages=[{"role": "user", "content": ASK}],
                           tools=chat, options={"num_predict": MAX_TOKENS, **SAMPLED})
         for call in answer.message.tool_calls or []:
@@ -178,8 +173,7 @@ def test_a_union_of_four_servers_is_served_in_every_dialect(url: str) -> None:
     # a forced call ends within the budget on some seed (sampled: how long a random
     # model's strings run depends on it), and it too keeps the rules
     chat = openai_tools(tools)
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                       timeout=600) as oc:
+    with openai_client(url, "unused", timeout=600) as oc:
         for seed in range(1, 13):
             if calls.made:
                 break

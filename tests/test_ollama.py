@@ -23,6 +23,7 @@ from httphelp import (
     fleet_http,
     fuzzed_daemon,
     hostport,
+    ollama_client,
     raw,
 )
 from hypothesis import HealthCheck, given, settings
@@ -42,7 +43,7 @@ GREEDY = {"temperature": 0, "seed": 7, "num_predict": 8}
 
 @pytest.fixture
 def client(url: str) -> Iterator[ollama.Client]:
-    with ollama.Client(host=url, timeout=60) as c:
+    with ollama_client(url, timeout=60) as c:
         yield c
 
 
@@ -210,7 +211,7 @@ def hub_url(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 def test_pull_from_the_hub_with_progress(hub_url: str) -> None:
     seen = EventReader(f"{hub_url}/v1/events?types=pull")
     try:
-        with ollama.Client(host=hub_url, timeout=60) as client:
+        with ollama_client(hub_url, timeout=60) as client:
             pulls(client, hub_url)
         # The daemon's event stream told each pull as it went: its progress, its end.
         huge = f"hf://acme/huge/huge.gguf@{COMMIT}"
@@ -261,7 +262,7 @@ def test_delete_needs_the_daemon_token(tiny_gguf: Path) -> None:
                                         f'[models.keep]\npath = "{tiny_gguf}"\n')
     token = {"authorization": f"Bearer {load_or_create_token()}"}
     with (daemon_process("--http", "127.0.0.1:0"),  # the shipped registry and the user's
-          ollama.Client(host=fleet_http()) as anyone,
+          ollama_client(fleet_http()) as anyone,
           ollama.Client(host=fleet_http(), headers={"authorization": "Bearer no"}) as wrong,
           ollama.Client(host=fleet_http(), headers=token) as owner):
         with pytest.raises(ollama.ResponseError, match="--show-token") as info:

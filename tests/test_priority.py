@@ -21,6 +21,7 @@ import pytest
 from daemonhelp import EC, Raw, wait_until
 from enginehelp import Collector
 from httphelp import EventReader, audit, blocker, fleet_http
+from modelshelp import Entry, models_toml
 
 from everycycle.client import SyncClient
 from everycycle.daemon.eta import Rates, Work, starts
@@ -288,10 +289,9 @@ def test_a_parked_job_waits_for_interactive_ones_only_its_age(runner: Runner,
 
 
 def _models(tmp_path: Path, tiny_gguf: Path, parallel: int = 1) -> Path:
-    f = tmp_path / "lanes.toml"
-    f.write_text(f'default = "tiny"\n[models.tiny]\npath = "{tiny_gguf}"\n'
-                 f"context = 4096\nparallel = {parallel}\n")
-    return f
+    return models_toml(tmp_path / "lanes.toml",
+                       Entry("tiny", tiny_gguf, context=4096, parallel=parallel),
+                       default="tiny")
 
 
 def _run(models: Path, *args: str) -> subprocess.Popen[bytes]:

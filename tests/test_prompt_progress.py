@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import openai
 import pytest
+from httphelp import openai_client
 
 from everycycle.client import connect
 from everycycle.protocol import Accepted, Progress, Tokens
@@ -38,7 +38,7 @@ async def test_progress_events_on_the_socket(spawn_daemon: Any) -> None:
 
 
 def test_prompt_progress_chunks_on_a_chat_stream(url: str) -> None:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+    with openai_client(url, "x") as client:
         stream = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": LONG}], max_tokens=2,
             temperature=0, stream=True, extra_body={"return_progress": True})

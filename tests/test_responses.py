@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 from conftest import SpawnDaemon
-from httphelp import audit, blocker, fleet_http, hostport
+from httphelp import audit, blocker, fleet_http, hostport, openai_client
 from templatehelp import SMOLLM2
 from test_tools import THINKING
 from tinymodel import write_tiny_gguf
@@ -29,8 +29,7 @@ ADD: Any = {"type": "function", "name": "add", "description": "Add two numbers."
 
 @pytest.fixture
 def client(url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                       timeout=60) as c:
+    with openai_client(url, "unused", timeout=60) as c:
         yield c
 
 
@@ -132,7 +131,7 @@ def test_a_function_call_round_trip_on_the_default_model(
     models.write_text(f'default = "smol"\n[models.smol]\npath = "{SMOLLM2}"\ncontext = 2048\n')
     spawn_daemon("--http", "127.0.0.1:0", models=models)
     ask: Any = [{"role": "user", "content": "What is 2 plus 3? Use the add tool."}]
-    with openai.OpenAI(base_url=f"{fleet_http()}/v1", api_key="x", max_retries=0) as c:
+    with openai_client(fleet_http(), "x") as c:
         r = c.responses.create(model="smol", input=ask, tools=[ADD], tool_choice="required",
                                temperature=0, max_output_tokens=64)
         [call] = [item for item in r.output if item.type == "function_call"]
@@ -157,7 +156,7 @@ def test_thoughts_are_a_reasoning_item(spawn_daemon: SpawnDaemon, tmp_path: Path
     models = tmp_path / "thinking.toml"
     models.write_text(f'default = "t"\n[models.t]\npath = "{gguf}"\ncontext = 1024\n')
     spawn_daemon("--http", "127.0.0.1:0", models=models)
-    with openai.OpenAI(base_url=f"{fleet_http()}/v1", api_key="x", max_retries=0) as c:
+    with openai_client(fleet_http(), "x") as c:
         r = c.responses.create(model="t", input="hi", max_output_tokens=6, temperature=0)
         events = list(c.responses.create(model="t", input="hi", max_output_tokens=6,
                                          temperature=0, stream=True))

@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 from daemonhelp import EC, daemon_process, greedy_ids
-from httphelp import fleet_http
+from httphelp import fleet_http, openai_client
 
 from everycycle import paths
 from everycycle.client import SyncClient
@@ -125,7 +125,7 @@ def test_every_store_is_listed_run_by_name_and_left_unchanged(
         assert len(greedy_ids(c, "ollama:someone/tiny:q8", n=4)) == 4
         assert "ollama:someone/tiny:q8" in {m.name for m in c.describe_fleet().loaded_models}
     # ... and over HTTP by the name, as any OpenAI client sends it.
-    with openai.OpenAI(base_url=f"{fleet_http()}/v1", api_key="x", max_retries=0) as client:
+    with openai_client(fleet_http(), "x") as client:
         answer = client.chat.completions.create(
             model="lmstudio:acme/Tiny-GGUF", max_tokens=4,
             messages=[{"role": "user", "content": "hello"}])

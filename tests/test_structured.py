@@ -12,6 +12,7 @@ import openai
 import pytest
 from conftest import SpawnDaemon
 from daemonhelp import EC, Raw, running_daemon
+from httphelp import openai_client
 
 from everycycle.client import SyncClient, connect
 from everycycle.errors import ErrorKind
@@ -182,7 +183,7 @@ def test_response_format_over_http(
     spawn_daemon("--http", "127.0.0.1:0")
     with SyncClient() as c:
         url = c.describe_fleet().http
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    client = openai_client(url, "x")
     request.addfinalizer(client.close)
     r = client.chat.completions.create(
         model="tiny4", messages=[{"role": "user", "content": "a thing"}], max_tokens=400,

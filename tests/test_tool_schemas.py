@@ -18,7 +18,7 @@ from typing import Any
 import openai
 import pytest
 from daemonhelp import daemon_process
-from httphelp import fleet_http
+from httphelp import fleet_http, openai_client
 from tinymodel import write_tiny_gguf
 
 from everycycle.chatfmt.callgrammar import CallGrammars, call_grammar
@@ -205,7 +205,7 @@ def test_a_call_that_breaks_the_relaxed_part_is_returned_counted_and_logged(
     tool = fn("never", {"type": "object", "properties": {"a": {"const": 1}},
                         "required": ["a"], "additionalProperties": False,
                         "not": {"required": ["a"]}})
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+    with openai_client(url, "unused") as client:
         r = client.chat.completions.create(
             model="hermes", messages=[{"role": "user", "content": "go"}], tools=[tool],  # type: ignore[list-item]
             tool_choice="required", max_tokens=300, temperature=0)

@@ -20,7 +20,7 @@ import pexpect
 import pytest
 from conftest import SpawnDaemon
 from daemonhelp import EC, wait_until
-from httphelp import audit
+from httphelp import audit, openai_client
 from templatehelp import SMOLLM2, fixture_source
 from tinymodel import write_tiny_gguf
 
@@ -74,8 +74,7 @@ def client(spawn_daemon: SpawnDaemon, models: Path) -> Iterator[openai.OpenAI]:
     spawn_daemon("--http", "127.0.0.1:0", models=models)
     with SyncClient() as c:
         url = c.describe_fleet().http
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                       timeout=120) as oc:
+    with openai_client(url, "unused", timeout=120) as oc:
         yield oc
 
 

@@ -10,13 +10,11 @@ import subprocess
 import zlib
 from pathlib import Path
 
-import anthropic
 import anyio
-import ollama
 import openai
 import pytest
 from daemonhelp import EC, running_daemon
-from httphelp import fleet_http, raw
+from httphelp import anthropic_client, fleet_http, ollama_client, openai_client, raw
 from PIL import Image
 from tinyvision import write_tiny_mmproj
 
@@ -132,7 +130,7 @@ async def test_the_http_dialects_send_images(vision_models: Path) -> None:
         url = await anyio.to_thread.run_sync(fleet_http)
 
         def clients() -> None:
-            with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as oa:
+            with openai_client(url, "x") as oa:
                 def chat(part: dict[str, object]) -> str | None:
                     r = oa.chat.completions.create(
                         model="tv", max_tokens=8, temperature=0,
@@ -146,13 +144,13 @@ async def test_the_http_dialects_send_images(vision_models: Path) -> None:
                 assert red and blue and red != blue
                 with pytest.raises(openai.BadRequestError, match="not fetched"):
                     chat({"type": "image_url", "image_url": {"url": "https://x.test/a.png"}})
-            with ollama.Client(host=url, timeout=60) as ol:
+            with ollama_client(url, timeout=60) as ol:
                 said = ol.chat(model="tv", messages=[{
                     "role": "user", "content": "what is it?",
                     "images": [base64.b64encode(RED).decode()]}],
                     options={"temperature": 0, "num_predict": 8})
                 assert said.message.content == red
-            with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0) as an:
+            with anthropic_client(url, "x") as an:
                 msg = an.messages.create(model="tv", max_tokens=8, messages=[{
                     "role": "user", "content": [
                         {"type": "image", "source": {"type": "base64", "media_type":

@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 from daemonhelp import EC, Raw, daemon_process, wait_until
+from modelshelp import Entry, models_toml
 from test_engine_process import engine_pid, generate, loaded, serving_again, streams
 from tinymodel import CHAT_TEMPLATE, write_tiny_gguf
 
@@ -59,10 +60,9 @@ def bombs(tmp_path: Path) -> Path:
         _when("loops", LOOPS).replace(CHAT_TEMPLATE, "") + _when("string", STRING)))
     always = write_tiny_gguf(tmp_path / "always.gguf",
                              chat_template=LOOPS + "<|im_start|>" + CHAT_TEMPLATE)
-    f = tmp_path / "bombs.toml"
-    f.write_text(f'[models.bomb]\npath = "{conditional}"\ncontext = 2048\nparallel = 2\n'
-                 f'[models.always]\npath = "{always}"\ncontext = 2048\nparallel = 1\n')
-    return f
+    return models_toml(tmp_path / "bombs.toml",
+                       Entry("bomb", conditional, context=2048, parallel=2),
+                       Entry("always", always, context=2048, parallel=1))
 
 
 def _chat(c: SyncClient, model: str, text: str) -> list[object]:
@@ -106,12 +106,9 @@ def test_a_template_over_budget_when_tried_falls_back_and_says_why(bombs: Path) 
 
 @pytest.fixture
 def daemon(tmp_path: Path, tiny_gguf: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    f = tmp_path / "two.toml"
-    f.write_text(
-        'default = "a"\n'
-        f'[models.a]\npath = "{tiny_gguf}"\ncontext = 4096\nparallel = 4\n'
-        f'[models.b]\npath = "{tiny_gguf}"\ncontext = 4096\nparallel = 4\n'
-    )
+    f = models_toml(tmp_path / "two.toml",
+                    *(Entry(name, tiny_gguf, context=4096, parallel=4) for name in "ab"),
+                    default="a")
     log = tmp_path / "daemon.stderr"
     with daemon_process("--models", str(f), "--http", "127.0.0.1:0", "--hang-timeout", "2",
                         stderr=log) as proc:

@@ -27,6 +27,11 @@ def daemon(
         help="Serve the OpenAI-compatible HTTP API (default port 11777, loopback).")] = None,
     http_auth: Annotated[bool, typer.Option(
         "--http-auth", help="Require the bearer token on HTTP even on loopback.")] = False,
+    tls_cert: Annotated[Path | None, typer.Option(
+        "--tls-cert", metavar="FILE", help="Serve --http as HTTPS with this PEM certificate "
+        "(chain), with --tls-key.")] = None,
+    tls_key: Annotated[Path | None, typer.Option(
+        "--tls-key", metavar="FILE", help="The PEM private key of --tls-cert.")] = None,
     allow_remote: Annotated[bool, typer.Option(
         "--allow-remote", help="Let --tcp and --http listen off loopback (keys required).")]
     = False,
@@ -109,6 +114,10 @@ def daemon(
         if not host or not port.isdigit():
             fail("--tcp wants HOST:PORT", 2)
         tcp_addr = (host.strip("[]"), int(port))
+    if (tls_cert is None) != (tls_key is None):
+        fail("--tls-cert and --tls-key go together: the certificate and its key", 2)
+    if tls_cert is not None and http is None:
+        fail("--tls-cert serves the HTTP API: add --http [HOST:]PORT", 2)
     http_addr = None
     if http is not None:
         try:
@@ -133,7 +142,8 @@ def daemon(
                           max_loaded_models=max_loaded_models,
                           cors_origins=tuple(cors_origin or ()),
                           allowed_hosts=tuple(allow_host or ()),
-                          http_heartbeat=http_heartbeat)
+                          http_heartbeat=http_heartbeat,
+                          tls=(tls_cert, tls_key) if tls_cert and tls_key else None)
     import anyio
 
     try:

@@ -37,8 +37,9 @@ def fleet(
     = False,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh live until Ctrl-C.")] = False,
     hosts: Annotated[list[str] | None, typer.Option(
-        "--host", metavar="HOST:PORT|SOCKET",
-        help="A daemon's TCP address or socket path (repeat: one view of several).")] = None,
+        "--host", metavar="HOST:PORT|URL|SOCKET",
+        help="A daemon's TCP address, HTTP(S) base URL or socket path (repeat: one view of "
+        "several).")] = None,
     token: Annotated[str | None, typer.Option(
         "--token", envvar="EVERYCYCLE_TOKEN",
         help="Key for TCP daemons (default: this user's daemon token).")] = None,
@@ -49,7 +50,7 @@ def fleet(
     \b
     Example:
       everycycle fleet --json
-      everycycle fleet --host box1:7000 --host box2:7000
+      everycycle fleet --host box1:7000 --host https://box2:11777
     """
     if hosts:
         raise typer.Exit(_fleets(hosts, token, as_json))
@@ -141,6 +142,15 @@ def _fleets(hosts: list[str], token: str | None, as_json: bool) -> int:
     found: list[tuple[str, FleetSnapshot]] = []
     failed = 0
     for host in hosts:
+        if host.startswith(("http://", "https://")):
+            from ..client.httpfleet import fetch_fleet
+
+            try:
+                found.append((host, fetch_fleet(host, token)))
+            except EverycycleError as exc:
+                sys.stderr.write(f"everycycle: {exc.message}\n")
+                failed += 1
+            continue
         is_path = "/" in host
         address, _, port = host.rpartition(":")
         if not is_path and (not address or not port.isdigit()):

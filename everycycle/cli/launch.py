@@ -242,6 +242,9 @@ def launch(
             env.pop(key, None)
         else:
             env[key] = value
+    if where.base.startswith("https://") and env.get("SSL_CERT_FILE"):
+        # (a private CA the user trusts for Python and curl: Node agents trust it too)
+        env.setdefault("NODE_EXTRA_CA_CERTS", env["SSL_CERT_FILE"])
     argv = [binary, *row.args(where), *ctx.args]
     sys.stderr.write(f"everycycle: {row.command} on {where.base} ({row.wire}), model "
                      f"'{where.model}'\n")

@@ -16,11 +16,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from ..errors import ConfigError
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 100
@@ -131,12 +135,32 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-def http_server(app: Any) -> uvicorn.Server:
-    """A uvicorn server for ``app``; start it with ``await server.serve(sockets=[sock])``
-    and stop it with ``server.should_exit = True``."""
+def http_server(app: Any, tls: ssl.SSLContext | None = None) -> uvicorn.Server:
+    """A uvicorn server for ``app`` (HTTPS with ``tls``); start it with ``await
+    server.serve(sockets=[sock])`` and stop it with ``server.should_exit = True``."""
     config = uvicorn.Config(app, lifespan="off", access_log=False, log_level="warning",
                             timeout_graceful_shutdown=2, server_header=False,
                             log_config=None, http=BoundedHttp,
                             timeout_keep_alive=int(KEEP_ALIVE_S))
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    if tls is not None:  # (ours, checked at start-up: uvicorn's own would load the files)
+        config.load()
+        config.ssl = tls
     return _EmbeddedServer(config)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket on ``host``:``port`` (0: a free port), bound now so that
+    errors surface at start-up. Raises ConfigError saying why it cannot listen."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}"
+                          ) from None
+    sock.setblocking(False)
+    return sock

@@ -73,6 +73,8 @@ class DaemonConfig:
     """At most this many models resident (None: models.toml's figure, or memory)."""
     http_heartbeat: float = HTTP_HEARTBEAT
     """Seconds of silence after which an HTTP stream gets a heartbeat (0: never)."""
+    tls: tuple[Path, Path] | None = None
+    """Serve HTTPS with this (certificate, key), both PEM files."""
 
 
 @contextlib.contextmanager
@@ -259,6 +261,7 @@ class Daemon:
             self.keys.default_token = load_or_create_token()
         self.http_port: int | None = None
         self._http: Any = None  # the HttpApi, imported only when asked for
+        self._tls: Any = None  # its ssl.SSLContext, with --tls-cert
         self._http_server: Any = None
         self._http_done = anyio.Event()
         if config.http is not None:
@@ -267,6 +270,9 @@ class Daemon:
             if remote and not config.allow_remote:
                 raise ConfigError(f"--http {host} is not a loopback address; add --allow-remote")
             from .http import HttpApi
+            from .tls import listener_context
+
+            self._tls = listener_context(config.tls, host, remote=remote)
             from .metrics import Metrics
 
             if remote or config.http_auth:
@@ -286,24 +292,15 @@ class Daemon:
 
     def _bind_http(self) -> Any:
         """The HTTP listening socket, bound now so that errors surface at start-up."""
-        import socket as pysocket
+        from .httpserver import bind
 
         assert self.config.http is not None
         host, port = self.config.http
-        family = pysocket.AF_INET6 if ":" in host else pysocket.AF_INET
-        sock = pysocket.socket(family, pysocket.SOCK_STREAM)
-        sock.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-            sock.listen(128)
-        except OSError as exc:
-            sock.close()
-            raise ConfigError(f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}"
-                              ) from None
-        sock.setblocking(False)
+        sock = bind(host, port)
         self.http_port = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
-        self.supervisor.http_address = f"http://{shown}:{self.http_port}"
+        scheme = "https" if self._tls is not None else "http"
+        self.supervisor.http_address = f"{scheme}://{shown}:{self.http_port}"
         log.info("HTTP API on %s/v1; the console at %s/console/",
                  self.supervisor.http_address, self.supervisor.http_address)
         return sock
@@ -311,7 +308,7 @@ class Daemon:
     async def _serve_http(self, sock: Any) -> None:
         from .httpserver import http_server
 
-        server = http_server(self._http.asgi)
+        server = http_server(self._http.asgi, self._tls)
         self._http_server = server
         try:
             if not self._stop.is_set():
