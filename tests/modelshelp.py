@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-Value = str | int | float | bool | Path | list[str] | list[int] | list[float]
+Value = (str | int | float | bool | Path | list[str] | list[int] | list[float]
+         | Mapping[str, int] | Mapping[str, str])
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ def _value(v: Value) -> str:
         return repr(v)
     if isinstance(v, list):
         return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, Mapping):  # (an inline table)
+        return "{ " + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + " }"
     return json.dumps(str(v))  # (a TOML basic string: JSON's escapes are TOML's)
 
 

@@ -13,10 +13,12 @@ from ..chatfmt import constraint
 from ..chatfmt.callgrammar import CallGrammar, CallGrammars
 from ..chatfmt.chat import ChatPrompt
 from ..chatfmt.chatoutput import ChatOutput
+from ..chatfmt.reasoning import ReasoningFormat
 from ..chatfmt.schemacheck import ArgumentCheck
 from ..chatfmt.tools import ToolFormat
 from ..engine.contract import Engine
 from ..engine.jobs import Job, JobSpec, Sampling
+from ..engine.thinking import ThinkBudget
 from ..errors import InvalidRequestError, ProtocolError
 from ..models.registry import ModelSpec
 from ..protocol import Embed, Format, Generate, Message, Role, ToolChoice
@@ -79,6 +81,20 @@ def _model_grammar(spec: ModelSpec, req: Generate) -> str | None:
     return spec.grammar_after_tools if last is Role.TOOL else spec.grammar
 
 
+def _think(spec: ModelSpec, req: Generate, prompt: ChatPrompt | None) -> ThinkBudget | None:
+    """The request's thinking budget, where its model thinks between markers and a
+    budget applies (its own, its effort's, or the model's default)."""
+    if prompt is None or prompt.reasoning is None or req.think is False:
+        return None
+    effort = req.think_effort.value if req.think_effort is not None else None
+    budget = spec.reasoning.budget(req.think_budget, effort)
+    if budget is None:
+        return None
+    markers = ReasoningFormat[prompt.reasoning]
+    return ThinkBudget(budget, markers.open, markers.close, inside=prompt.starts_inside,
+                       message=spec.reasoning.message)
+
+
 def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: object,
               background_age: float | None = None, grammars: CallGrammars | None = None
               ) -> tuple[Job, ChatOutput | None]:
@@ -136,7 +152,8 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
         sampling=sampling(req, spec.sampling, grammar), stop=req.stop or (),
         lookup=lookup and not images, special=output is not None, logprobs=req.logprobs,
         images=images, text=prompt.text if images and prompt is not None else None,
-        progress=bool(req.progress), background_age=background_age), tag=tag)
+        progress=bool(req.progress), background_age=background_age,
+        think=_think(spec, req, prompt)), tag=tag)
     job.spec.check_fits(engine.n_ctx_slot)
     if grammar is not None:
         engine.check_grammar(grammar)  # compiled once, for its vocabulary: the engine keeps it

@@ -348,6 +348,8 @@ class Requests:
             prompt_tokens=active.n_prompt,
             cached_tokens=active.job.n_reused if active.job else 0,
             generated_tokens=active.n_out,
+            reasoning_tokens=(active.job.n_thought if active.job is not None
+                              and active.job.spec.think is not None else None),
             queue_wait_s=started - active.admitted,
             ttft_s=None if active.first_token is None else active.first_token - active.admitted,
             duration_s=now - active.admitted,
@@ -434,8 +436,9 @@ class Requests:
                     active.peer.emit(ToolCalls(rid, tuple(active.output.calls)))
                     reason = "tool_calls"
                 if isinstance(active.req, Generate) and active.req.usage:
-                    active.peer.emit(Usage(rid, active.n_prompt, job.n_reused, active.n_out,
-                                           reason))
+                    active.peer.emit(Usage(
+                        rid, active.n_prompt, job.n_reused, active.n_out, reason,
+                        job.n_thought if job.spec.think is not None else None))
                 self.finish(active, last, reason)
         return freed
 

@@ -47,6 +47,8 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
+    reasoning_tokens: int | None = None
+    """Of ``generated_tokens``, those thought (counted with a thinking budget)."""
     queue_wait_s: float = 0.0
     ttft_s: float | None = None
     duration_s: float = 0.0

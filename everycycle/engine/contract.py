@@ -368,18 +368,19 @@ class JobOutput(NamedTuple):
     progress: int | None = None
     n_parked: int = 0
     parked: bool | None = None
+    n_thought: int = 0
 
     @classmethod
     def of(cls, jid: int, job: Job, o: Output) -> JobOutput:
         return cls(jid, o.text, o.ids, o.finished, o.reason,
                    WireError.of(o.error) if o.error is not None else None, o.embeddings,
                    o.logprobs, job.n_prompt, job.n_reused, job.n_generated, o.progress,
-                   job.n_parked, o.parked)
+                   job.n_parked, o.parked, job.n_thought)
 
     def unpacked(self, job: Job) -> Output:
         """The Output again, its counts set on ``job`` (the daemon's copy)."""
-        job.n_prompt, job.n_reused, job.n_generated, job.n_parked = (
-            self.n_prompt, self.n_reused, self.n_generated, self.n_parked)
+        job.n_prompt, job.n_reused, job.n_generated, job.n_parked, job.n_thought = (
+            self.n_prompt, self.n_reused, self.n_generated, self.n_parked, self.n_thought)
         return Output(self.text, self.ids, self.finished, self.reason,
                       self.error.exception() if self.error is not None else None,
                       self.embeddings, self.logprobs, self.progress, self.parked)

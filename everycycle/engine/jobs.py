@@ -10,6 +10,7 @@ from typing import Any, TypeVar, cast
 
 from ..errors import ContextOverflowError, EverycycleError, InvalidRequestError
 from ..protocol.sampling import BY_NAME, PARAMS, TEMPERATURE, Param
+from .thinking import ThinkBudget
 
 V = TypeVar("V")
 
@@ -107,6 +108,9 @@ class JobSpec:
     """With ``images``: the rendered prompt, which the engine tokenizes with them."""
     progress: bool = False
     """Report how far the prompt is read (``Output.progress``) after each batch of it."""
+    think: ThinkBudget | None = None
+    """A thinking model's budget: its thinking ends after this many tokens (None: as the
+    model ends it)."""
     background_age: float | None = None
     """A background job (None: interactive): a pending interactive job takes its slot
     (it is parked, and resumes where it stopped), unless it has waited parked this many
@@ -143,6 +147,8 @@ class Job:
     n_generated: int = 0
     n_parked: int = 0
     """How often it gave its slot up to an interactive job."""
+    n_thought: int = 0
+    """Of ``n_generated``, the tokens it thought (with a ``think`` budget)."""
     promoted: bool = False
     """A background job served as an interactive one from now on (it waited too long)."""
 

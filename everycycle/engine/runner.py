@@ -177,7 +177,8 @@ class Runner:
         self._seating = Seating(
             L, ctx, self._mem, samplers=self._samplers, constraints=self._constraints,
             cache=cache, vision=self._vision, history=history,
-            lookup_type=lambda: self.lookup_type, n_ctx_slot=self.n_ctx_slot,
+            lookup_type=lambda: self.lookup_type,
+            tokenize=partial(self.vocab.tokenize, special=True), n_ctx_slot=self.n_ctx_slot,
             n_swa=self._n_swa, n_batch=n_batch)
         self.loop = StepLoop(
             L=L, ctx=ctx, vocab=self.vocab, logits=RowLogits(L, ctx, self._n_vocab),

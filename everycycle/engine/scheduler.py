@@ -152,8 +152,9 @@ class Scheduler:
         expected = float(n)  # the tokens this step should yield
         for w in list(plan.work):  # drafts after every slot has its row
             r = w.run
-            if r.grammar is None and r.lookup is None:
-                continue
+            if (r.grammar is None and r.lookup is None) or r.forced or (
+                    r.thinking is not None and not r.thinking.done):
+                continue  # (nothing drafts; or a thinking budget counts token by token)
             room = min(self.n_batch - n, self.n_ctx_slot - r.n_past - 1,
                        r.job.spec.max_tokens - r.job.n_generated - 1)
             draft = self.drafter.propose(r, room, n, expected)

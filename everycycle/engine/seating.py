@@ -19,6 +19,7 @@ from .lookup import History, PromptLookup
 from .parking import Parked
 from .sampling import Samplers
 from .slots import Run, Slot
+from .thinking import Thinking
 
 Outputs = list[tuple[Job, Output]]
 
@@ -29,7 +30,8 @@ class Seating:
     def __init__(self, L: Any, ctx: Any, mem: Any, *, samplers: Samplers,
                  constraints: Constraints, cache: promptcache.PromptCache | None,
                  vision: Any, history: History, lookup_type: Callable[[], type[PromptLookup]],
-                 n_ctx_slot: int, n_swa: int, n_batch: int) -> None:
+                 tokenize: Callable[[str], list[int]], n_ctx_slot: int, n_swa: int,
+                 n_batch: int) -> None:
         self._L = L
         self._ctx = ctx
         self._mem = mem
@@ -40,6 +42,8 @@ class Seating:
         self._vision = vision
         self._history = history
         self._lookup_type = lookup_type
+        self._tokenize = tokenize
+        """Text to tokens, control tokens' text read as them (a thinking ending's)."""
         self._n_ctx_slot = n_ctx_slot
         self._n_swa = n_swa
         self._n_batch = n_batch
@@ -85,10 +89,21 @@ class Seating:
             sampler=self._samplers.chain(job.spec.sampling, self._n_ctx_slot),
             lookup=(self._lookup_type()(job.spec.tokens, self._history)
                     if job.spec.lookup and greedy else None))
+        think = job.spec.think
+        if think is not None and matcher is None:  # (a grammar says how thinking ends)
+            slot.run.thinking = Thinking(think)
+            if slot.run.thinking.due:  # (a budget of 0, the prompt having opened it)
+                slot.run.forced = self.ending(slot.run.thinking)
         slot.used = step
         job.n_prompt, job.n_reused, job.n_generated = len(job.spec.tokens), reuse, 0
+        job.n_thought = 0
         if job.spec.progress and slot.run.todo:
             out.append((job, Output("", (), progress=reuse)))
+
+    def ending(self, thinking: Thinking) -> list[int]:
+        """The tokens that end ``thinking`` now (its budget is spent)."""
+        thinking.forced()
+        return self._tokenize(thinking.spec.ending)
 
     def _restore(self, slot: Slot, job: Job, reuse: int) -> int:
         """Restore a prefix kept in the prompt cache into ``slot`` when it is longer

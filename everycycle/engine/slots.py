@@ -13,6 +13,7 @@ from typing import Any
 from .constraint import Matcher
 from .jobs import Job, Logprob, common_prefix, stop_split
 from .lookup import PromptLookup
+from .thinking import Thinking
 
 
 def _utf8() -> Any:
@@ -38,6 +39,10 @@ class Run:
     """Its prompt-lookup drafter (None: it drafts no lookup tokens)."""
     prompt: Any = None
     """A job with images: its libmtmd prompt, once read (vision.Prompt)."""
+    thinking: Thinking | None = None
+    """Its thinking, counted against its budget (None: no budget)."""
+    forced: list[int] = field(default_factory=list)
+    """Tokens it takes next whatever the model says (a thinking budget's ending)."""
     decoder: Any = field(default_factory=_utf8)
     held_text: str = ""
     held_ids: list[int] = field(default_factory=list)

@@ -217,7 +217,8 @@ class StepLoop:
                 self._verify(w, out)
                 continue
             try:
-                tok = self._choose(w.run, w.sample)
+                tok = (self._force(w.run, w.sample) if w.run.forced
+                       else self._choose(w.run, w.sample))
             except InvalidRequestError as exc:
                 self._finish(w.slot, out, "error", exc)
                 continue
@@ -237,6 +238,18 @@ class StepLoop:
                                                     self._logits(row))
         else:
             tok = self._L.llama_sampler_sample(run.sampler, self._ctx, row)
+        if run.job.spec.logprobs is not None:
+            run.held_logprobs.append(logprob(self._logits(row), tok, run.job.spec.logprobs,
+                                             self._piece_text))
+        return tok
+
+    def _force(self, run: Run, row: int) -> int:
+        """The run's next forced token (a thinking budget's ending), taken as if chosen:
+        its sampler chain sees it (penalties, the RNG's place), its log-probability is
+        the model's."""
+        tok = run.forced.pop(0)
+        if run.sampler is not None:
+            self._L.llama_sampler_accept(run.sampler, tok)
         if run.job.spec.logprobs is not None:
             run.held_logprobs.append(logprob(self._logits(row), tok, run.job.spec.logprobs,
                                              self._piece_text))
@@ -278,6 +291,12 @@ class StepLoop:
         run.last = tok
         if run.lookup is not None:
             run.lookup.append(tok)
+        thinking = run.thinking
+        if thinking is not None and not thinking.done:
+            thinking.took(self._piece_text(tok))
+            job.n_thought = thinking.count
+            if thinking.due:
+                run.forced = self.seating.ending(thinking)
         chunk = run.add_text(tok, self._vocab.piece(tok, job.spec.special), job.spec.stop)
         if chunk is True:
             self._finish(s, out, "stop")

@@ -26,7 +26,7 @@ from ..errors import (
     UnknownModelError,
 )
 from ..protocol import Format, check_model_name, sampling
-from . import hub, hubrepo
+from . import budgets, hub, hubrepo
 
 SHIPPED_MODELS = Path(__file__).parent.parent / "models.toml"
 
@@ -57,6 +57,7 @@ _KEYS = {
     "kv_cache_ram": int,
 }
 _KEYS.update({p.name: object for p in sampling.PARAMS})  # (checked by the table)
+_KEYS.update(budgets.KEYS)
 _SOURCES = ("path", "package", "hf_repo")
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 DEFAULT_KEEP_ALIVE = 300.0
@@ -145,6 +146,8 @@ class ModelSpec:
     kv_cache_ram: int = -1
     """MiB of host RAM for the conversations its slots gave up (0: none; -1: a quarter
     of the memory available when it loads, at most 8 GiB)."""
+    reasoning: budgets.ReasoningBudgets = field(default_factory=budgets.ReasoningBudgets)
+    """A thinking model's budgets (``models/budgets.py``)."""
 
     @property
     def hub_ref(self) -> hub.HubRef:
@@ -296,6 +299,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         grammar_after_tools=raw.get("grammar_after_tools"),
         kv_cache_disk=raw.get("kv_cache_disk", 2048),
         kv_cache_ram=raw.get("kv_cache_ram", -1),
+        reasoning=budgets.parse(raw, where),
     )
 
 

@@ -240,7 +240,8 @@ class Embeddings:
     vectors: tuple[tuple[float, ...], ...]
 
 
-@message(ranges={"prompt_tokens": COUNT, "cached_tokens": COUNT, "generated_tokens": COUNT})
+@message(ranges={"prompt_tokens": COUNT, "cached_tokens": COUNT, "generated_tokens": COUNT,
+                 "reasoning_tokens": COUNT})
 class Usage:
     """What a finished generation cost, just before its last Tokens (an extension, sent
     only to a Generate that asked for it with ``usage: true``)."""
@@ -252,6 +253,9 @@ class Usage:
     generated_tokens: int
     finish_reason: str
     """``eos``, ``stop``, ``length`` (max_tokens) or ``context`` (the context is full)."""
+    reasoning_tokens: int | None = field(default=None, metadata=_EXT)
+    """Of ``generated_tokens``, those a thinking model thought (an extension; with a
+    thinking budget, where the engine counts them)."""
 
 
 @message(ranges={"total": COUNT, "cached": COUNT, "processed": COUNT, "time_ms": COUNT})

@@ -42,6 +42,14 @@ class Format(enum.Enum):
     """Tokenize the prompt as is."""
 
 
+class ThinkEffort(enum.Enum):
+    """How hard a thinking model thinks: a budget per effort (an extension)."""
+
+    LOW = "low"
+    MEDIUM = "medium"
+    HIGH = "high"
+
+
 class Priority(enum.Enum):
     """Which lane a Generate or Embed waits in (an extension; absent: interactive)."""
 
@@ -166,7 +174,8 @@ class Message:
 
 @message(ranges={
     "max_tokens": (1, MAX_TOKENS_LIMIT), **sampling.RANGES, "deadline_ms": DEADLINE,
-    "keep_alive_ms": KEEP_ALIVE, "logprobs": (0, 20), "context": CONTEXT})
+    "keep_alive_ms": KEEP_ALIVE, "logprobs": (0, 20), "context": CONTEXT,
+    "think_budget": (0, MAX_TOKENS_LIMIT)})
 @sampling.with_extensions
 class Generate:
     """Generate text with ``model`` from ``prompt`` or from a conversation, ``messages``.
@@ -220,6 +229,13 @@ class Generate:
     think: bool | None = field(default=None, metadata=_EXT)
     """Whether a thinking model thinks first, where its template can say (the template's
     own ``enable_thinking``); its thoughts arrive in ``TokenChunk.reasoning``."""
+    think_budget: int | None = field(default=None, metadata=_EXT)
+    """Thinking tokens at most, for a thinking model (an extension): then its thinking
+    ends as its template ends it, and it answers. Absent: ``think_effort``'s budget, else
+    the model's (models.toml ``reasoning_budget``)."""
+    think_effort: ThinkEffort | None = field(default=None, metadata=_EXT)
+    """``low``, ``medium`` or ``high``: the model's budget for that effort (models.toml
+    ``reasoning_efforts``; an extension)."""
     priority: Priority | None = field(default=None, metadata=_EXT)
     """Its lane (an extension; absent: interactive)."""
     context: int | None = field(default=None, metadata=_EXT)

@@ -68,6 +68,8 @@ class Usage:
     prompt: int = 0
     cached: int = 0
     generated: int = 0
+    reasoning: int | None = None
+    """Of ``generated``, the tokens thought (where a thinking budget counted them)."""
 
     @property
     def total(self) -> int:
@@ -82,14 +84,17 @@ class Usage:
     def of(cls, outcome: Outcome | None) -> Usage:
         if outcome is None:
             return cls()
-        return cls(outcome.prompt_tokens, outcome.cached_tokens, outcome.generated_tokens)
+        return cls(outcome.prompt_tokens, outcome.cached_tokens, outcome.generated_tokens,
+                   outcome.reasoning_tokens)
 
     @classmethod
     def together(cls, usages: Sequence[Usage]) -> Usage:
         """The usage of choices answered together: their one prompt, all they generated."""
         if not usages:
             return cls()
-        return cls(usages[0].prompt, usages[0].cached, sum(u.generated for u in usages))
+        thought = [u.reasoning for u in usages if u.reasoning is not None]
+        return cls(usages[0].prompt, usages[0].cached, sum(u.generated for u in usages),
+                   sum(thought) if thought else None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,16 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 
 from ...errors import ProtocolError
-from ...protocol import ContentPart, Message, PartType, Role, ToolCall, ToolChoice, sampling
+from ...protocol import (
+    ContentPart,
+    Message,
+    PartType,
+    Role,
+    ThinkEffort,
+    ToolCall,
+    ToolChoice,
+    sampling,
+)
 from .common import HttpError, deadline, image_part, joined_text, priority, sampling_options
 from .openai_request import check_types
 
@@ -230,14 +239,24 @@ def thinking(data: dict[str, Any]) -> dict[str, Any]:
     effort = config.get("effort") if isinstance(config, dict) else None
     if effort is not None and not isinstance(effort, str):
         raise _bad("output_config.effort", "must be a string (low, medium, high)")
+    if effort is not None and effort not in ("low", "medium", "high"):
+        raise _bad("output_config.effort", "must be low, medium or high")
+    asked = {"think": True, "think_effort": ThinkEffort(effort)} if effort else {}
     if raw is None:
-        return {"think": True} if effort else {}
+        return asked
     kind = raw.get("type") if isinstance(raw, dict) else None
     if kind not in ("enabled", "adaptive", "disabled"):
         raise _bad("thinking", 'must be {"type": "enabled" | "adaptive" | "disabled"}')
     if kind == "adaptive":
-        return {"think": True} if effort else {}
-    return {"think": kind != "disabled"}
+        return asked
+    if kind == "disabled":
+        return {"think": False}
+    budget = raw.get("budget_tokens")
+    if budget is None:
+        return {**asked, "think": True}
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        raise _bad("thinking.budget_tokens", "must be a whole number of tokens")
+    return {**asked, "think": True, "think_budget": budget}
 
 
 def options(request: HttpRequest, data: dict[str, Any], *, counting: bool = False

@@ -17,7 +17,7 @@ from starlette.requests import Request as HttpRequest
 
 from ...chatfmt.constraint import JSON_OBJECT_SCHEMA
 from ...models.registry import parse_keep_alive
-from ...protocol import Message, sampling
+from ...protocol import Message, ThinkEffort, sampling
 from ...protocol.validation import CONTEXT
 from . import openai_request
 from .common import HttpError, Reader, deadline, priority, sampling_options
@@ -97,15 +97,16 @@ def options(request: HttpRequest, data: dict[str, Any]) -> dict[str, Any]:
     return {**out, **priority(request), **keep_alive(data), **response_format(data.get("format"))}
 
 
-def think(data: dict[str, Any]) -> dict[str, bool]:
-    """``think``: a boolean, or a level (low, medium, high: think)."""
+def think(data: dict[str, Any]) -> dict[str, Any]:
+    """``think``: a boolean, or a level (low, medium, high: think, with that effort's
+    budget)."""
     raw = data.get("think")
     if raw is None:
         return {}
     if isinstance(raw, bool):
         return {"think": raw}
     if raw in _THINK_LEVELS:
-        return {"think": True}
+        return {"think": True, "think_effort": ThinkEffort(raw)}
     raise HttpError(400, "`think` must be a boolean or low, medium or high", "invalid_think")
 
 

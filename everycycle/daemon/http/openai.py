@@ -130,7 +130,9 @@ def tool_calls(calls: Sequence[ToolCall], *, indexed: bool = False) -> list[dict
 def _usage(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt, "completion_tokens": usage.generated,
             "total_tokens": usage.total,
-            "prompt_tokens_details": {"cached_tokens": usage.cached}}
+            "prompt_tokens_details": {"cached_tokens": usage.cached},
+            **({"completion_tokens_details": {"reasoning_tokens": usage.reasoning}}
+               if usage.reasoning is not None else {})}
 
 
 @dataclass

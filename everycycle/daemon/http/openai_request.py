@@ -11,7 +11,16 @@ from starlette.requests import Request as HttpRequest
 
 from ...chatfmt.constraint import JSON_OBJECT_SCHEMA
 from ...errors import ProtocolError
-from ...protocol import ContentPart, Message, PartType, Role, ToolCall, ToolChoice, sampling
+from ...protocol import (
+    ContentPart,
+    Message,
+    PartType,
+    Role,
+    ThinkEffort,
+    ToolCall,
+    ToolChoice,
+    sampling,
+)
 from .common import HttpError, deadline, image_part, priority, sampling_options
 
 _ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER,
@@ -182,20 +191,31 @@ def tools(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def thinking(data: dict[str, Any]) -> dict[str, Any]:
-    """Whether a thinking model thinks: ``reasoning_effort`` (``none`` or ``minimal``:
-    no), or the extension ``think`` (a boolean), as Generate's ``think``."""
+    """Whether a thinking model thinks, and how much: ``reasoning_effort`` (``none`` or
+    ``minimal``: no; low, medium, high: that effort's budget), llama-server's
+    ``thinking_budget_tokens``, or the extension ``think`` (a boolean), as Generate's
+    ``think``, ``think_effort`` and ``think_budget``."""
+    fields: dict[str, Any] = {}
+    budget = data.get("thinking_budget_tokens")
+    if budget is not None:
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise HttpError(400, "`thinking_budget_tokens` must be a whole number of tokens "
+                            "(0 or more)", "invalid_value")
+        fields["think_budget"] = budget
     think = data.get("think")
     if think is not None:
         if not isinstance(think, bool):
             raise HttpError(400, "`think` must be a boolean", "invalid_type")
-        return {"think": think}
+        return {**fields, "think": think}
     effort = data.get("reasoning_effort")
     if effort is None:
-        return {}
+        return fields
     if effort not in ("none", "minimal", "low", "medium", "high"):
         raise HttpError(400, "`reasoning_effort` must be none, minimal, low, medium or high",
                         "invalid_value")
-    return {"think": effort not in ("none", "minimal")}
+    if effort in ("none", "minimal"):
+        return {**fields, "think": False}
+    return {**fields, "think": True, "think_effort": ThinkEffort(effort)}
 
 
 def logprobs(data: dict[str, Any], *, chat: bool) -> dict[str, Any]:

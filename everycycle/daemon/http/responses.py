@@ -52,7 +52,8 @@ _PART = {"message": "output_text", "reasoning": "reasoning_text"}
 
 def _usage(usage: Usage) -> dict[str, Any]:
     return {"input_tokens": usage.prompt, "input_tokens_details": {"cached_tokens": usage.cached},
-            "output_tokens": usage.generated, "total_tokens": usage.total}
+            "output_tokens": usage.generated, "total_tokens": usage.total,
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning or 0}}
 
 
 def _part(kind: str, text: str) -> dict[str, Any]:
