@@ -157,3 +157,24 @@ def test_the_socket_says_the_budget_and_counts_the_thinking(url: str) -> None:
     assert usage.reasoning_tokens == EFFORTS["high"]
     chunks = [e.chunk for e in events if isinstance(e, Tokens)]
     assert "".join(ch.reasoning or "" for ch in chunks) and "".join(ch.text for ch in chunks)
+
+
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"},
+                                                    "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}
+
+
+def test_a_budget_holds_under_a_tool_call_grammar(url: str) -> None:
+    """An agent's turn: tools (whose grammar holds the output) and a budget; the ending
+    is forced where the grammar allows it."""
+    with openai_client(url) as client:
+        answer = client.chat.completions.create(
+            model="thinking", messages=ASK, max_tokens=60, temperature=0,  # type: ignore[arg-type]
+            tools=[ADD], extra_body={"thinking_budget_tokens": BUDGET})  # type: ignore[list-item]
+    assert answer.usage is not None
+    details = answer.usage.completion_tokens_details
+    assert details is not None and details.reasoning_tokens == BUDGET, answer.usage
+    message = answer.choices[0].message
+    assert (message.model_extra or {}).get("reasoning_content"), message

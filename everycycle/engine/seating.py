@@ -90,7 +90,7 @@ class Seating:
             lookup=(self._lookup_type()(job.spec.tokens, self._history)
                     if job.spec.lookup and greedy else None))
         think = job.spec.think
-        if think is not None and matcher is None:  # (a grammar says how thinking ends)
+        if think is not None:
             slot.run.thinking = Thinking(think)
             if slot.run.thinking.due:  # (a budget of 0, the prompt having opened it)
                 slot.run.forced = self.ending(slot.run.thinking)

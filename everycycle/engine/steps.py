@@ -245,9 +245,16 @@ class StepLoop:
 
     def _force(self, run: Run, row: int) -> int:
         """The run's next forced token (a thinking budget's ending), taken as if chosen:
-        its sampler chain sees it (penalties, the RNG's place), its log-probability is
-        the model's."""
-        tok = run.forced.pop(0)
+        its sampler chain and its grammar see it (penalties, the RNG's place), its
+        log-probability is the model's. Where its grammar refuses it, the ending is
+        dropped and the model goes on as the grammar allows."""
+        tok = run.forced[0]
+        if run.grammar is not None and not run.grammar.allows(tok):
+            run.forced.clear()
+            return self._choose(run, row)
+        run.forced.pop(0)
+        if run.grammar is not None:
+            run.grammar.accept(tok)
         if run.sampler is not None:
             self._L.llama_sampler_accept(run.sampler, tok)
         if run.job.spec.logprobs is not None:
