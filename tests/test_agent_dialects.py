@@ -9,9 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
+import httphelp
 import openai
 import pytest
-from httphelp import raw
+from httphelp import anthropic_client, raw
 
 SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}},
           "required": ["command"]}
@@ -65,7 +66,6 @@ CODEX: dict[str, Any] = {
     "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"],
     "prompt_cache_key": "conversation-1", "client_metadata": {"x": "y"},
 }
-from httphelp import anthropic_client
 
 
 def _sse(body: bytes) -> list[tuple[str, dict[str, Any]]]:
@@ -115,7 +115,7 @@ def test_codexs_request_is_answered(url: str) -> None:
 
 @pytest.fixture
 def openai_client(url: str) -> Iterator[openai.OpenAI]:
-    with openai_client(url, "unused", timeout=60) as c:
+    with httphelp.openai_client(url) as c:
         yield c
 
 
