@@ -78,7 +78,8 @@ def _decode(kind: type[Runner], tiny_gguf: Path, temperature: float
         runner.submit(job)
         outs = c.wait("j", 120)
         return ([i for o in outs for i in o.ids], "".join(o.text for o in outs),
-                str(outs[-1].reason), runner.forced_drafted, runner.forced_accepted)
+                str(outs[-1].reason), runner.loop.drafter.forced_drafted,
+                runner.loop.drafter.forced_accepted)
     finally:
         runner.close()
 

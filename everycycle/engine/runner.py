@@ -249,15 +249,6 @@ class Runner:
         return self._drafter.lookup_accepted
 
     @property
-    def forced_drafted(self) -> int:
-        """Draft tokens a grammar forced (and, below, those the model confirmed)."""
-        return self._drafter.forced_drafted
-
-    @property
-    def forced_accepted(self) -> int:
-        return self._drafter.forced_accepted
-
-    @property
     def prompt_cache(self) -> CacheStats | None:
         """Its prompt cache's figures now (None: it keeps none)."""
         return self._cache.stats if self._cache is not None else None
