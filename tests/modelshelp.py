@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 Value = (str | int | float | bool | Path | list[str] | list[int] | list[float]
-         | Mapping[str, int] | Mapping[str, str])
+         | Mapping[str, int] | Mapping[str, str] | list[Mapping[str, object]])
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def _key(name: str) -> str:
     return name if bare else json.dumps(name)
 
 
-def _value(v: Value) -> str:
+def _value(v: object) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):

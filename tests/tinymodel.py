@@ -178,3 +178,25 @@ def write_tiny_reranker(path: Path, *, seed: int = 4321, template: str | None = 
         t(f"blk.{i}.ffn_down.weight", N_EMBD, N_FF)
     finish(w)
     return path
+
+
+def write_tiny_lora(path: Path, *, seed: int = 99, rank: int = 4, alpha: float = 8.0,
+                    n_layer: int = N_LAYER, n_embd: int = N_EMBD,
+                    arch: str = "llama") -> Path:
+    """A tiny random LoRA adapter for the tiny model, in llama.cpp's adapter format
+    (``general.type = adapter``, ``adapter.type = lora``, ``adapter.lora.alpha``, and an
+    ``….lora_a`` / ``….lora_b`` pair for each adapted weight: the query and value
+    projections of every layer). Its delta is alpha / rank · B·A, times the scale."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", alpha)
+    for i in range(n_layer):
+        for name in ("attn_q", "attn_v"):
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_a",
+                         (rng.standard_normal((rank, n_embd)) * 0.5).astype(np.float32))
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_b",
+                         (rng.standard_normal((n_embd, rank)) * 0.5).astype(np.float32))
+    finish(w)
+    return path

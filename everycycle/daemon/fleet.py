@@ -20,6 +20,7 @@ from ..protocol import ActiveRequest, FleetSnapshot, LoadedModel, PrincipalLoad
 from .active import Active
 from .events import RequestState
 from .lifecycle import Requests
+from .lorascales import LoraScales
 from .residency import Residency, Resident
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,11 @@ class FleetView:
     FRESH_S = 1.0
     """How long one hardware query answers for."""
 
-    def __init__(self, residency: Residency, requests: Requests) -> None:
+    def __init__(self, residency: Residency, requests: Requests,
+                 lora_scales: LoraScales | None = None) -> None:
         self.residency = residency
         self.requests = requests
+        self.lora_scales = lora_scales or LoraScales()
         self.hostname = socket.gethostname()
         self.http_address: str | None = None
         self.rpc_available: bool | None = None
@@ -153,6 +156,8 @@ class FleetView:
             state=("failed" if m.failed is not None else "restarting" if m.up is not None
                    else None),
             context=m.options.context,
+            lora=tuple(f"{a.path.name}@{scale:g}" for a, scale in zip(
+                m.spec.lora, self.lora_scales.of(m.spec), strict=True)) or None,
         )
 
     def _principal_loads(self) -> tuple[PrincipalLoad, ...] | None:

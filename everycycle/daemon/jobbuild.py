@@ -23,6 +23,7 @@ from ..errors import InvalidRequestError, ProtocolError
 from ..models.registry import ModelSpec
 from ..protocol import Embed, Format, Generate, Message, Role, ToolChoice
 from ..protocol.sampling import values_of as sampling_values
+from .lorascales import LoraScales
 
 
 def sampling(req: Generate, model_defaults: Mapping[str, Any], grammar: str | None = None
@@ -96,8 +97,8 @@ def _think(spec: ModelSpec, req: Generate, prompt: ChatPrompt | None) -> ThinkBu
 
 
 def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: object,
-              background_age: float | None = None, grammars: CallGrammars | None = None
-              ) -> tuple[Job, ChatOutput | None]:
+              background_age: float | None = None, grammars: CallGrammars | None = None,
+              lora: LoraScales | None = None) -> tuple[Job, ChatOutput | None]:
     """The engine Job for ``req`` on ``engine``, routed by ``tag``, and what splits its
     output (None: the text is the answer). ``grammars``: the compiled tool lists kept
     (a fresh one, keeping nothing, when not given).
@@ -153,7 +154,9 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
         lookup=lookup and not images, special=output is not None, logprobs=req.logprobs,
         images=images, text=prompt.text if images and prompt is not None else None,
         progress=bool(req.progress), background_age=background_age,
-        think=_think(spec, req, prompt)), tag=tag)
+        think=_think(spec, req, prompt),
+        lora=(lora or LoraScales()).for_request(spec, [(s.id, s.scale) for s in req.lora or ()])
+        if spec.lora or req.lora else ()), tag=tag)
     job.spec.check_fits(engine.n_ctx_slot)
     if grammar is not None:
         engine.check_grammar(grammar)  # compiled once, for its vocabulary: the engine keeps it

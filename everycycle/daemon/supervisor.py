@@ -64,6 +64,7 @@ from .handoff import Handoff
 from .jobbuild import build_job
 from .keys import may_act_for
 from .lifecycle import Requests, Tasks
+from .lorascales import LoraScales
 from .outcome import Limits, Outcome, Peer, prompt_bytes
 from .quota import Quotas
 from .residency import EngineFactory, Residency, Resident, context, room
@@ -113,6 +114,7 @@ class Supervisor:
         self.requests.background_age = self.limits.background_age
         self.remote = RemoteHosts([*rpc, *registry.rpc])
         self.call_grammars = CallGrammars()  # (an agent sends the same list every turn)
+        self.lora_scales = LoraScales()  # (models.toml's, as POST /lora-adapters sets them)
         self._outputs: Handoff[list[tuple[Job, Output]] | Engine] = Handoff()
         self.residency = Residency(
             registry, self.requests, self.remote, notify=self._outputs.put,
@@ -128,7 +130,7 @@ class Supervisor:
         if audit is not None:
             self.bus.listen(audit.on_event)
         self.subscribers = Subscribers(self.bus)
-        self.fleet = FleetView(self.residency, self.requests)
+        self.fleet = FleetView(self.residency, self.requests, self.lora_scales)
         self._admission: dict[str, anyio.Lock] = {}
         self._deaths: deque[Engine] = deque()
         self._deaths_due: anyio.Event | None = None
@@ -458,7 +460,7 @@ class Supervisor:
                 age = self.limits.background_age if active.background else None
                 return await anyio.to_thread.run_sync(build_job, model.spec, engine,
                                                       active.req, active, age,
-                                                      self.call_grammars)
+                                                      self.call_grammars, self.lora_scales)
             except InternalError:
                 if engine.dead is None or attempt == 2:
                     raise

@@ -14,6 +14,7 @@ from typing import Any
 
 from .jobs import Job
 from .lookup import Costs
+from .lora import Adapters
 from .plan import StepPlan
 from .preempt import Preempt
 from .probes import put
@@ -23,7 +24,7 @@ class BatchRunner:
     """Runs plans on one llama.cpp context, through its one ``llama_batch``."""
 
     def __init__(self, L: Any, ctx: Any, mem: Any, batch: Any, costs: Costs,
-                 preempt: Preempt | None) -> None:
+                 preempt: Preempt | None, adapters: Adapters | None = None) -> None:
         self._L = L
         self._ctx = ctx
         self._mem = mem
@@ -31,6 +32,8 @@ class BatchRunner:
         self.costs = costs
         self.preempt = preempt
         """Stops a background step for an arriving interactive job (None: never)."""
+        self.adapters = adapters
+        """The model's LoRA adapters (None: it has none)."""
 
     def run(self, plan: StepPlan, pending: Iterable[Job]) -> int | None:
         """Decode ``plan``; llama_decode's result (0: done), or None when the step was
@@ -41,6 +44,8 @@ class BatchRunner:
             for i, (tok, row) in enumerate(zip(w.tokens, w.rows, strict=True)):
                 put(batch, row, tok, w.start + i, seq, w.logits(i))
         batch.n_tokens = plan.n
+        if self.adapters is not None:
+            self.adapters.apply(self._ctx, plan.lora)
         decode = partial(L.llama_decode, self._ctx, batch)
         started = time.perf_counter()
         preempt = self.preempt

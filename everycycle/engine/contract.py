@@ -154,6 +154,8 @@ class LoadOptions:
     """The bytes they may take there, for all models (0: none are saved)."""
     kv_cache_ram: int = 0
     """The bytes of host RAM its prompt cache may hold (promptcache.py; 0: none)."""
+    lora: tuple[str, ...] = ()
+    """LoRA adapter GGUFs to load beside the model (lora.py), in its ``lora`` order."""
 
 
 # ---------------------------------------------------------------------- the pipe

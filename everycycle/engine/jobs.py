@@ -108,6 +108,8 @@ class JobSpec:
     """With ``images``: the rendered prompt, which the engine tokenizes with them."""
     progress: bool = False
     """Report how far the prompt is read (``Output.progress``) after each batch of it."""
+    lora: tuple[float, ...] = ()
+    """Its model's LoRA adapters' scales, in their order (empty or all zero: none)."""
     think: ThinkBudget | None = None
     """A thinking model's budget: its thinking ends after this many tokens (None: as the
     model ends it)."""

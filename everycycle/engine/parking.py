@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import kvdisk, promptcache
+from .lora import cells
 from .slots import Run, Slot
 
 
@@ -88,6 +89,7 @@ def resume(L: Any, ctx: Any, mem: Any, parked: Parked, slot: Slot,
                     kvdisk.restore_sequence(L, ctx, mem, slot.seq, parked.state))
         if restored:
             slot.cached[:] = parked.cached
+            slot.lora = cells(run.job.spec.lora)
         else:  # read its tokens again: the prompt, then what it generated but the last
             L.llama_memory_seq_rm(mem, slot.seq, -1, -1)
             slot.cached.clear()

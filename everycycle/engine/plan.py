@@ -63,6 +63,8 @@ class StepPlan:
     work: list[Work] = field(default_factory=list)
     n: int = 0
     """Batch rows in all."""
+    lora: tuple[float, ...] = ()
+    """The LoRA scales of every job in it (``lora.cells``): the context applies them."""
 
     @property
     def filling(self) -> bool:

@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import paths
 from ..chatfmt.chat import ChatFormat, ChatPrompt, flat
-from ..errors import EverycycleError, InternalError
+from ..errors import EverycycleError, InternalError, InvalidRequestError
 from ..hardware import cpukernels
 from ..protocol import Format, Message, Role
 from . import kvdisk, promptcache
@@ -42,6 +42,7 @@ from .jobs import EMBED_MAX_TOKENS, Job, Output
 from .llamaload import create_context, devices_for, load_model
 from .logits import RowLogits
 from .lookup import Costs, History, PromptLookup, StepCost
+from .lora import Adapters
 from .preempt import Preempt
 from .probes import batch_probe
 from .rerank import Pairs
@@ -84,7 +85,8 @@ class Runner:
                    mmproj=Path(options.mmproj) if options.mmproj else None,
                    label=options.name or None, kv_disk=(
                        Path(options.kv_cache_dir) if options.kv_cache_dir else None,
-                       options.kv_cache_disk), kv_ram=options.kv_cache_ram)
+                       options.kv_cache_disk), kv_ram=options.kv_cache_ram,
+                   lora=tuple(Path(p) for p in options.lora))
 
     def __init__(
         self,
@@ -104,6 +106,7 @@ class Runner:
         label: str | None = None,
         kv_disk: tuple[Path | None, int] = (None, 0),
         kv_ram: int = 0,
+        lora: Sequence[Path] = (),
     ) -> None:
         import llama_cpp as L
 
@@ -142,14 +145,21 @@ class Runner:
         """The KV cache's size as llama.cpp reports it when creating the context."""
         self.weights_bytes = int(L.llama_model_size(model))
         self._vision: Vision | None = None
-        if mmproj is not None:
-            try:
+        adapters: Adapters | None = None
+        try:
+            if mmproj is not None:
                 self._vision = Vision(model, mmproj, n_threads=threads,
                                       use_gpu=bool(gpu_devices))
-            except BaseException:
-                L.llama_free(ctx)
-                L.llama_model_free(model)
-                raise
+            if lora:
+                adapters = Adapters(L, model, lora, self.label)
+        except BaseException:
+            if self._vision is not None:
+                self._vision.close()
+            L.llama_free(ctx)
+            L.llama_model_free(model)
+            raise
+        self.adapters = adapters
+        """Its LoRA adapters (None: none)."""
         self._n_swa = int(L.llama_model_n_swa(model))
         self._ctx = ctx
         self._mem = L.llama_get_memory(ctx)
@@ -186,7 +196,7 @@ class Runner:
             inbox=self._inbox, drafter=self._drafter, costs=self.costs,
             scheduler=Scheduler(n_batch=n_batch, n_ctx_slot=self.n_ctx_slot,
                                 parallel=parallel, costs=self.costs, drafter=self._drafter),
-            batches=BatchRunner(L, ctx, self._mem, self._batch, self.costs, preempt),
+            batches=BatchRunner(L, ctx, self._mem, self._batch, self.costs, preempt, adapters),
             seating=self._seating, notify=notify, n_ctx_slot=self.n_ctx_slot,
             probe=self._probe, embed=self._embed, label=self.label)
         # Guards the model against use from other threads (tokenize) while close() frees it.
@@ -356,6 +366,10 @@ class Runner:
         when the prompt does not fit the context."""
         job.spec.check_fits(self.n_ctx_slot)
         self._samplers.check(job.spec.sampling)
+        n_adapters = len(self.adapters.paths) if self.adapters is not None else 0
+        if len(job.spec.lora) > n_adapters and any(job.spec.lora[n_adapters:]):
+            raise InvalidRequestError(f"model '{self.label}' has {n_adapters} LoRA "
+                                      f"adapter{'' if n_adapters == 1 else 's'}")
         with self._cond:
             if self._inbox.closing:
                 raise InternalError("the model is being unloaded")

@@ -22,6 +22,7 @@ from functools import partial
 from .drafts import Drafter
 from .jobs import Job, common_prefix
 from .lookup import Costs, expected_accepted
+from .lora import cells
 from .parking import Parked, parkable
 from .plan import Move, Park, Resume, Start, StepPlan, Work
 from .slots import Slot, best_slot
@@ -30,6 +31,9 @@ BACKGROUND_CHUNK = 16
 """Prompt tokens of background jobs read in one step at most (short steps, where none stop)."""
 BACKGROUND_STRETCH = 2.0
 """How much longer than a decode step of every slot background prompt tokens may make a step."""
+LORA_TURN = 16
+"""Steps one set of LoRA scales keeps the batch while jobs of another set wait: a switch
+reserves llama.cpp's graph again, so sets take turns of several steps, not one each."""
 
 
 @dataclass
@@ -67,6 +71,10 @@ class Scheduler:
         self.parallel = parallel
         self.costs = costs
         self.drafter = drafter
+        self.lora: tuple[float, ...] = ()
+        """The LoRA scales the last step ran with."""
+        self._lora_steps = 0
+        """Steps in a row with those scales while another set's jobs waited."""
 
     def admit(self, slots: Sequence[Slot], pending: Sequence[Job],
               parked: Sequence[Parked], now: float) -> Admission:
@@ -119,7 +127,7 @@ class Scheduler:
                 assert start is not None
                 slot, _ = best_slot(
                     [s for s in free if holding[s] is None and s is not vacated] or free,
-                    start.spec.tokens)
+                    start.spec.tokens, cells(start.spec.lora))
                 decided.moves.append(Start(start, slot))
                 waiting.remove(start)
                 running[slot] = start
@@ -143,7 +151,11 @@ class Scheduler:
         runs = [(s, s.run) for s in active if s.run is not None]
         if any(r.todo and not r.job.background for _, r in runs):
             runs = [(s, r) for s, r in runs if not r.job.background]
-        plan = StepPlan()
+        lora = self._lora_turn([cells(r.job.spec.lora) for _, r in runs],
+                               [cells(r.job.spec.lora) for _, r in runs
+                                if not r.job.background])
+        runs = [(s, r) for s, r in runs if cells(r.job.spec.lora) == lora]
+        plan = StepPlan(lora=lora)
         n = 0
         for s, r in runs:
             if not r.todo:
@@ -183,6 +195,22 @@ class Scheduler:
             n = end
         plan.n = n
         return plan
+
+    def _lora_turn(self, sets: Sequence[tuple[float, ...]],
+                   interactive: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
+        """The LoRA scales this step runs (only its jobs are in it): the last step's while
+        its jobs are here, for LORA_TURN steps at most while another set waits, then the
+        next set (an interactive job's first)."""
+        if not sets:
+            return self.lora
+        waiting = [s for s in sets if s != self.lora]
+        if self.lora in sets and (not waiting or self._lora_steps < LORA_TURN) and (
+                not interactive or self.lora in interactive):
+            self._lora_steps = self._lora_steps + 1 if waiting else 0
+            return self.lora
+        self.lora = next((s for s in interactive if s != self.lora), waiting[0])
+        self._lora_steps = 1 if len(set(sets)) > 1 else 0
+        return self.lora
 
     def background_room(self, rows: int) -> int:
         """Prompt tokens of background jobs a step of ``rows`` other rows may read: as

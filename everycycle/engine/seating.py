@@ -16,6 +16,7 @@ from . import kvdisk, parking, promptcache
 from .constraint import Constraints
 from .jobs import Job, Output, common_prefix
 from .lookup import History, PromptLookup
+from .lora import cells
 from .parking import Parked
 from .sampling import Samplers
 from .slots import Run, Slot
@@ -63,13 +64,17 @@ class Seating:
                 out.append((job, Output("", (), True, "error", exc)))
                 return
         L = self._L
-        reuse = min(common_prefix(slot.cached, job.spec.tokens), len(job.spec.tokens) - 1)
+        lora = cells(job.spec.lora)
+        reuse = (min(common_prefix(slot.cached, job.spec.tokens), len(job.spec.tokens) - 1)
+                 if slot.lora == lora else 0)  # (cells of other scales: none reused)
         held = slot.parked is not None  # (its cells, a parked job's, are copied out now)
         self.vacate(slot)
         if self.cache is not None and not job.spec.images:
             if not held:  # (another conversation's)
                 self.keep(slot, reuse)
-            reuse = self._restore(slot, job, reuse)
+            if not lora:  # (the cache keeps the base model's cells only)
+                reuse = self._restore(slot, job, reuse)
+        slot.lora = lora
         if reuse > 0 and self._n_swa > 0:
             # A sliding-window layer has dropped the cells before its window: the
             # prefix can be reused only if the window before position `reuse` is all
@@ -198,7 +203,8 @@ class Seating:
     def keep(self, slot: Slot, shared: int = 0) -> None:
         """Before another job overwrites ``slot``: the conversation it holds goes to the
         prompt cache, unless the newcomer shares all but a few tokens of it (``shared``)."""
-        if self.cache is not None and len(slot.cached) - shared >= kvdisk.MIN_TOKENS:
+        if (self.cache is not None and not slot.lora
+                and len(slot.cached) - shared >= kvdisk.MIN_TOKENS):
             self.cache.keep(slot.cached, partial(
                 promptcache.copy_state, self._L, self._ctx, slot.seq))
 

@@ -100,6 +100,8 @@ class Slot:
     run: Run | None = None
     used: int = 0
     """When a job last started here (the engine's step count then)."""
+    lora: tuple[float, ...] = ()
+    """The LoRA scales its cells were computed with (``lora.cells``; (): the base model)."""
     parked: Any = None
     """The parked job (parking.Parked) whose KV cells this free slot still holds."""
 
@@ -108,10 +110,15 @@ class Slot:
         return self.run.job if self.run is not None else None
 
 
-def best_slot(free: Sequence[Slot], tokens: Sequence[int]) -> tuple[Slot, int]:
-    """The free slot whose cached tokens share the longest prefix with ``tokens`` (on a
-    tie an empty one, else the least recently used: the conversation least likely to
-    come back is the one given up), and how many of them it can reuse (at least one
-    token is left to get logits from)."""
-    slot = max(free, key=lambda s: (common_prefix(s.cached, tokens), not s.cached, -s.used))
-    return slot, min(common_prefix(slot.cached, tokens), len(tokens) - 1)
+def best_slot(free: Sequence[Slot], tokens: Sequence[int], lora: tuple[float, ...] = ()
+              ) -> tuple[Slot, int]:
+    """The free slot whose cached tokens share the longest prefix with ``tokens``,
+    computed with the same LoRA scales (``lora``, as ``lora.cells`` keys them; on a tie an
+    empty one, else the least recently used: the conversation least likely to come back
+    is the one given up), and how many of them it can reuse (at least one token is left
+    to get logits from)."""
+    def shared(s: Slot) -> int:
+        return common_prefix(s.cached, tokens) if s.lora == lora else 0
+
+    slot = max(free, key=lambda s: (shared(s), not s.cached, -s.used))
+    return slot, min(shared(slot), len(tokens) - 1)

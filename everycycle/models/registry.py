@@ -26,7 +26,7 @@ from ..errors import (
     UnknownModelError,
 )
 from ..protocol import Format, check_model_name, sampling
-from . import budgets, hub, hubrepo
+from . import adapters, budgets, hub, hubrepo
 
 SHIPPED_MODELS = Path(__file__).parent.parent / "models.toml"
 
@@ -58,6 +58,7 @@ _KEYS = {
 }
 _KEYS.update({p.name: object for p in sampling.PARAMS})  # (checked by the table)
 _KEYS.update(budgets.KEYS)
+_KEYS.update(adapters.KEYS)
 _SOURCES = ("path", "package", "hf_repo")
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 DEFAULT_KEEP_ALIVE = 300.0
@@ -148,6 +149,8 @@ class ModelSpec:
     of the memory available when it loads, at most 8 GiB)."""
     reasoning: budgets.ReasoningBudgets = field(default_factory=budgets.ReasoningBudgets)
     """A thinking model's budgets (``models/budgets.py``)."""
+    lora: tuple[adapters.LoraEntry, ...] = ()
+    """Its LoRA adapters (``models/adapters.py``)."""
 
     @property
     def hub_ref(self) -> hub.HubRef:
@@ -300,6 +303,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         kv_cache_disk=raw.get("kv_cache_disk", 2048),
         kv_cache_ram=raw.get("kv_cache_ram", -1),
         reasoning=budgets.parse(raw, where),
+        lora=adapters.parse(raw, where, origin),
     )
 
 

@@ -36,6 +36,7 @@ from typing import Any
 from ..errors import InvalidRequestError, ProtocolError, UnknownModelError
 from ..protocol import sampling
 from . import hub, hubrepo
+from .adapters import LoraEntry
 from .registry import ModelSpec
 
 OLLAMA, LMSTUDIO, LLAMACPP, HF = "ollama", "lmstudio", "llamacpp", "hf"
@@ -72,6 +73,8 @@ class StoreModel:
     sampling: Mapping[str, object] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     """What was not taken over (Ollama's Go template, parameters we do not take)."""
+    adapters: tuple[tuple[Path, str], ...] = ()
+    """Ollama's ``ADAPTER`` layers: LoRA GGUFs (and their digests), applied at scale 1."""
 
     @property
     def description(self) -> str:
@@ -211,10 +214,9 @@ def ollama_model(root: Path, name: str) -> StoreModel:
     if len(models) != 1:
         raise InvalidRequestError(f"{ref}: its manifest has {len(models)} model layers, "
                                   "not one")
-    if "adapter" in kinds:
-        raise InvalidRequestError(f"{ref}: it applies a LoRA adapter layer, which everycycle "
-                                  "does not: run its base model")
     path, digest = _blob(root, models[0], ref)
+    adapters = tuple(_blob(root, layer, ref) for layer in layers
+                     if layer.get("mediaType") == MEDIA + "adapter")
     projector = projector_sha = None
     for layer in layers:
         if layer.get("mediaType") == MEDIA + "projector":
@@ -224,7 +226,7 @@ def ollama_model(root: Path, name: str) -> StoreModel:
         notes.insert(0, "Ollama's template (Go text/template) is not used: the GGUF's "
                         "own chat template is")
     return StoreModel(ref, OLLAMA, root, path, digest, projector, projector_sha,
-                      context, taken, tuple(notes))
+                      context, taken, tuple(notes), adapters)
 
 
 def ollama_models(root: Path) -> Iterator[StoreModel | str]:
@@ -368,7 +370,8 @@ def spec_of(m: StoreModel) -> ModelSpec:
                      description=m.description, context=m.context,
                      sampling=m.sampling,
                      mmproj=str(m.projector) if m.projector is not None else None,
-                     mmproj_sha256=m.projector_sha256)
+                     mmproj_sha256=m.projector_sha256,
+                     lora=tuple(LoraEntry(p, 1.0, sha) for p, sha in m.adapters))
 
 
 def entry_of(m: StoreModel) -> dict[str, object]:
@@ -382,6 +385,8 @@ def entry_of(m: StoreModel) -> dict[str, object]:
     if m.projector is not None:
         entry["mmproj"] = str(m.projector)
         entry["mmproj_sha256"] = m.projector_sha256 or hub.file_sha256(m.projector)
+    if m.adapters:
+        entry["lora"] = [{"path": str(p), "scale": 1.0, "sha256": sha} for p, sha in m.adapters]
     if m.context is not None:
         entry["context"] = m.context
     entry.update(sampling.to_json(m.sampling))

@@ -155,6 +155,9 @@ class LoadedModel:
     context: int | None = field(default=None, metadata=_EXT)
     """Tokens a slot, as loaded (models.toml's ``context``, or chosen from what the
     model was trained for and the memory it has)."""
+    lora: tuple[str, ...] | None = field(default=None, metadata=_EXT)
+    """Its LoRA adapters as ``FILE@SCALE``, in their order (the scales requests get
+    unless they name their own)."""
 
 
 @message(names=(), ranges={"age_ms": COUNT, "tokens": COUNT, "eta_ms": COUNT})

@@ -99,6 +99,15 @@ class PartType(enum.Enum):
     IMAGE = "image"
 
 
+@message(ranges={"id": (0, 63), "scale": (-100.0, 100.0)})
+class LoraScale:
+    """One LoRA adapter's scale for a request (an extension; llama-server's ``lora``
+    entries): ``id`` is its index in the model's ``lora`` list."""
+
+    id: int
+    scale: float
+
+
 @message()
 class ContentPart:
     """A part of a message's content (an extension): ``{"type": "text", "text"}`` or
@@ -242,6 +251,9 @@ class Generate:
     """The tokens a slot must hold for it (an extension; Ollama's ``num_ctx``): a model
     loaded with less is loaded again with at least this many, once, where the model was
     trained for them and memory allows; one loaded with more serves it as it is."""
+    lora: tuple[LoraScale, ...] | None = field(default=None, metadata=_EXT)
+    """Its model's LoRA adapters' scales (an extension): those it names, the model's
+    own (``POST /lora-adapters``, models.toml) for the others."""
 
     def _validate(self) -> None:
         self._validate_tools()

@@ -22,7 +22,17 @@ from starlette.routing import Route
 from ..keys import KeyStore
 from ..metrics import CONTENT_TYPE, Metrics
 from ..supervisor import Supervisor
-from . import anthropic, console, eventstream, ollama, ollama_meta, openai, rerank, responses
+from . import (
+    adapters,
+    anthropic,
+    console,
+    eventstream,
+    ollama,
+    ollama_meta,
+    openai,
+    rerank,
+    responses,
+)
 from .common import HttpError, Reader
 from .exchange import Dialect
 from .guard import Guard
@@ -49,6 +59,7 @@ DIALECTS = (
     Registered(rerank.Rerank),
     Registered(eventstream.EventStream),
     Registered(console.Console),
+    Registered(adapters.Adapters),
 )
 """Every dialect the daemon speaks; errors elsewhere are OpenAI's."""
 

@@ -97,6 +97,13 @@ class Reader:
 
     async def json(self, request: HttpRequest) -> dict[str, Any]:
         """The authenticated request's body, a JSON object of at most MAX_BODY_BYTES."""
+        data = await self.json_value(request)
+        if not isinstance(data, dict):
+            raise HttpError(400, "the body must be a JSON object", "invalid_json")
+        return data
+
+    async def json_value(self, request: HttpRequest) -> Any:
+        """The authenticated request's body, any JSON value of at most MAX_BODY_BYTES."""
         self.auth(request)
         length = request.headers.get("content-length") or "0"
         size = int(length) if length.isascii() and length.isdigit() else MAX_BODY_BYTES + 1
@@ -111,8 +118,6 @@ class Reader:
             data = json.loads(body)
         except (ValueError, RecursionError) as exc:
             raise HttpError(400, f"the body is not JSON: {exc}", "invalid_json") from None
-        if not isinstance(data, dict):
-            raise HttpError(400, "the body must be a JSON object", "invalid_json")
         return data
 
     def model(self, request: HttpRequest, name: object, listing: str) -> str:

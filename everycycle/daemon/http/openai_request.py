@@ -13,6 +13,7 @@ from ...chatfmt.constraint import JSON_OBJECT_SCHEMA
 from ...errors import ProtocolError
 from ...protocol import (
     ContentPart,
+    LoraScale,
     Message,
     PartType,
     Role,
@@ -51,8 +52,29 @@ def options(request: HttpRequest, data: dict[str, Any], dialect: str = sampling.
     if limit is not None:
         options["deadline_ms"] = limit
     options.update(priority(request, data))
+    options.update(lora(data.get("lora")))
     check_types(options)
     return options
+
+
+def lora(raw: object) -> dict[str, Any]:
+    """llama-server's per-request ``lora``: ``[{"id": 0, "scale": 0.5}, …]`` as
+    Generate's ``lora``. Raises HttpError."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, list) or not all(
+            isinstance(item, dict) and _number(item.get("id"), int)
+            and _number(item.get("scale"), int | float) for item in raw):
+        raise HttpError(400, '`lora` must be a list of {"id": integer, "scale": number}',
+                        "invalid_type")
+    try:
+        return {"lora": tuple(LoraScale(item.get("id"), item.get("scale")) for item in raw)}
+    except ProtocolError as exc:
+        raise HttpError(400, f"`lora`: {exc.message}", "invalid_value") from None
+
+
+def _number(value: object, kind: Any) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 def check_types(options: dict[str, Any]) -> None:

@@ -374,7 +374,8 @@ def load_options(res: Host, spec: ModelSpec, placement: ex.Placement,
                          kv_cache_dir=str(paths.cache_dir()),
                          kv_cache_disk=max(spec.kv_cache_disk, 0) << 20,
                          kv_cache_ram=promptcache.ram_limit(spec.kv_cache_ram),
-                         mmproj=str(projector) if projector is not None else None)
+                         mmproj=str(projector) if projector is not None else None,
+                         lora=tuple(str(a.path) for a in spec.lora))
     if remote is not None:
         holder = res.host_in_use(remote)
         if holder is not None:
