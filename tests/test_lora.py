@@ -232,3 +232,22 @@ def test_show_lists_a_models_adapters_and_a_bad_entry_is_one_sentence(
                              capture_output=True, text=True, timeout=60, check=False)
     assert refused.returncode != 0 and "lora[0].scale must be a number" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_an_adapter_pinned_by_sha256_is_checked_at_load(
+        files: tuple[Path, Path], tmp_path: Path, spawn_daemon: SpawnDaemon) -> None:
+    import hashlib
+
+    from everycycle.errors import RequestFailedError
+
+    model, adapter = files
+    right = hashlib.sha256(adapter.read_bytes()).hexdigest()
+    models = models_toml(tmp_path / "pinned.toml", *(Entry(
+        name, model, context=256, parallel=1,
+        more={"lora": [{"path": str(adapter), "sha256": sha}]})
+        for name, sha in (("right", right), ("wrong", "0" * 64))))
+    spawn_daemon(models=models)
+    with SyncClient() as c:
+        c.load("right")
+        with pytest.raises(RequestFailedError, match=f"sha256 is {right}"):
+            c.load("wrong")

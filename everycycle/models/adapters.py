@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InvalidRequestError
+from . import hub
 
 KEYS = {"lora": list}
 MAX_ADAPTERS = 64
@@ -20,6 +21,16 @@ class LoraEntry:
     scale: float = 1.0
     """Its scale for requests that name none (``POST /lora-adapters`` changes it)."""
     sha256: str | None = None
+
+
+def check(entries: tuple[LoraEntry, ...]) -> None:
+    """Each adapter is on disk and, where pinned, its sha256 (remembered once verified).
+    Raises InvalidRequestError, or ChecksumMismatchError naming both hashes."""
+    for entry in entries:
+        if not entry.path.is_file():
+            raise InvalidRequestError(f"LoRA adapter {entry.path}: no such file")
+        if entry.sha256:
+            hub.verify(entry.path, entry.sha256)
 
 
 def parse(raw: Mapping[str, object], where: str, origin: Path) -> tuple[LoraEntry, ...]:

@@ -427,6 +427,13 @@ def hub_files(spec: ModelSpec, *, download: bool = False, progress: bool = False
     return found
 
 
+def side_files(spec: ModelSpec, *, download: bool = False) -> Path | None:
+    """What loads beside ``spec``'s GGUF, checked: its LoRA adapters (their pins) and its
+    vision projector (returned; None: none). Raises as ``local_file`` does."""
+    adapters.check(spec.lora)
+    return projector_file(spec, download=download)
+
+
 def projector_file(spec: ModelSpec, *, download: bool = False) -> Path | None:
     """``spec``'s vision projector on disk (None: it has none), checked against its
     pin; a hub one is downloaded when ``download`` is set and the hub is not offline.

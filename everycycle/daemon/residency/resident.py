@@ -34,7 +34,7 @@ from ...errors import (
 from ...hardware import executors as ex
 from ...hardware.memory import MemoryPlan, plan
 from ...models import lookup
-from ...models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry, local_file, projector_file
+from ...models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry, local_file, side_files
 from .. import events
 from ..eta import LoadTimes
 from ..lifecycle import Requests
@@ -277,7 +277,7 @@ class Residency:
         # (an auto-pulled hub model's download is logged)
         path = await anyio.to_thread.run_sync(lambda: local_file(spec, download=True))
         projector = await anyio.to_thread.run_sync(
-            lambda: projector_file(spec, download=True))
+            lambda: side_files(spec, download=True))
         wanted = ex.Wanted.parse(executor or spec.executor)
         # (the context chosen now stays the model's for its residency: spec carries it)
         context = await room.context_for(self, spec, path, wanted)
