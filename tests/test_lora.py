@@ -251,3 +251,32 @@ def test_an_adapter_pinned_by_sha256_is_checked_at_load(
         c.load("right")
         with pytest.raises(RequestFailedError, match=f"sha256 is {right}"):
             c.load("wrong")
+
+
+def test_an_adapter_from_the_hub_is_pulled_pinned_at_load(
+        files: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        spawn_daemon: SpawnDaemon) -> None:
+    """``lora = [{ path = "hf://owner/repo/file.gguf@commit", sha256 = … }]``: the load
+    downloads it into the HF cache (a local stand-in for the hub), checked against its
+    pin, and the model serves with it."""
+    import hashlib
+
+    from fakehub import FakeHub, serving
+
+    model, adapter = files
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    data = adapter.read_bytes()
+    hub = FakeHub()
+    hub.add("acme/tiny-lora", commit, "adapter.gguf", data)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with serving(hub, monkeypatch):
+        models = models_toml(tmp_path / "hub.toml", Entry(
+            "hubtuned", model, context=256, parallel=1, more={"lora": [{
+                "path": f"hf://acme/tiny-lora/adapter.gguf@{commit}", "scale": 1.0,
+                "sha256": hashlib.sha256(data).hexdigest()}]}))
+        spawn_daemon(models=models)
+        with SyncClient() as c:
+            c.load("hubtuned")
+            (loaded,) = c.describe_fleet().loaded_models
+    assert loaded.lora == ("adapter.gguf@1",)
+    assert any(p == "GET" and "adapter.gguf" in path for p, path, _ in hub.requests)

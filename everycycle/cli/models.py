@@ -309,7 +309,7 @@ def show(
         or f"auto ({host_context(path, spec)} on this machine's CPU)",
         "parallel": spec.parallel, "executor": spec.executor,
         "parameters": sampling.to_json(spec.sampling) or None,
-        "lora": [f"{a.path} (scale {a.scale:g})" for a in spec.lora] or None,
+        "lora": [f"{a.source} (scale {a.scale:g})" for a in spec.lora] or None,
         "chat_renderer": f"{renderer} ({note})" if note else renderer,
         "notes": list(notes) or None,
         "chat_template": source,

@@ -156,7 +156,7 @@ class FleetView:
             state=("failed" if m.failed is not None else "restarting" if m.up is not None
                    else None),
             context=m.options.context,
-            lora=tuple(f"{a.path.name}@{scale:g}" for a, scale in zip(
+            lora=tuple(f"{a.name}@{scale:g}" for a, scale in zip(
                 m.spec.lora, self.lora_scales.of(m.spec), strict=True)) or None,
         )
 

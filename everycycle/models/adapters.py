@@ -1,6 +1,7 @@
 """A model entry's LoRA adapters (``lora = [{ path = "…", scale = 1.0 }, …]``, llama-server's
-``--lora`` and ``--lora-scaled``): each adapter GGUF beside the model, its default scale,
-and optionally its sha256 pin."""
+``--lora`` and ``--lora-scaled``): each adapter GGUF — a file beside the model or an
+``hf://owner/repo/file.gguf@commit`` URL — its default scale, and optionally its sha256
+pin, checked as a model file's is."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError, InvalidRequestError
+from ..errors import ChecksumMismatchError, ConfigError, InvalidRequestError
 from . import hub
 
 KEYS = {"lora": list}
@@ -17,20 +18,45 @@ MAX_ADAPTERS = 64
 
 @dataclass(frozen=True, slots=True)
 class LoraEntry:
-    path: Path
+    source: str
+    """Its file (an absolute path) or its hub URL (``hf://…``)."""
     scale: float = 1.0
     """Its scale for requests that name none (``POST /lora-adapters`` changes it)."""
     sha256: str | None = None
 
+    @property
+    def name(self) -> str:
+        """Its file's name."""
+        return self.source.rpartition("/")[2].partition("@")[0]
 
-def check(entries: tuple[LoraEntry, ...]) -> None:
-    """Each adapter is on disk and, where pinned, its sha256 (remembered once verified).
-    Raises InvalidRequestError, or ChecksumMismatchError naming both hashes."""
-    for entry in entries:
-        if not entry.path.is_file():
-            raise InvalidRequestError(f"LoRA adapter {entry.path}: no such file")
+
+def local(entry: LoraEntry, *, download: bool = False) -> Path:
+    """The adapter's file on disk, checked against its pin (remembered once verified); a
+    hub one from the HF cache, downloaded first with ``download`` unless offline. Raises
+    InvalidRequestError, or ChecksumMismatchError naming both hashes."""
+    if not entry.source.startswith("hf://"):
+        path = Path(entry.source)
+        if not path.is_file():
+            raise InvalidRequestError(f"LoRA adapter {path}: no such file")
         if entry.sha256:
-            hub.verify(entry.path, entry.sha256)
+            hub.verify(path, entry.sha256)
+        return path
+    ref = hub.parse_hf_url(entry.source)
+    try:
+        return hub.cached_file(ref, sha256=entry.sha256)
+    except ChecksumMismatchError:
+        raise
+    except InvalidRequestError:
+        if not download or hub.offline():
+            raise
+    return hub.download(ref, sha256=entry.sha256)
+
+
+def check(entries: tuple[LoraEntry, ...], *, download: bool = False) -> None:
+    """Each adapter is on disk (downloaded first with ``download``) and matches its pin.
+    Raises as ``local``."""
+    for entry in entries:
+        local(entry, download=download)
 
 
 def parse(raw: Mapping[str, object], where: str, origin: Path) -> tuple[LoraEntry, ...]:
@@ -55,7 +81,14 @@ def parse(raw: Mapping[str, object], where: str, origin: Path) -> tuple[LoraEntr
         sha = item.get("sha256")
         if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
             raise ConfigError(f"{at}.sha256 must be 64 lowercase hex digits")
-        path = Path(item["path"]).expanduser()
-        out.append(LoraEntry(path if path.is_absolute() else origin.parent / path,
-                             float(scale), sha))
+        source = item["path"]
+        if source.startswith("hf:"):
+            try:
+                hub.parse_hf_url(source)
+            except InvalidRequestError as exc:
+                raise ConfigError(f"{at}.path: {exc.message}") from None
+        else:
+            path = Path(source).expanduser()
+            source = str(path if path.is_absolute() else origin.parent / path)
+        out.append(LoraEntry(source, float(scale), sha))
     return tuple(out)

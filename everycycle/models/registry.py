@@ -430,7 +430,7 @@ def hub_files(spec: ModelSpec, *, download: bool = False, progress: bool = False
 def side_files(spec: ModelSpec, *, download: bool = False) -> Path | None:
     """What loads beside ``spec``'s GGUF, checked: its LoRA adapters (their pins) and its
     vision projector (returned; None: none). Raises as ``local_file`` does."""
-    adapters.check(spec.lora)
+    adapters.check(spec.lora, download=download)
     return projector_file(spec, download=download)
 
 

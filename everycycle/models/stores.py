@@ -371,7 +371,7 @@ def spec_of(m: StoreModel) -> ModelSpec:
                      sampling=m.sampling,
                      mmproj=str(m.projector) if m.projector is not None else None,
                      mmproj_sha256=m.projector_sha256,
-                     lora=tuple(LoraEntry(p, 1.0, sha) for p, sha in m.adapters))
+                     lora=tuple(LoraEntry(str(p), 1.0, sha) for p, sha in m.adapters))
 
 
 def entry_of(m: StoreModel) -> dict[str, object]:

@@ -34,7 +34,7 @@ class Adapters(Dialect):
 
     def _answer(self, spec: ModelSpec) -> Response:
         scales = self.api.supervisor.lora_scales.of(spec)
-        return JSONResponse([{"id": i, "path": str(a.path), "scale": scale}
+        return JSONResponse([{"id": i, "path": a.source, "scale": scale}
                              for i, (a, scale) in enumerate(zip(spec.lora, scales,
                                                                 strict=True))])
 

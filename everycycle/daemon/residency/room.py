@@ -33,6 +33,7 @@ from ...errors import AllocationError, EverycycleError, RejectedError, RequestCa
 from ...hardware import cpukernels
 from ...hardware import executors as ex
 from ...hardware.memory import MemoryPlan, fit_context, plan, trained_context
+from ...models import adapters
 from ...models.registry import ModelSpec
 from ..events import DaemonEvent, RequestInput, RoomWait
 from .remote import in_order
@@ -375,7 +376,7 @@ def load_options(res: Host, spec: ModelSpec, placement: ex.Placement,
                          kv_cache_disk=max(spec.kv_cache_disk, 0) << 20,
                          kv_cache_ram=promptcache.ram_limit(spec.kv_cache_ram),
                          mmproj=str(projector) if projector is not None else None,
-                         lora=tuple(str(a.path) for a in spec.lora))
+                         lora=tuple(str(adapters.local(a)) for a in spec.lora))
     if remote is not None:
         holder = res.host_in_use(remote)
         if holder is not None:
