@@ -32,7 +32,7 @@ import numpy as np
 
 from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
 from everycycle.engine.runner import Runner
-from everycycle.hardware.ggufwrite import finish
+from everycycle.hardware.ggufwrite import write_lora
 from everycycle.models.registry import load_registry, local_file
 from everycycle.protocol.sampling import Bias
 
@@ -42,18 +42,14 @@ def write_adapter(model: Path, out: Path, rank: int = 8) -> Path:
     reader = gguf.GGUFReader(str(model))
     arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     rng = np.random.default_rng(7)
-    w = gguf.GGUFWriter(str(out), arch)
-    w.add_string("general.type", "adapter")
-    w.add_string("adapter.type", "lora")
-    w.add_float32("adapter.lora.alpha", float(rank))
-    for t in reader.tensors:
-        if t.name.endswith((".attn_q.weight", ".attn_v.weight")):
-            n_in, n_out = int(t.shape[0]), int(t.shape[1])
-            w.add_tensor(f"{t.name}.lora_a",
-                         (rng.standard_normal((rank, n_in)) * 0.01).astype(np.float32))
-            w.add_tensor(f"{t.name}.lora_b",
-                         (rng.standard_normal((n_out, rank)) * 0.01).astype(np.float32))
-    finish(w)
+
+    def m(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * 0.01).astype(np.float32)
+
+    write_lora(gguf.GGUFWriter(str(out), arch),
+               [(t.name, m(rank, int(t.shape[0])), m(int(t.shape[1]), rank))
+                for t in reader.tensors
+                if t.name.endswith((".attn_q.weight", ".attn_v.weight"))], float(rank))
     return out
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from everycycle.hardware.ggufwrite import finish, write_hparams
+from everycycle.hardware.ggufwrite import finish, write_hparams, write_lora
 
 CHAT_TEMPLATE = (  # Gemma's: the assistant's turns are the model's
     "{{ bos_token }}{% for message in messages %}"
@@ -188,15 +188,11 @@ def write_tiny_lora(path: Path, *, seed: int = 99, rank: int = 4, alpha: float =
     ``….lora_a`` / ``….lora_b`` pair for each adapted weight: the query and value
     projections of every layer). Its delta is alpha / rank · B·A, times the scale."""
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_string("general.type", "adapter")
-    w.add_string("adapter.type", "lora")
-    w.add_float32("adapter.lora.alpha", alpha)
-    for i in range(n_layer):
-        for name in ("attn_q", "attn_v"):
-            w.add_tensor(f"blk.{i}.{name}.weight.lora_a",
-                         (rng.standard_normal((rank, n_embd)) * 0.5).astype(np.float32))
-            w.add_tensor(f"blk.{i}.{name}.weight.lora_b",
-                         (rng.standard_normal((n_embd, rank)) * 0.5).astype(np.float32))
-    finish(w)
+
+    def m(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * 0.5).astype(np.float32)
+
+    write_lora(gguf.GGUFWriter(str(path), arch),
+               [(f"blk.{i}.{name}.weight", m(rank, n_embd), m(n_embd, rank))
+                for i in range(n_layer) for name in ("attn_q", "attn_v")], alpha)
     return path

@@ -1,5 +1,5 @@
 """Writing small random-weight GGUFs with the ``gguf`` package: the CPU-kernel probe's
-model (cpukernels.py), and the test suite's tiny models."""
+model (cpukernels.py), the test suite's tiny models and LoRA adapters."""
 
 from __future__ import annotations
 
@@ -37,3 +37,17 @@ def finish(w: Any) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_lora(w: Any, pairs: Sequence[tuple[str, Any, Any]], alpha: float) -> None:
+    """A LoRA adapter in llama.cpp's format on the GGUFWriter ``w`` (made for the base
+    model's architecture): ``general.type = adapter``, ``adapter.type = lora``, its
+    ``alpha``, and for each (base tensor name, A, B) the ``NAME.lora_a`` (rank × in) and
+    ``NAME.lora_b`` (out × rank) arrays; then the file is written."""
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", alpha)
+    for name, a, b in pairs:
+        w.add_tensor(f"{name}.lora_a", a)
+        w.add_tensor(f"{name}.lora_b", b)
+    finish(w)

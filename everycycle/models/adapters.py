@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ChecksumMismatchError, ConfigError, InvalidRequestError
+from ..errors import ConfigError, InvalidRequestError
 from . import hub
 
 KEYS = {"lora": list}
@@ -34,22 +34,7 @@ def local(entry: LoraEntry, *, download: bool = False) -> Path:
     """The adapter's file on disk, checked against its pin (remembered once verified); a
     hub one from the HF cache, downloaded first with ``download`` unless offline. Raises
     InvalidRequestError, or ChecksumMismatchError naming both hashes."""
-    if not entry.source.startswith("hf://"):
-        path = Path(entry.source)
-        if not path.is_file():
-            raise InvalidRequestError(f"LoRA adapter {path}: no such file")
-        if entry.sha256:
-            hub.verify(path, entry.sha256)
-        return path
-    ref = hub.parse_hf_url(entry.source)
-    try:
-        return hub.cached_file(ref, sha256=entry.sha256)
-    except ChecksumMismatchError:
-        raise
-    except InvalidRequestError:
-        if not download or hub.offline():
-            raise
-    return hub.download(ref, sha256=entry.sha256)
+    return hub.resolved(entry.source, entry.sha256, fetch=download, what="LoRA adapter")
 
 
 def check(entries: tuple[LoraEntry, ...], *, download: bool = False) -> None:

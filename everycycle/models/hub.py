@@ -362,3 +362,27 @@ class _RichBar(_SilentBar):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def resolved(source: str, sha256: str | None, *, fetch: bool, what: str,
+             name: str | None = None) -> Path:
+    """The file ``source`` names — a path, or an ``hf://`` URL — on disk and checked
+    against ``sha256``; a hub one from the HF cache, downloaded first with ``fetch``
+    unless offline. Raises InvalidRequestError (``what`` names a missing file; ``name``
+    the model to pull) or ChecksumMismatchError naming both hashes."""
+    if not source.startswith("hf:"):
+        path = Path(source)
+        if not path.is_file():
+            raise InvalidRequestError(f"{what} {path} is not a file")
+        if sha256:
+            verify(path, sha256)
+        return path
+    ref = parse_hf_url(source)
+    try:
+        return cached_file(ref, sha256=sha256, name=name)
+    except ChecksumMismatchError:
+        raise
+    except InvalidRequestError:
+        if not fetch or offline():
+            raise
+    return download(ref, sha256=sha256)

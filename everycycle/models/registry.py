@@ -440,22 +440,8 @@ def projector_file(spec: ModelSpec, *, download: bool = False) -> Path | None:
     Raises as ``local_file`` does."""
     if spec.mmproj is None:
         return None
-    if not spec.mmproj.startswith("hf:"):
-        path = Path(spec.mmproj)
-        if not path.is_file():
-            raise InvalidRequestError(f"model '{spec.name}': its mmproj {path} is not a file")
-        if spec.mmproj_sha256:
-            hub.verify(path, spec.mmproj_sha256)
-        return path
-    ref = hub.parse_hf_url(spec.mmproj)
-    try:
-        return hub.cached_file(ref, sha256=spec.mmproj_sha256, name=spec.name)
-    except ChecksumMismatchError:
-        raise
-    except InvalidRequestError:
-        if not download or hub.offline():
-            raise
-    return hub.download(ref, sha256=spec.mmproj_sha256)
+    return hub.resolved(spec.mmproj, spec.mmproj_sha256, fetch=download,
+                        what=f"model '{spec.name}': its mmproj", name=spec.name)
 
 
 def package_path(spec: ModelSpec) -> Path | None:
