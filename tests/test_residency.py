@@ -11,6 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 from daemonhelp import running_daemon
+from modelshelp import Entry, models_toml
 
 from everycycle import paths
 from everycycle.client import connect
@@ -35,8 +36,8 @@ async def _all_at_once(model: str, n: int) -> list[list[ServerEvent]]:
 
 async def test_sixteen_first_requests_cause_one_load_and_all_finish(
         tmp_path: Path, tiny_gguf: Path, caplog: pytest.LogCaptureFixture) -> None:
-    models = tmp_path / "m.toml"
-    models.write_text(f'[models.tiny]\npath = "{tiny_gguf}"\ncontext = 512\nparallel = 4\n')
+    models = models_toml(tmp_path / "m.toml", Entry("tiny", tiny_gguf, context=512,
+                                                     parallel=4))
     caplog.set_level(logging.INFO, logger="everycycle.daemon.residency")
     seen: list[LoadedModel] = []
     async with running_daemon(models) as daemon:
@@ -69,8 +70,8 @@ async def test_a_load_that_fails_fails_every_waiter_with_one_message(
     broken = tmp_path / "broken.gguf"
     data = tiny_gguf.read_bytes()  # noqa: ASYNC240 - a test fixture file, before serving
     broken.write_bytes(data[:len(data) // 2])
-    models = tmp_path / "m.toml"
-    models.write_text(f'[models.broken]\npath = "{broken}"\ncontext = 512\nparallel = 4\n')
+    models = models_toml(tmp_path / "m.toml", Entry("broken", broken, context=512,
+                                                     parallel=4))
     async with running_daemon(models) as daemon:
         results = await _all_at_once("broken", 8)
         assert daemon.supervisor.residency.loads == 1

@@ -251,3 +251,31 @@ def test_an_empty_plan_is_no_step() -> None:
     assert StepPlan().n == 0 and not StepPlan().background
     w = Work(Slot(0), Run(job()), 0, [1], [0], sample=0)
     assert w.decode and w.logits(0)
+
+
+class NoCells:
+    """llama.cpp's memory as far as a resume that reads its tokens again touches it."""
+
+    removed: list[tuple[int, int, int]]
+
+    def __init__(self) -> None:
+        self.removed = []
+
+    def llama_memory_seq_rm(self, mem: object, seq: int, start: int, end: int) -> bool:
+        self.removed.append((seq, start, end))
+        return True
+
+
+def test_a_job_resumed_elsewhere_keys_the_slots_cells_by_its_lora_scales() -> None:
+    from everycycle.engine.parking import resume
+    from everycycle.engine.promptcache import Spares
+
+    j = Job(JobSpec(tokens=[1, 2, 3], max_tokens=9, background_age=600, lora=(0.5,)))
+    own = running(0, j, cached=[1, 2, 3, 4])
+    p = parked_on(own)
+    p.slot = own.parked = None  # (its cells were copied out, and the copy is gone)
+    other = Slot(1, [7, 7])
+    memory = NoCells()
+    resume(memory, None, None, p, other, Spares())
+    assert other.run is not None and other.run.todo == [1, 2, 3, 4, 4]  # (read again)
+    assert memory.removed == [(1, -1, -1)] and other.lora == (0.5,)

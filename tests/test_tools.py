@@ -21,6 +21,7 @@ import pytest
 from conftest import SpawnDaemon
 from daemonhelp import EC, wait_until
 from httphelp import audit, openai_client
+from modelshelp import Entry, models_toml
 from templatehelp import SMOLLM2, fixture_source
 from tinymodel import write_tiny_gguf
 
@@ -61,12 +62,10 @@ def models(tmp_path: Path) -> Path:
     hermes = write_tiny_gguf(tmp_path / "hermes.gguf",
                              chat_template=fixture_source("qwen2.5-instruct"))
     thinking = write_tiny_gguf(tmp_path / "thinking.gguf", chat_template=THINKING)
-    f = tmp_path / "models.toml"
-    f.write_text(f'default = "smol"\n[models.smol]\npath = "{SMOLLM2}"\ncontext = 2048\n'
-                 f'parallel = 2\n[models.hermes]\npath = "{hermes}"\ncontext = 2048\n'
-                 f'parallel = 1\n[models.thinking]\npath = "{thinking}"\ncontext = 1024\n'
-                 "parallel = 1\n")
-    return f
+    return models_toml(tmp_path / "models.toml",
+                       Entry("smol", SMOLLM2, context=2048, parallel=2),
+                       Entry("hermes", hermes, context=2048, parallel=1),
+                       Entry("thinking", thinking, context=1024, parallel=1), default="smol")
 
 
 @pytest.fixture

@@ -87,9 +87,9 @@ def resume(L: Any, ctx: Any, mem: Any, parked: Parked, slot: Slot,
         assert parked.slot is None
         restored = (parked.state is not None and
                     kvdisk.restore_sequence(L, ctx, mem, slot.seq, parked.state))
+        slot.lora = cells(run.job.spec.lora)  # (its cells, restored or read again)
         if restored:
             slot.cached[:] = parked.cached
-            slot.lora = cells(run.job.spec.lora)
         else:  # read its tokens again: the prompt, then what it generated but the last
             L.llama_memory_seq_rm(mem, slot.seq, -1, -1)
             slot.cached.clear()
