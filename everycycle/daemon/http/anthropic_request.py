@@ -239,9 +239,10 @@ def thinking(data: dict[str, Any]) -> dict[str, Any]:
     effort = config.get("effort") if isinstance(config, dict) else None
     if effort is not None and not isinstance(effort, str):
         raise _bad("output_config.effort", "must be a string (low, medium, high)")
-    if effort is not None and effort not in ("low", "medium", "high"):
-        raise _bad("output_config.effort", "must be low, medium or high")
-    asked = {"think": True, "think_effort": ThinkEffort(effort)} if effort else {}
+    # (an effort we have no budget for, "max" say, still thinks: the model's default)
+    known = effort in ("low", "medium", "high")
+    asked = ({"think": True, "think_effort": ThinkEffort(effort)} if known
+             else {"think": True} if effort else {})
     if raw is None:
         return asked
     kind = raw.get("type") if isinstance(raw, dict) else None
