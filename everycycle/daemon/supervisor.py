@@ -63,13 +63,14 @@ from .fleet import FleetView
 from .handoff import Handoff
 from .jobbuild import build_job
 from .keys import may_act_for
-from .lifecycle import Requests, Tasks
+from .lifecycle import Requests
 from .lorascales import LoraScales
 from .outcome import Limits, Outcome, Peer, prompt_bytes
 from .quota import Quotas
 from .residency import EngineFactory, Residency, Resident, context, room
 from .residency.remote import RemoteHosts
 from .subscribe import Subscribers
+from .tasks import Tasks
 
 __all__ = ["EngineFactory", "Limits", "Outcome", "Peer", "Supervisor"]
 
