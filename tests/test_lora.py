@@ -64,9 +64,7 @@ def raw_first_logprobs(model_path: Path, adapter_path: Path, tokens: list[int],
 
 def first(outs: list[Output]) -> tuple[float, ...]:
     """The first token's top log-probabilities, as the engine reported them."""
-    assert outs[0].logprobs is not None or outs[1].logprobs is not None
     lp = next(o.logprobs for o in outs if o.logprobs)
-    assert lp is not None
     return tuple(value for _, value in lp[0][2])
 
 
@@ -280,3 +278,21 @@ def test_an_adapter_from_the_hub_is_pulled_pinned_at_load(
             (loaded,) = c.describe_fleet().loaded_models
     assert loaded.lora == ("adapter.gguf@1",)
     assert any(p == "GET" and "adapter.gguf" in path for p, path, _ in hub.requests)
+
+
+def test_scales_set_for_a_model_give_way_to_an_edit_of_its_adapters(
+        files: tuple[Path, Path], tmp_path: Path) -> None:
+    from everycycle.daemon.lorascales import LoraScales
+    from everycycle.models.registry import load_registry
+
+    model, adapter = files
+    one = load_registry(models_toml(tmp_path / "one.toml", Entry(
+        "m", model, more={"lora": [{"path": str(adapter), "scale": 0.5}]}))).get("m")
+    two = load_registry(models_toml(tmp_path / "two.toml", Entry(
+        "m", model, more={"lora": [{"path": str(adapter)}, {"path": str(adapter),
+                                                           "scale": 0.25}]}))).get("m")
+    scales = LoraScales()
+    assert scales.update(one, [(0, 2.0)]) == [2.0]
+    assert scales.of(one) == [2.0]
+    assert scales.of(two) == [1.0, 0.25]  # (two adapters now: models.toml's scales)
+    assert scales.for_request(two, [(1, 0.0)]) == (1.0, 0.0)

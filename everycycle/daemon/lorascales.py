@@ -17,8 +17,12 @@ class LoraScales:
         self._set: dict[str, list[float]] = {}
 
     def of(self, spec: ModelSpec) -> list[float]:
-        """``spec``'s adapters' scales now, in their order."""
-        return list(self._set.get(spec.name) or [a.scale for a in spec.lora])
+        """``spec``'s adapters' scales now, in their order (models.toml's again once an
+        edit of it changed the model's adapters)."""
+        given = self._set.get(spec.name)
+        if given is None or len(given) != len(spec.lora):
+            return [a.scale for a in spec.lora]
+        return list(given)
 
     def update(self, spec: ModelSpec, changes: Iterable[tuple[int, float]]) -> list[float]:
         """Set the scales of the adapters ``changes`` names (id, scale); the scales now.

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import kvdisk, promptcache
+from .jobs import Job
 from .lora import cells
 from .slots import Run, Slot
 
@@ -39,7 +40,7 @@ class Parked:
     """When it was parked (``time.monotonic()``)."""
 
     @property
-    def job(self) -> Any:
+    def job(self) -> Job:
         return self.run.job
 
 
