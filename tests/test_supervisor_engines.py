@@ -47,6 +47,7 @@ class FakeEngine:
         self.offloaded: tuple[int, int] | None = None
         self.lookup_exact = False
         self.lookup_drafted = self.lookup_accepted = 0
+        self.draft_drafted = self.draft_accepted = 0
         self.prompt_cache = None
         self.step_seconds: tuple[float, ...] = ()
         self.drop_prompt_cache = lambda: 0

@@ -180,6 +180,18 @@ def hub_model(name: str, models: Path | None, offline: bool) -> str:
     return manage.resolve(name, models, progress=sys.stderr.isatty())
 
 
+def draft_source(name: str, models: Path | None, offline: bool) -> str:
+    """``--draft-model``'s value as the daemon reads it: a GGUF path made absolute, a hub
+    repo URL pulled and recorded as ``hub_model`` does, an entry pulled as ``prepull``
+    does; an ``hf://…/file.gguf`` URL as given. Raises EverycycleError subclasses."""
+    if name.endswith(".gguf") and not name.startswith("hf:"):
+        return str(Path(name).expanduser().absolute())
+    if not name.endswith(".gguf"):
+        name = hub_model(name, models, offline)
+        prepull(name, models, offline)
+    return name
+
+
 def prepull(name: str, models: Path | None, offline: bool) -> None:
     """Download a hub model the registry names before asking for it (progress on stderr).
 

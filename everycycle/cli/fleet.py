@@ -20,6 +20,7 @@ from .common import (
     SocketOpt,
     app,
     call,
+    draft_source,
     exit_for,
     fail,
     hub_model,
@@ -187,6 +188,10 @@ def load(
     context: Annotated[int | None, typer.Option(
         "--context", min=16, help="At least this many tokens a slot (a model loaded with "
         "fewer is loaded again; up to what it was trained for).")] = None,
+    draft_model: Annotated[str | None, typer.Option(
+        "--draft-model", help="A smaller model with the same vocabulary that drafts "
+        "tokens for it to verify (speculative decoding): a name, a GGUF path or an "
+        "hf:// URL.")] = None,
     offline: OfflineOpt = False,
     models: ModelsOpt = None,
     socket: SocketOpt = None,
@@ -197,6 +202,7 @@ def load(
     Example:
       everycycle load gemma-3-270m --executor cpu
       everycycle load smollm2-135m --context 8192
+      everycycle load qwen2.5-7b --draft-model qwen2.5-0.5b
     """
     keep_ms = None
     if keep_alive is not None:
@@ -210,11 +216,14 @@ def load(
     try:
         model = hub_model(model, models, offline)
         prepull(model, models, offline)
+        if draft_model is not None:
+            draft_model = draft_source(draft_model, models, offline)
     except EverycycleError as exc:
         exit_for(exc)
 
     def load_and_look(c: Any) -> LoadedModel | None:
-        c.load(model, executor, keep_alive_ms=keep_ms, context=context)
+        c.load(model, executor, keep_alive_ms=keep_ms, context=context,
+               draft_model=draft_model)
         return next((m for m in c.describe_fleet().loaded_models if m.name == model), None)
 
     loaded = call(socket, load_and_look)
@@ -223,7 +232,9 @@ def load(
               if loaded is not None and loaded.engine_pid is not None else "")
     ctx = (f", {loaded.context:,} tokens a slot" if loaded is not None and loaded.context
            else "")
-    sys.stderr.write(f"everycycle: loaded {model}{where}{engine}{ctx}\n")
+    drafts = (f", drafted by {loaded.draft_model}" if loaded is not None and loaded.draft_model
+              else "")
+    sys.stderr.write(f"everycycle: loaded {model}{where}{engine}{ctx}{drafts}\n")
 
 
 @app.command()

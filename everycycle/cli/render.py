@@ -164,6 +164,12 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
             lookups.append(f"{m.name} off")
     if lookups:
         footer = "prompt lookup: " + ", ".join(lookups) + "\n" + footer
+    drafts = [f"{m.name} by {m.draft_model}: " + (
+        f"{m.draft_accepted}/{m.draft_drafted} drafted tokens accepted "
+        f"({100 * (m.draft_accepted or 0) // m.draft_drafted}%)" if m.draft_drafted
+        else "nothing drafted yet") for m in snapshot.loaded_models if m.draft_model]
+    if drafts:
+        footer = "draft models: " + ", ".join(drafts) + "\n" + footer
     caches = [f"{m.name} {_mib(m.prompt_cache_bytes or 0)} in RAM, "
               f"{m.prompt_cache_hits or 0} restored, {m.prompt_cache_evictions or 0} evicted"
               for m in snapshot.loaded_models if m.prompt_cache_hits is not None]

@@ -44,7 +44,9 @@ class RunStats:
         ttft = (self.first - self.started) * 1000 if self.first else 0.0
         span = self.last - self.first
         rate = (u.generated_tokens - 1) / span if span > 0 and u.generated_tokens > 1 else 0.0
+        drafts = (f"; drafted {u.draft_n}, accepted {u.draft_n_accepted or 0} "
+                  f"({100 * (u.draft_n_accepted or 0) // u.draft_n}%)" if u.draft_n else "")
         sys.stderr.write(
             f"everycycle: prompt {u.prompt_tokens} tokens ({u.cached_tokens} cached), "
             f"generated {u.generated_tokens} ({u.finish_reason}); first token "
-            f"{ttft:.0f} ms, {rate:.1f} tokens/s\n")
+            f"{ttft:.0f} ms, {rate:.1f} tokens/s{drafts}\n")

@@ -112,11 +112,12 @@ def cancel_if_active(target: str) -> Call[None]:
     return Call(Cancel(new_request_id(), target), _nothing, quiet=True)
 
 
-def load(model: str, executor: str | None = None, *,
-         keep_alive_ms: int | None = None, context: int | None = None) -> Call[None]:
-    """Make ``model`` resident (with at least ``context`` tokens a slot, if given).
-    Raises RequestFailedError."""
-    return Call(Load(new_request_id(), model, executor, keep_alive_ms, context), _nothing)
+def load(model: str, executor: str | None = None, *, keep_alive_ms: int | None = None,
+         context: int | None = None, draft_model: str | None = None) -> Call[None]:
+    """Make ``model`` resident (with at least ``context`` tokens a slot, and
+    ``draft_model`` drafting for it, if given). Raises RequestFailedError."""
+    return Call(Load(new_request_id(), model, executor, keep_alive_ms, context, draft_model),
+                _nothing)
 
 
 def unload(model: str) -> Call[None]:

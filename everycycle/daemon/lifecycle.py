@@ -310,6 +310,8 @@ class Requests:
             generated_tokens=active.n_out,
             reasoning_tokens=(active.job.n_thought if active.job is not None
                               and active.job.spec.think is not None else None),
+            draft_tokens=active.job.n_drafted if active.job is not None else 0,
+            draft_accepted=active.job.n_draft_accepted if active.job is not None else 0,
             queue_wait_s=started - active.admitted,
             ttft_s=None if active.first_token is None else active.first_token - active.admitted,
             duration_s=now - active.admitted,
@@ -398,7 +400,8 @@ class Requests:
                 if isinstance(active.req, Generate) and active.req.usage:
                     active.peer.emit(Usage(
                         rid, active.n_prompt, job.n_reused, active.n_out, reason,
-                        job.n_thought if job.spec.think is not None else None))
+                        job.n_thought if job.spec.think is not None else None,
+                        job.n_drafted or None, job.n_draft_accepted if job.n_drafted else None))
                 self.finish(active, last, reason)
         return freed
 

@@ -49,6 +49,9 @@ class Outcome:
     generated_tokens: int = 0
     reasoning_tokens: int | None = None
     """Of ``generated_tokens``, those thought (counted with a thinking budget)."""
+    draft_tokens: int = 0
+    """Draft tokens verified for it, and those the model confirmed."""
+    draft_accepted: int = 0
     queue_wait_s: float = 0.0
     ttft_s: float | None = None
     duration_s: float = 0.0

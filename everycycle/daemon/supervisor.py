@@ -67,7 +67,7 @@ from .lifecycle import Requests
 from .lorascales import LoraScales
 from .outcome import Limits, Outcome, Peer, prompt_bytes
 from .quota import Quotas
-from .residency import EngineFactory, Residency, Resident, context, room
+from .residency import EngineFactory, Residency, Resident, context, drafts, room
 from .residency.remote import RemoteHosts
 from .subscribe import Subscribers
 from .tasks import Tasks
@@ -272,6 +272,8 @@ class Supervisor:
             elif isinstance(request, Load):
                 self._know(request.model)
                 spec = self.residency.spec_for(request.model, allow_paths=peer.allow_paths)
+                if request.draft_model is not None:
+                    spec = await drafts.with_draft(self.residency, spec, request.draft_model)
                 model = await context.loaded(
                     self.residency, self.requests.lane(spec.name), spec, request.context,
                     executor=request.executor, retry_failed=True)

@@ -85,7 +85,7 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
                 jobs.pop(jid, None)
         assert runner is not None  # jobs come only once it is loaded
         send(Outputs(items, runner.lookup_drafted, runner.lookup_accepted,
-                     runner.images_encoded))
+                     runner.images_encoded, runner.draft_drafted, runner.draft_accepted))
 
     try:
         runner = Runner.load(Path(path), options, notify)
@@ -130,7 +130,8 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
                 failed = Output("", (), True, "error", WireError.of(exc).exception())
                 send(Outputs([JobOutput.of(message.jid, job, failed)],
                              runner.lookup_drafted, runner.lookup_accepted,
-                             runner.images_encoded))
+                             runner.images_encoded, runner.draft_drafted,
+                             runner.draft_accepted))
         elif isinstance(message, CancelJob):
             if message.jid in jobs:
                 runner.cancel(jobs[message.jid], message.reason)

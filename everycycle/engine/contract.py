@@ -72,6 +72,16 @@ class Engine(Protocol):
         ...
 
     @property
+    def draft_drafted(self) -> int:
+        """Its draft model's tokens verified."""
+        ...
+
+    @property
+    def draft_accepted(self) -> int:
+        """Its draft model's tokens the model confirmed."""
+        ...
+
+    @property
     def images_encoded(self) -> int:
         """Images its vision projector encoded."""
         ...
@@ -156,6 +166,13 @@ class LoadOptions:
     """The bytes of host RAM its prompt cache may hold (promptcache.py; 0: none)."""
     lora: tuple[str, ...] = ()
     """LoRA adapter GGUFs to load beside the model (lora.py), in its ``lora`` order."""
+    draft: str | None = None
+    """A draft model's GGUF to load beside it (draftmodel.py), and its name."""
+    draft_name: str = ""
+    draft_max: int = 3
+    """llama-server's --spec-draft-n-max, --spec-draft-n-min, --draft-p-min."""
+    draft_min: int = 0
+    draft_p_min: float = 0.0
 
 
 # ---------------------------------------------------------------------- the pipe
@@ -168,8 +185,8 @@ def send_message(conn: Connection, message: object) -> None:
     tuples: pickling a NamedTuple names its class and calls its ``__getnewargs__`` for
     every one, ten times the cost of the tuple's contents. ``MessageReader`` unpacks it."""
     if type(message) is Outputs:
-        items, drafted, accepted, images = message
-        message = ([tuple(o) for o in items], drafted, accepted, images)
+        items, *counts = message
+        message = ([tuple(o) for o in items], *counts)
     conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
 
 
@@ -231,9 +248,8 @@ def _unpacked(message: Any) -> Any:
     """An ``Outputs`` again from its plain tuples (``send_message``); any other message
     is a NamedTuple already."""
     if type(message) is tuple:
-        items, drafted, accepted, images = message
-        return Outputs([tuple.__new__(JobOutput, o) for o in items], drafted, accepted,
-                       images)
+        items, *counts = message
+        return Outputs([tuple.__new__(JobOutput, o) for o in items], *counts)
     return message
 
 
@@ -371,18 +387,22 @@ class JobOutput(NamedTuple):
     n_parked: int = 0
     parked: bool | None = None
     n_thought: int = 0
+    n_drafted: int = 0
+    n_draft_accepted: int = 0
 
     @classmethod
     def of(cls, jid: int, job: Job, o: Output) -> JobOutput:
         return cls(jid, o.text, o.ids, o.finished, o.reason,
                    WireError.of(o.error) if o.error is not None else None, o.embeddings,
                    o.logprobs, job.n_prompt, job.n_reused, job.n_generated, o.progress,
-                   job.n_parked, o.parked, job.n_thought)
+                   job.n_parked, o.parked, job.n_thought, job.n_drafted,
+                   job.n_draft_accepted)
 
     def unpacked(self, job: Job) -> Output:
         """The Output again, its counts set on ``job`` (the daemon's copy)."""
         job.n_prompt, job.n_reused, job.n_generated, job.n_parked, job.n_thought = (
             self.n_prompt, self.n_reused, self.n_generated, self.n_parked, self.n_thought)
+        job.n_drafted, job.n_draft_accepted = self.n_drafted, self.n_draft_accepted
         return Output(self.text, self.ids, self.finished, self.reason,
                       self.error.exception() if self.error is not None else None,
                       self.embeddings, self.logprobs, self.progress, self.parked)
@@ -393,6 +413,8 @@ class Outputs(NamedTuple):
     lookup_drafted: int
     lookup_accepted: int
     images_encoded: int = 0
+    draft_drafted: int = 0
+    draft_accepted: int = 0
 
 
 class Returned(NamedTuple):

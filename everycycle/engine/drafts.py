@@ -1,45 +1,84 @@
 """Drafts: tokens put in a step's batch after a slot's own row, for the model to confirm
-in that one step. Two kinds: the tokens a slot's grammar forces (llguidance's
+in that one step. Three sources: the tokens a slot's grammar forces (llguidance's
 fast-forward tokens: after ``{"`` of an object whose first key is ``title``, that key),
-and prompt-lookup drafts (``lookup.py``). The scheduler asks the ``Drafter`` for a
-slot's draft as it plans a step; the step verifies it by choosing each row's token
-exactly as one-at-a-time decoding would (greedy or sampled, within the grammar), so a
-draft changes no choice, only how many steps they take (and, where a batch's rows are
-not bit-exact, llama.cpp's numerics). No llama.cpp here. Engine thread only.
+prompt-lookup drafts (``lookup.py``), and a draft model's (``draftmodel.py``). The
+scheduler asks the ``Drafter`` for a slot's draft as it plans a step; a draft model's
+tokens are made once the plan is laid out (``fill``: one batched drafting for every slot
+that asked). The step verifies a draft by choosing each row's token exactly as
+one-at-a-time decoding would (greedy or sampled, within the grammar), so a draft changes
+no choice, only how many steps they take (and, where a batch's rows are not bit-exact,
+llama.cpp's numerics).
+
+One policy chooses, from what steps cost here as measured: a draft is proposed only
+where its expected confirmed tokens pay for the rows it adds to the step, and, a draft
+model's, for that model's own decoding (``StepCost.draft_plan``); of lookup's and the
+draft model's, the one promising more tokens a second. A slot whose model drafts stop
+paying rests from them (8 steps, doubling to 256 while they keep failing), then tries
+a short one. Engine thread only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from typing import Literal
 
-from .lookup import Costs
+from .draftmodel import Ask, DraftModel
+from .lookup import Acceptance, Costs
+from .plan import Work
 from .slots import Run
 
 FORCED_RATE = 0.95
 """The chance a forced token is the model's choice too: it is, unless the model spells
 the same text with other tokens (llguidance forces the canonical ones)."""
+REST_FIRST = 8
+REST_MAX = 256
+"""Steps a slot rests from model drafts once they stop paying: the first time, and at
+most (each rest that ends in a failed try doubles the next)."""
+PROBE = 2
+"""Tokens of the draft a slot tries when a rest ends."""
+
+Source = Literal["forced", "lookup", "model"]
 
 
 @dataclass(frozen=True)
 class Draft:
     """A slot's draft for one step: its tokens, the chance each is right given the ones
-    before it were, and whether its grammar forces them."""
+    before it were, and where they come from. A draft model's comes as ``ask``, the
+    tokens wanted, its tokens made by ``Drafter.fill``."""
 
     tokens: list[int]
     rate: float = 0.0
-    forced: bool = False
+    source: Source = "lookup"
+    ask: int = 0
 
 
 NO_DRAFT = Draft([])
 
 
-class Drafter:
-    """Proposes drafts as long as their rows pay for (``StepCost.draft_len``), and counts
-    what was drafted and confirmed."""
+@dataclass
+class Pace:
+    """A slot's drafting with the draft model: how its drafts do, and its rest."""
 
-    def __init__(self, costs: Costs) -> None:
+    acceptance: Acceptance
+    rest: int = 0
+    """Steps left before it may draft again."""
+    backoff: int = REST_FIRST
+    """The next rest's length."""
+    tried: bool = field(default=True)
+    """Whether it has drafted since its last rest began (else the next step tries)."""
+
+
+class Drafter:
+    """Proposes drafts as long as their rows (and their making) pay, makes a draft
+    model's, and counts what was drafted and confirmed."""
+
+    def __init__(self, costs: Costs, model: DraftModel | None = None) -> None:
         self._costs = costs
+        self.model = model
+        """The draft model (None: none)."""
+        self._sharing = 1
+        """Slots that drafted with the model together last time: its step is theirs."""
         self.lookup_drafted = 0
         """Prompt-lookup draft tokens proposed, and those the model confirmed."""
         self.lookup_accepted = 0
@@ -47,27 +86,74 @@ class Drafter:
         """Draft tokens a grammar forced, and those the model confirmed."""
         self.forced_accepted = 0
 
+    def pace(self) -> Pace | None:
+        """A new job's pace with the draft model (None: there is none): its start, how
+        the model's drafts have done on every slot."""
+        if self.model is None:
+            return None
+        return Pace(self.model.acceptance.copy())
+
     def propose(self, run: Run, room: int, rows: int, expected: float) -> Draft:
         """``run``'s draft for a step of ``rows`` rows so far, expected to yield
         ``expected`` tokens, with room for ``room`` more: the tokens its grammar forces
         (the model confirms them, barring another spelling of the same text), else a
-        prompt-lookup draft."""
+        prompt-lookup draft or a draft model's, whichever pays more."""
         cost = self._costs.decode
         if run.grammar is not None and room > 0:
             forced = run.grammar.forced(room)
             if forced:
                 n = cost.draft_len(rows, expected, FORCED_RATE, len(forced))
-                return Draft(forced[:n], FORCED_RATE, True)
-        if run.lookup is None:
-            return NO_DRAFT
-        draft = run.lookup.propose(room, partial(cost.draft_len, rows, expected))
-        return Draft(draft, run.lookup.rate)
+                return Draft(forced[:n], FORCED_RATE, "forced")
+        lookup = NO_DRAFT
+        if run.lookup is not None:
+            tokens = run.lookup.propose(room, partial(cost.draft_len, rows, expected))
+            if tokens:
+                lookup = Draft(tokens, run.lookup.rate)
+        pace, model = run.pace, self.model
+        if pace is None or model is None or room <= 0:
+            return lookup
+        if pace.rest > 0:
+            pace.rest -= 1
+            return lookup
+        rate = pace.acceptance.rate
+        available = min(room, model.limits.n_max)
+        step = model.cost.estimate(self._sharing)
+        per_token = step / self._sharing if step is not None else 0.0
+        n, speed = cost.draft_plan(rows, expected, rate, available, per_token)
+        if lookup.tokens and cost.draft_plan(rows, expected, lookup.rate,
+                                             len(lookup.tokens))[1] >= speed:
+            return lookup
+        if n == 0:
+            if not pace.tried:  # a rest just ended: a short try says whether it pays again
+                pace.tried = True
+                return Draft([], rate, "model", min(PROBE, available))
+            pace.rest, pace.backoff = pace.backoff, min(2 * pace.backoff, REST_MAX)
+            pace.tried = False
+            return lookup
+        pace.backoff = REST_FIRST
+        return Draft([], rate, "model", n)
 
-    def verified(self, run: Run, drafted: int, accepted: int, forced: bool) -> None:
+    def fill(self, works: list[Work]) -> None:
+        """Make the draft model's tokens for ``works`` (each asking for ``ask``), in one
+        batched drafting; a work whose draft came out empty drafts nothing."""
+        assert self.model is not None
+        asks = [Ask(w.slot.seq, [*w.slot.cached, w.run.last], w.ask) for w in works]
+        self._sharing = len(asks)
+        for w, tokens in zip(works, self.model.draft(asks), strict=True):
+            w.tokens.extend(tokens)
+            w.draft, w.ask = len(tokens), 0
+
+    def verified(self, run: Run, drafted: int, accepted: int, source: Source) -> None:
         """``run``'s draft of ``drafted`` tokens had its first ``accepted`` confirmed."""
-        if forced:
+        run.job.n_drafted += drafted
+        run.job.n_draft_accepted += accepted
+        if source == "forced":
             self.forced_drafted += drafted
             self.forced_accepted += accepted
+        elif source == "model":
+            assert self.model is not None and run.pace is not None
+            self.model.verified(drafted, accepted)
+            run.pace.acceptance.learn(drafted, accepted)
         else:
             assert run.lookup is not None
             run.lookup.verified(drafted, accepted)

@@ -97,6 +97,8 @@ class JobSpec:
     a reranker, answered by its scores."""
     lookup: bool = True
     """Prompt-lookup drafts, verified in the batch (greedy jobs)."""
+    draft: bool = True
+    """Drafts of the model's draft model, where it has one, verified in the batch."""
     special: bool = False
     """Render control tokens as their text (tool-call and thinking markers may be)."""
     logprobs: int | None = None
@@ -151,6 +153,9 @@ class Job:
     """How often it gave its slot up to an interactive job."""
     n_thought: int = 0
     """Of ``n_generated``, the tokens it thought (with a ``think`` budget)."""
+    n_drafted: int = 0
+    """Draft tokens verified for it (every source), and those the model confirmed."""
+    n_draft_accepted: int = 0
     promoted: bool = False
     """A background job served as an interactive one from now on (it waited too long)."""
 

@@ -61,18 +61,46 @@ def expected_accepted(rate: float, length: int) -> float:
     return rate * (1.0 - rate ** length) / (1.0 - rate)  # rate + rate² + … + rate^length
 
 
+class Acceptance:
+    """How often a drafter's tokens are right: the chance that a drafted token is right
+    given the ones before it were, from its recent drafts (each drafted token weighs
+    DECAY of the one after it). An even start, weighing one token, so the first draft
+    decides."""
+
+    __slots__ = ("_right", "_tried")
+
+    def __init__(self, right: float = 0.5, tried: float = 1.0) -> None:
+        self._right, self._tried = right, tried
+
+    @property
+    def rate(self) -> float:
+        return self._right / self._tried
+
+    def copy(self) -> Acceptance:
+        return Acceptance(self._right, self._tried)
+
+    def learn(self, drafted: int, accepted: int) -> None:
+        """A draft of ``drafted`` tokens had its first ``accepted`` right."""
+        keep = DECAY ** accepted  # each right token: one more try, one more right
+        gained = (1.0 - keep) / (1.0 - DECAY)
+        self._right = keep * self._right + gained
+        self._tried = keep * self._tried + gained
+        if accepted < drafted:  # and the first wrong one: one more try
+            self._right *= DECAY
+            self._tried = DECAY * self._tried + 1.0
+
+
 class PromptLookup:
     """One sequence's n-gram index: where each n-gram was followed by something, its
     last CANDIDATES places."""
 
     __slots__ = (
+        "_acceptance",
         "_history",
         "_hits",
         "_index",
         "_predicted",
-        "_right",
         "_tokens",
-        "_tried",
         "accepted",
         "drafted",
     )
@@ -85,9 +113,8 @@ class PromptLookup:
         self.drafted = 0
         """Draft tokens verified in a batch, and those the model confirmed."""
         self.accepted = 0
-        # Drafted tokens tried (each one after an accepted one) and right, decayed: an
-        # even start, weighing one token, so the first draft or prediction decides.
-        self._right, self._tried = 0.5, 1.0
+        self._acceptance = Acceptance()
+        """Its drafts and predictions, right and tried."""
         self._predicted: list[int] = []
         """A draft not verified (not worth its rows), checked against what follows."""
         self._hits = 0
@@ -119,7 +146,7 @@ class PromptLookup:
     def rate(self) -> float:
         """The chance that a drafted token is right given the ones before it were, from
         recent drafts (verified and predicted)."""
-        return self._right / self._tried
+        return self._acceptance.rate
 
     def append(self, token: int) -> None:
         """``token`` is now the sequence's last (prompt, or generated and accepted)."""
@@ -139,11 +166,11 @@ class PromptLookup:
         if predicted:  # checked token by token: the rate is current at every step
             if token == predicted[self._hits]:
                 self._hits += 1
-                self._learn(1, 1)
+                self._acceptance.learn(1, 1)
                 if self._hits < len(predicted):
                     return
             else:
-                self._learn(1, 0)
+                self._acceptance.learn(1, 0)
             self._predicted = []
 
     def draft(self, limit: int) -> list[int]:
@@ -191,16 +218,7 @@ class PromptLookup:
         """A draft of ``drafted`` tokens had its first ``accepted`` confirmed."""
         self.drafted += drafted
         self.accepted += accepted
-        self._learn(drafted, accepted)
-
-    def _learn(self, drafted: int, accepted: int) -> None:
-        keep = DECAY ** accepted  # each right token: one more try, one more right
-        gained = (1.0 - keep) / (1.0 - DECAY)
-        self._right = keep * self._right + gained
-        self._tried = keep * self._tried + gained
-        if accepted < drafted:  # and the first wrong one: one more try
-            self._right *= DECAY
-            self._tried = DECAY * self._tried + 1.0
+        self._acceptance.learn(drafted, accepted)
 
 
 def _best_place(source: Sequence[int], toks: Sequence[int], starts: Sequence[int]
@@ -316,23 +334,32 @@ class StepCost:
             self._rebuild(rows)
         return self._table[rows] if self._table else None
 
-    def draft_len(self, rows: int, tokens: float, rate: float, available: int) -> int:
+    def draft_len(self, rows: int, tokens: float, rate: float, available: int,
+                  per_token: float = 0.0) -> int:
         """How many draft tokens to add to a step that already has ``rows`` rows and
         is expected to yield ``tokens`` tokens: the length with the most expected tokens
         per second, each draft token right with probability ``rate`` given the ones
-        before it were; 0 if none beats no draft by MARGIN."""
+        before it were, each costing ``per_token`` seconds to make (a draft model's
+        decoding; 0 for prompt lookup's); 0 if none beats no draft by MARGIN."""
+        return self.draft_plan(rows, tokens, rate, available, per_token)[0]
+
+    def draft_plan(self, rows: int, tokens: float, rate: float, available: int,
+                   per_token: float = 0.0) -> tuple[int, float]:
+        """``draft_len``'s length and the expected tokens per second it gives (without a
+        draft: ``tokens`` over the step's time; 0.0 before any step was timed)."""
         if self.estimate(rows + available) is None:  # (also makes the table long enough)
-            return 0
+            return 0, 0.0
         table = self._table
-        best_len, best = 0, tokens / table[rows] * (1.0 + self.MARGIN)
+        alone = tokens / table[rows]
+        best_len, best = 0, alone * (1.0 + self.MARGIN)
         gain, p = 0.0, 1.0
         for d in range(1, available + 1):
             p *= rate
             gain += p
-            speed = (tokens + gain) / table[rows + d]
+            speed = (tokens + gain) / (table[rows + d] + per_token * d)
             if speed > best:
                 best_len, best = d, speed
-        return best_len
+        return best_len, best if best_len else alone
 
     def _rebuild(self, rows: int) -> None:
         self._stale = 0

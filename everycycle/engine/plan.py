@@ -12,6 +12,7 @@ llama.cpp, and nothing changes a slot until the step has run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .jobs import Job
 from .parking import Parked
@@ -33,8 +34,10 @@ class Work:
     """How many of ``tokens`` are prompt tokens read from ``run.todo`` (0: a decode)."""
     draft: int = 0
     """A decode's draft: the last ``draft`` tokens, after the run's own last token."""
-    forced: bool = False
-    """Whether the draft is the tokens its grammar forces (else prompt lookup's)."""
+    source: Literal["forced", "lookup", "model"] = "lookup"
+    """Where the draft comes from (``drafts.Draft.source``)."""
+    ask: int = 0
+    """Draft model tokens asked for, not made yet (``Drafter.fill`` makes them)."""
     sample: int | None = None
     """The row whose logits choose the next token (None: the prompt is still read)."""
 
@@ -65,6 +68,32 @@ class StepPlan:
     """Batch rows in all."""
     lora: tuple[float, ...] = ()
     """The LoRA scales of every job in it (``lora.cells``): the context applies them."""
+
+    @property
+    def asks(self) -> list[Work]:
+        """The work waiting for a draft model's tokens (``ask``)."""
+        return [w for w in self.work if w.ask]
+
+    def settle(self) -> None:
+        """Lay out the batch rows from the work's tokens: each decoding slot's own row
+        first, then their drafts, then prompt chunks (a prompt read through samples from
+        its last row)."""
+        n = 0
+        decodes = [w for w in self.work if w.decode]
+        for w in decodes:
+            w.rows = [n]
+            w.sample = n
+            n += 1
+        for w in decodes:
+            w.rows.extend(range(n, n + len(w.tokens) - 1))
+            n += len(w.tokens) - 1
+        for w in self.work:
+            if not w.decode:
+                w.rows = list(range(n, n + len(w.tokens)))
+                n += len(w.tokens)
+                if w.sample is not None:
+                    w.sample = n - 1
+        self.n = n
 
     @property
     def filling(self) -> bool:

@@ -141,6 +141,8 @@ class EngineProcess:
         self.lookup_exact = info.lookup_exact
         self.lookup_drafted = 0
         self.lookup_accepted = 0
+        self.draft_drafted = 0
+        self.draft_accepted = 0
         self.images_encoded = 0
         self.prompt_cache: CacheStats | None = None
         self.step_seconds: tuple[float, ...] = ()
@@ -273,6 +275,7 @@ class EngineProcess:
         self.lookup_drafted, self.lookup_accepted = (message.lookup_drafted,
                                                      message.lookup_accepted)
         self.images_encoded = message.images_encoded
+        self.draft_drafted, self.draft_accepted = message.draft_drafted, message.draft_accepted
         batch = []
         with self._lock:
             for o in message.items:

@@ -37,6 +37,7 @@ from . import kvdisk, promptcache
 from .batchrun import BatchRunner
 from .constraint import Constraints
 from .contract import CacheStats, LoadOptions, Notify
+from .draftmodel import DraftLimits, DraftModel
 from .drafts import Drafter
 from .jobs import EMBED_MAX_TOKENS, Job, Output
 from .llamaload import create_context, devices_for, load_model
@@ -86,7 +87,10 @@ class Runner:
                    label=options.name or None, kv_disk=(
                        Path(options.kv_cache_dir) if options.kv_cache_dir else None,
                        options.kv_cache_disk), kv_ram=options.kv_cache_ram,
-                   lora=tuple(Path(p) for p in options.lora))
+                   lora=tuple(Path(p) for p in options.lora),
+                   draft=Path(options.draft) if options.draft else None,
+                   draft_label=options.draft_name, draft_limits=DraftLimits(
+                       options.draft_max, options.draft_min, options.draft_p_min))
 
     def __init__(
         self,
@@ -107,6 +111,9 @@ class Runner:
         kv_disk: tuple[Path | None, int] = (None, 0),
         kv_ram: int = 0,
         lora: Sequence[Path] = (),
+        draft: Path | None = None,
+        draft_label: str = "",
+        draft_limits: DraftLimits | None = None,
     ) -> None:
         import llama_cpp as L
 
@@ -146,18 +153,34 @@ class Runner:
         self.weights_bytes = int(L.llama_model_size(model))
         self._vision: Vision | None = None
         adapters: Adapters | None = None
+        drafts: DraftModel | None = None
         try:
             if mmproj is not None:
                 self._vision = Vision(model, mmproj, n_threads=threads,
                                       use_gpu=bool(gpu_devices))
             if lora:
                 adapters = Adapters(L, model, lora, self.label)
+            if draft is not None:
+                offloaded = self.offloaded
+                drafts = DraftModel(
+                    L, draft, model, label=draft_label or draft.name, target_label=self.label,
+                    parallel=parallel, n_ctx_slot=L.llama_n_ctx(ctx) // parallel,
+                    n_batch=n_batch, threads=threads, gpu_devices=gpu_devices,
+                    # (all on the GPU beside a target all there; else on the CPU)
+                    n_gpu_layers=None if offloaded and offloaded[0] >= offloaded[1] else 0,
+                    extra_bufts=extra_bufts, kv_cache_type=kv_cache_type,
+                    limits=draft_limits or DraftLimits())
         except BaseException:
             if self._vision is not None:
                 self._vision.close()
             L.llama_free(ctx)
             L.llama_model_free(model)
             raise
+        self.draft_model = drafts
+        """Its draft model (None: none): its weights and KV cache count as the model's."""
+        if drafts is not None:
+            self.weights_bytes += drafts.weights_bytes
+            self.kv_bytes += drafts.kv_bytes
         self.adapters = adapters
         """Its LoRA adapters (None: none)."""
         self._n_swa = int(L.llama_model_n_swa(model))
@@ -183,7 +206,7 @@ class Runner:
         self._cond = self._inbox.cond
         preempt = Preempt(L, ctx, self._cond) if plain else None
         """Stops a background step for an arriving interactive job (None: never)."""
-        self._drafter = self.drafter_type(self.costs)
+        self._drafter = self.drafter_type(self.costs, drafts)
         self._seating = Seating(
             L, ctx, self._mem, samplers=self._samplers, constraints=self._constraints,
             cache=cache, vision=self._vision, history=history,
@@ -215,6 +238,8 @@ class Runner:
         """Whether batches are bit-exact here, and a step's time by rows, measured."""
         toks = self.vocab.tokenize(
             "The quick brown fox jumps over the lazy dog again and again", special=False)
+        if self.draft_model is not None:
+            self.draft_model.probe()
         return batch_probe(self._L, self._ctx, self._mem, self._batch, n_vocab=self._n_vocab,
                            n_batch=self._n_batch, n_ctx_slot=self.n_ctx_slot, toks=toks)
 
@@ -257,6 +282,15 @@ class Runner:
     @property
     def lookup_accepted(self) -> int:
         return self._drafter.lookup_accepted
+
+    @property
+    def draft_drafted(self) -> int:
+        """Draft model tokens verified (and, below, those the model confirmed)."""
+        return self.draft_model.drafted if self.draft_model is not None else 0
+
+    @property
+    def draft_accepted(self) -> int:
+        return self.draft_model.accepted if self.draft_model is not None else 0
 
     @property
     def prompt_cache(self) -> CacheStats | None:
@@ -408,6 +442,8 @@ class Runner:
             if self._cache is not None:  # (on the engine thread's behalf: it has ended)
                 self._cache.spill([(slot.cached, partial(
                     promptcache.copy_state, L, self._ctx, slot.seq)) for slot in self.loop.slots])
+            if self.draft_model is not None:
+                self.draft_model.close()
             L.llama_batch_free(self._batch)
             L.llama_free(self._ctx)
             L.llama_model_free(self._model)

@@ -4,8 +4,8 @@
 background job to take its slot, so it waits at most one step; a parked job resumes
 before any pending background job; a job parked for longer than its
 ``background_age`` is served as interactive. ``plan`` lays out the one
-``llama_decode``: a row per decoding slot, then drafts (``Drafter``), then prompt
-chunks; while an interactive job reads its prompt, background jobs sit the step out
+``llama_decode``: a row per decoding slot, then drafts (``Drafter``; a draft model's
+asked for, its rows held, made once the plan is laid out), then prompt chunks; while an interactive job reads its prompt, background jobs sit the step out
 (its first token comes as soon as on an idle engine), and a background prompt reads
 only as many tokens as keep the step short (``background_room``).
 
@@ -164,19 +164,19 @@ class Scheduler:
         expected = float(n)  # the tokens this step should yield
         for w in list(plan.work):  # drafts after every slot has its row
             r = w.run
-            if (r.grammar is None and r.lookup is None) or r.forced or (
+            if (r.grammar is None and r.lookup is None and r.pace is None) or r.forced or (
                     r.thinking is not None and not r.thinking.done):
                 continue  # (nothing drafts; or a thinking budget counts token by token)
             room = min(self.n_batch - n, self.n_ctx_slot - r.n_past - 1,
                        r.job.spec.max_tokens - r.job.n_generated - 1)
             draft = self.drafter.propose(r, room, n, expected)
-            if not draft.tokens:
+            length = len(draft.tokens) or draft.ask
+            if not length:
                 continue
-            expected += expected_accepted(draft.rate, len(draft.tokens))
+            expected += expected_accepted(draft.rate, length)
             w.tokens.extend(draft.tokens)
-            w.rows.extend(range(n, n + len(draft.tokens)))
-            w.draft, w.forced = len(draft.tokens), draft.forced
-            n += len(draft.tokens)
+            w.draft, w.source, w.ask = len(draft.tokens), draft.source, draft.ask
+            n += length  # (a draft model's rows held for it: it may make fewer)
         background_room = self.background_room(n)
         for s, r in runs:
             if not r.todo or n >= self.n_batch:
@@ -188,12 +188,10 @@ class Scheduler:
                     continue
                 background_room -= room
             take = r.todo[:room]
-            end = n + len(take)
-            plan.work.append(Work(s, r, r.n_past, take, list(range(n, end)),
-                                  prompt=len(take),
-                                  sample=end - 1 if len(take) == len(r.todo) else None))
-            n = end
-        plan.n = n
+            n += len(take)
+            plan.work.append(Work(s, r, r.n_past, take, [], prompt=len(take),
+                                  sample=0 if len(take) == len(r.todo) else None))
+        plan.settle()
         return plan
 
     def _lora_turn(self, sets: Sequence[tuple[float, ...]],

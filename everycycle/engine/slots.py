@@ -8,12 +8,15 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .constraint import Matcher
 from .jobs import Job, Logprob, common_prefix, stop_split
 from .lookup import PromptLookup
 from .thinking import Thinking
+
+if TYPE_CHECKING:
+    from .drafts import Pace
 
 
 def _utf8() -> Any:
@@ -37,6 +40,8 @@ class Run:
     """Under a constraint: the job's matcher (``constraint.py``)."""
     lookup: PromptLookup | None = None
     """Its prompt-lookup drafter (None: it drafts no lookup tokens)."""
+    pace: Pace | None = None
+    """Its drafting with the model's draft model (None: it drafts none)."""
     prompt: Any = None
     """A job with images: its libmtmd prompt, once read (vision.Prompt)."""
     thinking: Thinking | None = None

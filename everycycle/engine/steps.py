@@ -130,6 +130,8 @@ class StepLoop:
             self._embed(embeds, out, self.progressed)
         self._read_images(out)
         plan = self.scheduler.plan([s for s in self.slots if s.run is not None])
+        if plan.asks:
+            self._draft(plan)
         if plan.n:
             rc = self.batches.run(plan, self.inbox.pending)
             if rc is None:  # stopped and undone: an interactive job came
@@ -183,11 +185,29 @@ class StepLoop:
                 elif isinstance(move, Start):
                     kept.remove(move.job)
                     self.seating.start(move.job, move.slot, out, self.steps)
+                    run = move.slot.run
+                    if run is not None and run.job is move.job and move.job.spec.draft \
+                            and not move.job.spec.images:
+                        run.pace = self.drafter.pace()
                 elif isinstance(move, Resume):
                     self.parked.remove(move.parked)
                     self.seating.resume(move.parked, move.slot, self.steps)
                     out.append((move.parked.job, Output("", (), parked=False)))
             return embeds
+
+    def _draft(self, plan: StepPlan) -> None:
+        """Make the draft model's tokens the plan asked for, and lay its rows out again.
+        Where the draft model fails, the step goes on without its drafts (and the model
+        without a draft model, said once in the log)."""
+        try:
+            self.drafter.fill(plan.asks)
+        except EverycycleError as exc:
+            log.error("%s: drafting stops: %s", self._label, exc.message)
+            self.drafter.model = None
+            for w in plan.asks:
+                w.ask = 0
+                w.run.pace = None
+        plan.settle()
 
     def _read_images(self, out: Outputs) -> None:
         """Jobs with images read them (and their prompt's chunks before the last text)."""
@@ -278,7 +298,7 @@ class StepLoop:
             self.batches.forget(w.slot.seq, w.start + 1 + accepted)
             del w.slot.cached[len(w.slot.cached) - (k - accepted):]
             run.n_past = w.start + 1 + accepted
-        self.drafter.verified(run, k, accepted, w.forced)
+        self.drafter.verified(run, k, accepted, w.source)
         for i, tok in enumerate(taken):
             if self._take(w.slot, tok, w.start + 1 + i, out):
                 return

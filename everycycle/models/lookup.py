@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from ..errors import InvalidRequestError
-from . import stores
-from .registry import ModelSpec, Registry
+from . import hub, stores
+from .registry import ModelSpec, Registry, local_file
 
 
 def spec_for(registry: Registry, name: str, *, allow_paths: bool) -> ModelSpec:
@@ -33,3 +33,24 @@ def spec_for(registry: Registry, name: str, *, allow_paths: bool) -> ModelSpec:
             raise InvalidRequestError(f"{path} belongs to another user")
         return ModelSpec(name=name, origin=path, path=path)
     return registry.get(name)
+
+
+def draft_file(registry: Registry, spec: ModelSpec, *, download: bool = False
+               ) -> tuple[str, Path] | None:
+    """``spec``'s draft model (None: it has none): its name and its GGUF on disk (a hub
+    one downloaded first with ``download``, unless offline). Raises InvalidRequestError
+    saying which draft model of which model is missing."""
+    draft = spec.draft
+    if draft is None:
+        return None
+    what = f"model '{spec.name}': its draft model"
+    if draft.model.startswith("hf:"):
+        path = hub.resolved(draft.model, None, fetch=download, what=what)
+        return path.name, path
+    if draft.model == spec.name:
+        raise InvalidRequestError(f"{what} is the model itself")
+    try:
+        found = spec_for(registry, draft.model, allow_paths=True)
+        return found.name, local_file(found, download=download)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{what} '{draft.model}': {exc.message}") from None

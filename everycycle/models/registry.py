@@ -26,7 +26,7 @@ from ..errors import (
     UnknownModelError,
 )
 from ..protocol import Format, check_model_name, sampling
-from . import adapters, budgets, hub, hubrepo
+from . import adapters, budgets, drafting, hub, hubrepo
 
 SHIPPED_MODELS = Path(__file__).parent.parent / "models.toml"
 
@@ -59,6 +59,7 @@ _KEYS = {
 _KEYS.update({p.name: object for p in sampling.PARAMS})  # (checked by the table)
 _KEYS.update(budgets.KEYS)
 _KEYS.update(adapters.KEYS)
+_KEYS.update(drafting.KEYS)
 _SOURCES = ("path", "package", "hf_repo")
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 DEFAULT_KEEP_ALIVE = 300.0
@@ -151,6 +152,8 @@ class ModelSpec:
     """A thinking model's budgets (``models/budgets.py``)."""
     lora: tuple[adapters.LoraEntry, ...] = ()
     """Its LoRA adapters (``models/adapters.py``)."""
+    draft: drafting.DraftSpec | None = None
+    """Its draft model for speculative decoding (``models/drafting.py``)."""
 
     @property
     def hub_ref(self) -> hub.HubRef:
@@ -304,6 +307,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         kv_cache_ram=raw.get("kv_cache_ram", -1),
         reasoning=budgets.parse(raw, where),
         lora=adapters.parse(raw, where, origin),
+        draft=drafting.parse(raw, where, origin),
     )
 
 

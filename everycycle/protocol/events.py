@@ -104,7 +104,7 @@ class ExecutorSummary:
     "unload_in_ms": COUNT, "keep_alive_ms": (-1, COUNT[1]), "weights_bytes": COUNT,
     "kv_bytes": COUNT, "engine_pid": COUNT, "engine_rss": COUNT, "engine_restarts": COUNT,
     "prompt_cache_bytes": COUNT, "prompt_cache_hits": COUNT, "prompt_cache_evictions": COUNT,
-    "context": COUNT})
+    "context": COUNT, "draft_drafted": COUNT, "draft_accepted": COUNT})
 class LoadedModel:
     """A model resident on an executor; ``revision`` is its pinned commit, if any."""
 
@@ -122,6 +122,11 @@ class LoadedModel:
     lookup_drafted: int | None = field(default=None, metadata=_EXT)
     """Prompt-lookup draft tokens proposed so far, and those the model confirmed."""
     lookup_accepted: int | None = field(default=None, metadata=_EXT)
+    draft_model: str | None = field(default=None, metadata=_EXT)
+    """Its draft model (speculative decoding; absent: none), the tokens it drafted that
+    were verified so far, and those the model confirmed."""
+    draft_drafted: int | None = field(default=None, metadata=_EXT)
+    draft_accepted: int | None = field(default=None, metadata=_EXT)
     images_encoded: int | None = field(default=None, metadata=_EXT)
     """Images its vision projector encoded (absent: it has none)."""
     device_layers: int | None = field(default=None, metadata=_EXT)
@@ -244,7 +249,7 @@ class Embeddings:
 
 
 @message(ranges={"prompt_tokens": COUNT, "cached_tokens": COUNT, "generated_tokens": COUNT,
-                 "reasoning_tokens": COUNT})
+                 "reasoning_tokens": COUNT, "draft_n": COUNT, "draft_n_accepted": COUNT})
 class Usage:
     """What a finished generation cost, just before its last Tokens (an extension, sent
     only to a Generate that asked for it with ``usage: true``)."""
@@ -259,6 +264,11 @@ class Usage:
     reasoning_tokens: int | None = field(default=None, metadata=_EXT)
     """Of ``generated_tokens``, those a thinking model thought (an extension; with a
     thinking budget, where the engine counts them)."""
+    draft_n: int | None = field(default=None, metadata=_EXT)
+    """Draft tokens verified for it (a draft model's, prompt lookup's, a grammar's), and
+    those the model confirmed (llama-server's ``timings.draft_n``, ``draft_n_accepted``;
+    an extension, absent where nothing drafted)."""
+    draft_n_accepted: int | None = field(default=None, metadata=_EXT)
 
 
 @message(ranges={"total": COUNT, "cached": COUNT, "processed": COUNT, "time_ms": COUNT})

@@ -332,6 +332,9 @@ class Load:
     """As Generate's (an extension)."""
     context: int | None = field(default=None, metadata=_EXT)
     """As Generate's (an extension): resident with at least this many tokens a slot."""
+    draft_model: str | None = field(default=None, metadata=_EXT)
+    """Load it with this draft model (another model's name, an absolute GGUF path or an
+    hf:// URL) for speculative decoding (an extension)."""
 
 
 @message()

@@ -70,6 +70,9 @@ class Usage:
     generated: int = 0
     reasoning: int | None = None
     """Of ``generated``, the tokens thought (where a thinking budget counted them)."""
+    drafted: int = 0
+    """Draft tokens verified (speculative decoding), and those the model confirmed."""
+    draft_accepted: int = 0
 
     @property
     def total(self) -> int:
@@ -85,7 +88,7 @@ class Usage:
         if outcome is None:
             return cls()
         return cls(outcome.prompt_tokens, outcome.cached_tokens, outcome.generated_tokens,
-                   outcome.reasoning_tokens)
+                   outcome.reasoning_tokens, outcome.draft_tokens, outcome.draft_accepted)
 
     @classmethod
     def together(cls, usages: Sequence[Usage]) -> Usage:
@@ -94,7 +97,8 @@ class Usage:
             return cls()
         thought = [u.reasoning for u in usages if u.reasoning is not None]
         return cls(usages[0].prompt, usages[0].cached, sum(u.generated for u in usages),
-                   sum(thought) if thought else None)
+                   sum(thought) if thought else None, sum(u.drafted for u in usages),
+                   sum(u.draft_accepted for u in usages))
 
 
 @dataclass(frozen=True, slots=True)

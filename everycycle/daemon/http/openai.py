@@ -128,11 +128,18 @@ def tool_calls(calls: Sequence[ToolCall], *, indexed: bool = False) -> list[dict
 
 
 def _usage(usage: Usage) -> dict[str, Any]:
+    """OpenAI's usage; drafts verified (speculative decoding) as its Predicted Outputs'
+    accepted and rejected prediction tokens."""
+    details: dict[str, int] = {}
+    if usage.reasoning is not None:
+        details["reasoning_tokens"] = usage.reasoning
+    if usage.drafted:
+        details["accepted_prediction_tokens"] = usage.draft_accepted
+        details["rejected_prediction_tokens"] = usage.drafted - usage.draft_accepted
     return {"prompt_tokens": usage.prompt, "completion_tokens": usage.generated,
             "total_tokens": usage.total,
             "prompt_tokens_details": {"cached_tokens": usage.cached},
-            **({"completion_tokens_details": {"reasoning_tokens": usage.reasoning}}
-               if usage.reasoning is not None else {})}
+            **({"completion_tokens_details": details} if details else {})}
 
 
 @dataclass

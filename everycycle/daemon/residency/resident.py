@@ -276,18 +276,16 @@ class Residency:
         taken. Loads on different RPC hosts proceed in parallel."""
         # (an auto-pulled hub model's download is logged)
         path = await anyio.to_thread.run_sync(lambda: local_file(spec, download=True))
-        projector = await anyio.to_thread.run_sync(
-            lambda: side_files(spec, download=True))
+        beside = room.Beside(
+            await anyio.to_thread.run_sync(lambda: side_files(spec, download=True)),
+            await anyio.to_thread.run_sync(
+                lambda: lookup.draft_file(self.registry, spec, download=True)))
         wanted = ex.Wanted.parse(executor or spec.executor)
         # (the context chosen now stays the model's for its residency: spec carries it)
         context = await room.context_for(self, spec, path, wanted)
         spec = replace(spec, context=context)
-        need = plan(path, context=context, parallel=spec.parallel,
-                    kv_cache_type=spec.kv_cache_type)
-        if projector is not None:  # (loaded beside the model: counted with its weights)
-            size = projector.stat().st_size
-            need = replace(need, weights=need.weights + size,
-                           other_weights=need.other_weights + size)
+        need = beside.need(plan(path, context=context, parallel=spec.parallel,
+                                kv_cache_type=spec.kv_cache_type), spec)
         key = wanted.rpc_host or ""
         if key:
             down = self.remote.down(key)
@@ -303,7 +301,7 @@ class Residency:
                 attempt.starting = started
             try:
                 engine, placement, options = await room.start(
-                    self, spec, path, need, wanted, placement, projector)
+                    self, spec, path, need, wanted, placement, beside)
                 self.load_times.observe(spec.name, need.weights, time.monotonic() - started)
             except InternalError as exc:
                 if placement.executor.remote is not None:  # the host went away: fleet says so

@@ -287,8 +287,30 @@ def _layers(placement: ex.Placement) -> int:
     return placement.offload.gpu_layers if placement.offload is not None else 0
 
 
+@dataclass(frozen=True, slots=True)
+class Beside:
+    """What loads in a model's engine beside its GGUF: its vision projector, its draft
+    model (its name and file)."""
+
+    projector: Path | None = None
+    draft: tuple[str, Path] | None = None
+
+    def need(self, need: MemoryPlan, spec: ModelSpec) -> MemoryPlan:
+        """``need`` with these counted as the model's own weights (they go where it goes):
+        the projector's file, the draft model's weights and its KV cache for the same
+        slots."""
+        extra = self.projector.stat().st_size if self.projector is not None else 0
+        if self.draft is not None:
+            assert spec.context is not None
+            drafts = plan(self.draft[1], context=spec.context, parallel=spec.parallel,
+                          kv_cache_type=spec.kv_cache_type)
+            extra += drafts.total
+        return replace(need, weights=need.weights + extra,
+                       other_weights=need.other_weights + extra)
+
+
 async def start(res: Host, spec: ModelSpec, path: Path, need: MemoryPlan, wanted: ex.Wanted,
-                placement: ex.Placement, projector: Path | None = None
+                placement: ex.Placement, beside: Beside
                 ) -> tuple[Engine, ex.Placement, LoadOptions]:
     """Start ``spec``'s engine at ``placement``. When llama.cpp cannot allocate there (a
     device reported more free memory than it had), retry once with the layers the fit
@@ -298,7 +320,7 @@ async def start(res: Host, spec: ModelSpec, path: Path, need: MemoryPlan, wanted
     first: AllocationError | None = None
     retries = 0
     while True:
-        options = load_options(res, spec, placement, projector)
+        options = load_options(res, spec, placement, beside)
         tried.append(_layers(placement))
         try:
             engine = await anyio.to_thread.run_sync(res.spawn, spec, path, options)
@@ -363,8 +385,11 @@ class Eviction:
 
 
 def load_options(res: Host, spec: ModelSpec, placement: ex.Placement,
-                 projector: Path | None = None) -> LoadOptions:
+                 beside: Beside | None = None) -> LoadOptions:
     """How ``spec``'s engine loads on ``placement`` (its context chosen: ``context_for``)."""
+    beside = beside or Beside()
+    projector, draft = beside.projector, beside.draft
+    limits = spec.draft
     assert spec.context is not None, "the context is chosen before the load"
     offload = placement.offload
     remote = placement.executor.remote
@@ -377,6 +402,9 @@ def load_options(res: Host, spec: ModelSpec, placement: ex.Placement,
                          kv_cache_ram=promptcache.ram_limit(spec.kv_cache_ram),
                          mmproj=str(projector) if projector is not None else None,
                          lora=tuple(str(adapters.local(a)) for a in spec.lora))
+    if draft is not None and limits is not None:
+        common = replace(common, draft=str(draft[1]), draft_name=draft[0],
+                         draft_max=limits.max, draft_min=limits.min, draft_p_min=limits.p_min)
     if remote is not None:
         holder = res.host_in_use(remote)
         if holder is not None:

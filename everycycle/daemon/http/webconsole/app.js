@@ -106,12 +106,18 @@ async function refreshFleet() {
     const bar = el("span", { class: "bar", title: bytes(used) + " of " + bytes(x.memory_total) + " in use" }, fillBar);
     return [x.name, x.vendor, el("span", {}, bar, " " + bytes(x.memory_free) + " free")];
   }));
+  // a draft model's acceptance rate (speculative decoding); prompt lookup's where it drafts
+  const rate = (accepted, drafted) => Math.round(100 * (accepted || 0) / drafted) + "% of " + drafted;
+  const drafts = (m) => m.draft_model
+    ? m.draft_model + ": " + (m.draft_drafted ? rate(m.draft_accepted, m.draft_drafted) : "none yet")
+    : m.lookup_drafted ? "lookup: " + rate(m.lookup_accepted, m.lookup_drafted) : "";
   fill("loaded", s.loaded_models.map((m) => [
     m.name,
     (m.state || "resident") + (m.unload_in_ms ? " (unloads in " + age(m.unload_in_ms) + ")" : ""),
     m.assigned_executor,
     (m.busy || 0) + "/" + (m.slots || 0) + (m.queued ? " +" + m.queued + " queued" : ""),
     bytes((m.weights_bytes || 0) + (m.kv_bytes || 0)),
+    drafts(m),
     m.engine_pid ? "pid " + m.engine_pid : "",
     m.engine_restarts || 0,
     el("button", { type: "button", class: "unload", "data-model": m.name, onclick: () => unload(m.name) }, "Unload"),
