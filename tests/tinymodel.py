@@ -52,7 +52,8 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
                     sliding_window: int | None = None, n_head: int = N_HEAD,
                     n_layer: int = N_LAYER, n_embd: int = N_EMBD, n_ff: int = N_FF,
                     split_max_tensors: int = 0, head_dim: int | None = None,
-                    n_ctx: int = N_CTX) -> Path:
+                    n_ctx: int = N_CTX, inert_layers: int = 0,
+                    extra_tokens: int = 0) -> Path:
     """Write the tiny model to ``path`` and return it (with ``split_max_tensors``, as a
     split GGUF of that many tensors a part, ``STEM-00001-of-0000N.gguf`` and on beside
     ``path``: the first part is returned).
@@ -60,9 +61,19 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
     With ``sliding_window`` it is a gemma3-architecture model whose layers attend to
     that many positions only (llama.cpp keeps a window-sized KV cache for them). With
     ``head_dim``, its attention heads are that wide (a KV cache that much bigger).
+
+    ``inert_layers`` more layers after the first ``n_layer`` write nothing to the residual
+    stream (their output projections are zero): the model costs more and computes the
+    same logits as the one without them (same seed), a perfect draft model for it.
+    ``extra_tokens`` more words at the end of the vocabulary (a vocabulary a draft
+    model cannot share).
     """
     rng = np.random.default_rng(seed)
     tokens, scores, types = vocabulary()
+    for i in range(extra_tokens):
+        tokens.append(f"extra{i}")
+        scores.append(-100.0)
+        types.append(int(gguf.TokenType.NORMAL))
     n_vocab = len(tokens)
     arch = "llama" if sliding_window is None else "gemma3"
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
@@ -73,7 +84,8 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
     if sliding_window is not None or head_dim is not None:
         w.add_key_length(head)
         w.add_value_length(head)
-    write_hparams(w, n_ctx=n_ctx, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, n_head=n_head,
+    write_hparams(w, n_ctx=n_ctx, n_embd=n_embd, n_layer=n_layer + inert_layers, n_ff=n_ff,
+                  n_head=n_head,
                   file_type=gguf.LlamaFileType.ALL_F32, tokens=tokens, scores=scores,
                   types=types, head_dim=head)
     w.add_add_bos_token(True)
@@ -103,13 +115,13 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
         if word.startswith("<"):  # llama.cpp treats <end_of_turn> as end-of-generation too
             out[259 + i, 0] = -1000.0
     w.add_tensor("output.weight", out)
-    for i in range(n_layer):
+    for i in range(n_layer + inert_layers):
         ones(f"blk.{i}.attn_norm.weight")
         t(f"blk.{i}.attn_q.weight", n_head * head, n_embd)
         t(f"blk.{i}.attn_k.weight", n_head * head, n_embd)
         t(f"blk.{i}.attn_v.weight", n_head * head, n_embd)
         w.add_tensor(f"blk.{i}.attn_output.weight",
-                     _no_write_to_dim0(rng, n_embd, n_head * head))
+                     _no_write_to_dim0(rng, n_embd, n_head * head) * (i < n_layer))
         if sliding_window is not None:  # gemma3's extra norms
             ones(f"blk.{i}.post_attention_norm.weight")
             ones(f"blk.{i}.post_ffw_norm.weight")
@@ -118,7 +130,8 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
         ones(f"blk.{i}.ffn_norm.weight")
         t(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
         t(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
-        w.add_tensor(f"blk.{i}.ffn_down.weight", _no_write_to_dim0(rng, n_embd, n_ff))
+        w.add_tensor(f"blk.{i}.ffn_down.weight",
+                     _no_write_to_dim0(rng, n_embd, n_ff) * (i < n_layer))
     finish(w)
     if split_max_tensors:
         return path.with_name(f"{path.stem}-00001-of-{len(w.tensors):05d}.gguf")

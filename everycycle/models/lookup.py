@@ -51,6 +51,7 @@ def draft_file(registry: Registry, spec: ModelSpec, *, download: bool = False
         raise InvalidRequestError(f"{what} is the model itself")
     try:
         found = spec_for(registry, draft.model, allow_paths=True)
-        return found.name, local_file(found, download=download)
+        path = local_file(found, download=download)
+        return path.name if found.name == draft.model == str(path) else found.name, path
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{what} '{draft.model}': {exc.message}") from None
