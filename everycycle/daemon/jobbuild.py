@@ -151,7 +151,8 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
     job = Job(JobSpec(
         tokens=tokens, max_tokens=req.max_tokens or engine.n_ctx_slot,
         sampling=sampling(req, spec.sampling, grammar), stop=req.stop or (),
-        lookup=lookup and not images, special=output is not None, logprobs=req.logprobs,
+        lookup=lookup and not images, draft=req.speculative is not False,
+        special=output is not None, logprobs=req.logprobs,
         images=images, text=prompt.text if images and prompt is not None else None,
         progress=bool(req.progress), background_age=background_age,
         think=_think(spec, req, prompt),

@@ -124,7 +124,11 @@ class Drafter:
                                              len(lookup.tokens))[1] >= speed:
             return lookup
         if n == 0:
-            if not pace.tried:  # a rest just ended: a short try says whether it pays again
+            # A short try after a rest, to learn whether drafts pay again: only where a
+            # draft the target always confirmed would pay (on a CPU whose rows cost what
+            # a step does, with a draft model not much cheaper than the target, none
+            # does: trying costs the draft model's catching up, for nothing).
+            if not pace.tried and cost.draft_len(rows, expected, 1.0, available, per_token):
                 pace.tried = True
                 return Draft([], rate, "model", min(PROBE, available))
             pace.rest, pace.backoff = pace.backoff, min(2 * pace.backoff, REST_MAX)

@@ -218,7 +218,8 @@ class Generate:
     """How long the model stays loaded once idle, from now on (-1: always; an extension)."""
     speculative: bool | None = field(default=None, metadata=_EXT)
     """Prompt-lookup decoding for a greedy request (default: the model's, on; an
-    extension). The output is the same either way; only the speed differs."""
+    extension); false also turns off a draft model's drafts for it. The output is the
+    same either way; only the speed differs."""
     usage: bool | None = field(default=None, metadata=_EXT)
     """Send a ``Usage`` event before the last Tokens (an extension)."""
     progress: bool | None = field(default=None, metadata=_EXT)
