@@ -233,6 +233,8 @@ def main() -> None:
                     help="both sides' most draft tokens a step (llama-server's default: 3)")
     ap.add_argument("--target", type=Path, help="default: SmolLM2-135M's Q4_1 as F16")
     ap.add_argument("--draft", type=Path, help="default: SmolLM2-135M's Q4_1")
+    ap.add_argument("--ngl", type=int, default=0,
+                    help="llama-server's -ngl and -ngld (99 on a GPU; ours places itself)")
     args = ap.parse_args()
     shipped = local_file(load_registry().get("smollm2-135m"))
     cache = Path.home() / ".cache" / "everycycle-bench"
@@ -243,13 +245,13 @@ def main() -> None:
     print(f"target {target.name}, draft {draft.name}, {k} stream(s) x {n} tokens x "
           f"{len(PROMPTS)} prompts, greedy, {args.threads} threads, {args.rounds} rounds "
           f"(best shown), draft max {args.draft_max}")
-    spec = ("--spec-draft-n-max", str(args.draft_max))
+    spec = ("--spec-draft-n-max", str(args.draft_max), "-ngld", str(args.ngl))
 
     def server(extra: Sequence[str]) -> contextlib.AbstractContextManager[object]:
         @contextlib.contextmanager
         def run() -> Iterator[int]:
             with llama_server_process(args.llama_server, target, k, args.threads, ctx=ctx,
-                                      extra=extra) as (port, _):
+                                      extra=("-ngl", str(args.ngl), *extra)) as (port, _):
                 yield port
         return run()
 

@@ -6,7 +6,10 @@
 #   2. installs the wheels in .gpu/wheels (what the machine's image lacks);
 #   3. runs the tests marked `gpu` (they fail, not skip, without a CUDA executor);
 #   4. prints our daemon vs `llama-bench -ngl 99` (one stream) and vs llama-server
-#      (-ngl 99, 8 streams) on a random-weight model made there.
+#      (-ngl 99, 8 streams) on a random-weight model made there;
+#   5. a draft model: ours with and without it, llama-server with and without -md, on a
+#      random-weight pair sharing a vocabulary (the target the draft plus layers that
+#      write nothing: every draft is accepted, so the host work per verified token shows).
 # Prepare here:   bench/gpu/prepare.sh          (then carry .gpu with the working tree)
 # Run there:      bash bench/gpu_check.sh 2>&1 | tee "$OUT/gpu_check.log"
 # Dry run (CPU):  DRY_RUN=1 bench/gpu_check.sh  (everything but CUDA; bench/gpu/prepare.sh
@@ -74,4 +77,11 @@ $PY bench/gpu/single.py --model "$WORK/model.gguf" --llama-bench "$WORK/build/bi
 stamp "8 streams: everycycle vs llama-server"
 $PY bench/load.py -k 8 -n 128 --rounds 2 --ttft-samples 3 --model "$WORK/model.gguf" \
   --llama-server "$WORK/build/bin/llama-server" --ngl "$NGL"
+stamp "draft model: everycycle vs llama-server -md"
+DRAFT_ARGS=(--layers 2 --embd 2048 --ff 5632)
+[ "$DRY_RUN" = 1 ] && DRAFT_ARGS=(--layers 2 --embd 256 --ff 512)
+$PY bench/gpu/make_model.py "$WORK/draft.gguf" "${DRAFT_ARGS[@]}"
+$PY bench/gpu/make_model.py "$WORK/target.gguf" "${DRAFT_ARGS[@]}" --inert 14
+$PY bench/draft.py --target "$WORK/target.gguf" --draft "$WORK/draft.gguf" \
+  --llama-server "$WORK/build/bin/llama-server" --ngl "$NGL" -n 128 --rounds 2 --draft-max 8
 stamp "done"

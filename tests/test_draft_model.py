@@ -30,7 +30,7 @@ from modelshelp import Entry, models_toml
 from tinymodel import write_tiny_gguf
 
 from everycycle.client import SyncClient
-from everycycle.engine.draftmodel import DraftLimits, DraftModel
+from everycycle.engine.draftmodel import Ask, DraftLimits, DraftModel
 from everycycle.engine.drafts import PROBE, REST_FIRST, Drafter, Pace
 from everycycle.engine.jobs import Job, JobSpec, Sampling
 from everycycle.engine.lookup import Acceptance, Costs, StepCost
@@ -232,6 +232,26 @@ def test_p_min_one_stops_every_draft_and_a_short_draft_under_n_min_is_dropped(
             assert job.n_generated == 32 and job.n_drafted == 0, limits
         finally:
             runner.close()
+
+
+def test_a_long_prompt_is_read_by_the_draft_model_over_several_steps(
+        pair: dict[str, Path]) -> None:
+    runner = Runner(pair["target"], context=256, parallel=1, notify=Collector(), n_threads=2,
+                    draft=pair["draft"], draft_limits=DraftLimits(4))
+    try:
+        draft = runner.draft_model
+        assert draft is not None
+        tokens = runner.tokenize("hello world the a " * 8, Format.RAW)
+        # (the engine thread is idle: no job, so the draft model is the test's here)
+        steps = []
+        while not (got := draft.draft([Ask(0, tokens, 4)], budget=16)[0]):
+            steps.append(len(got))
+            assert len(steps) < 10
+        assert len(steps) == (len(tokens) - 1) // 16 and len(got) == 4
+        again = draft.draft([Ask(0, [*tokens, *got[:2]], 4)], budget=16)[0]
+        assert again[:2] == got[2:4]  # (the same draft model, further on: the same tokens)
+    finally:
+        runner.close()
 
 
 def test_a_vocabulary_of_other_size_is_refused_naming_both_models(

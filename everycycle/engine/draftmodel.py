@@ -119,24 +119,27 @@ class DraftModel:
         self.accepted = 0
 
     def probe(self) -> None:
-        """Time drafting steps of 1, 2 and 4 rows (engine thread, at start; the first
-        decode, which allocates, untimed)."""
+        """Time drafting steps of 1, 2 and 4 rows and a 64-token read (engine thread, at
+        start; the first decode, which allocates, untimed)."""
         slots = len(self._cached)
-        for i, rows in enumerate((1, 1, 1, 1, 2, 2, 2, 4, 4, 4)):
-            if rows > slots:
-                break
+        for i, rows in enumerate((1, 1, 1, 1, 2, 2, 2, 4, 4, 4, 64)):
+            if rows > slots and rows < 64:
+                continue
             self._L.llama_memory_clear(self._mem, True)
-            for seq in range(rows):
-                put(self._batch, seq, VOCAB_CHECK_START_TOKEN_ID, 0, seq, True)
+            for row in range(rows):  # (one row a sequence; 64 rows: one sequence's prompt)
+                seq, pos = (row, 0) if rows < 64 else (0, row)
+                put(self._batch, row, VOCAB_CHECK_START_TOKEN_ID, pos, seq, True)
             self._decode(rows, timed=i > 0)
         self._L.llama_memory_clear(self._mem, True)
 
-    def draft(self, asks: Sequence[Ask]) -> list[list[int]]:
+    def draft(self, asks: Sequence[Ask], budget: int) -> list[list[int]]:
         """Each ask's draft: its sequence brought up to its tokens, then greedy tokens
         while the draft model is sure enough (``p_min``), up to its ``n`` (fewer than
-        ``n_min``: none). Raises InternalError when llama.cpp fails."""
+        ``n_min``: none). At most ``budget`` tokens are read to bring sequences up: an
+        ask further behind (a new prompt's) reads its share and drafts on a later step.
+        Raises InternalError when llama.cpp fails."""
         drafts: list[list[int]] = [[] for _ in asks]
-        live = self._catch_up(asks, drafts)
+        live = self._catch_up(asks, drafts, budget)
         while live:
             for row, i in enumerate(live):
                 a = asks[i]
@@ -148,9 +151,10 @@ class DraftModel:
         n_min = self.limits.n_min
         return [d if len(d) >= n_min else [] for d in drafts]
 
-    def _catch_up(self, asks: Sequence[Ask], drafts: list[list[int]]) -> list[int]:
-        """Bring each ask's sequence up to its tokens (in as few batches as fit) and take
-        its first draft token; the asks still drafting."""
+    def _catch_up(self, asks: Sequence[Ask], drafts: list[list[int]], budget: int
+                  ) -> list[int]:
+        """Bring each ask's sequence up to its tokens (in as few batches as fit, ``budget``
+        tokens at most) and take its first draft token; the asks still drafting."""
         L, batch = self._L, self._batch
         n, waiting, live = 0, list[tuple[int, int]](), list[int]()
         for i, a in enumerate(asks):
@@ -160,15 +164,19 @@ class DraftModel:
                 L.llama_memory_seq_rm(self._mem, a.seq, keep, -1)
                 del have[keep:]
             todo = a.tokens[keep:]
+            whole = len(todo) <= budget
+            todo = todo[:budget]
+            budget -= len(todo)
             for j, tok in enumerate(todo):
                 if n == self._n_batch:
                     self._decode(n)
                     live += [k for row, k in waiting if self._take(row, asks[k], drafts[k])]
                     n, waiting = 0, []
-                put(batch, n, tok, keep + j, a.seq, j == len(todo) - 1)
+                put(batch, n, tok, keep + j, a.seq, whole and j == len(todo) - 1)
                 n += 1
             have.extend(todo)
-            waiting.append((n - 1, i))
+            if whole:
+                waiting.append((n - 1, i))
         if n:
             self._decode(n)
         return live + [k for row, k in waiting if self._take(row, asks[k], drafts[k])]

@@ -37,6 +37,10 @@ REST_MAX = 256
 most (each rest that ends in a failed try doubles the next)."""
 PROBE = 2
 """Tokens of the draft a slot tries when a rest ends."""
+CATCH_UP_SHARE = 0.5
+"""How much longer than the model's step the draft model's reading of tokens it has not
+seen (a new prompt) may make a step: a long prompt is read over several steps."""
+CATCH_UP_MIN = 64
 
 Source = Literal["forced", "lookup", "model"]
 
@@ -137,15 +141,30 @@ class Drafter:
         pace.backoff = REST_FIRST
         return Draft([], rate, "model", n)
 
-    def fill(self, works: list[Work]) -> None:
-        """Make the draft model's tokens for ``works`` (each asking for ``ask``), in one
-        batched drafting; a work whose draft came out empty drafts nothing."""
-        assert self.model is not None
+    def fill(self, works: list[Work], rows: int) -> None:
+        """Make the draft model's tokens for ``works`` (each asking for ``ask``) for a step
+        of ``rows`` rows, in one batched drafting; a work whose draft came out empty (its
+        sequence still catching up, the draft model unsure) drafts nothing."""
+        model = self.model
+        assert model is not None
         asks = [Ask(w.slot.seq, [*w.slot.cached, w.run.last], w.ask) for w in works]
         self._sharing = len(asks)
-        for w, tokens in zip(works, self.model.draft(asks), strict=True):
+        for w, tokens in zip(works, model.draft(asks, self._catch_up(rows)), strict=True):
             w.tokens.extend(tokens)
             w.draft, w.ask = len(tokens), 0
+
+    def _catch_up(self, rows: int) -> int:
+        """Tokens the draft model may read this step to catch up: as many as it reads in
+        CATCH_UP_SHARE of the model's step of ``rows`` rows (CATCH_UP_MIN at least)."""
+        assert self.model is not None
+        step, cost = self._costs.decode.estimate(rows), self.model.cost
+        budget = CATCH_UP_MIN
+        if step is None:
+            return budget
+        while (took := cost.estimate(2 * budget)) is not None and \
+                took <= CATCH_UP_SHARE * step and budget < 1 << 16:
+            budget *= 2
+        return budget
 
     def verified(self, run: Run, drafted: int, accepted: int, source: Source) -> None:
         """``run``'s draft of ``drafted`` tokens had its first ``accepted`` confirmed."""

@@ -200,7 +200,7 @@ class StepLoop:
         Where the draft model fails, the step goes on without its drafts (and the model
         without a draft model, said once in the log)."""
         try:
-            self.drafter.fill(plan.asks)
+            self.drafter.fill(plan.asks, plan.n)
         except EverycycleError as exc:
             log.error("%s: drafting stops: %s", self._label, exc.message)
             self.drafter.model = None
