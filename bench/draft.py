@@ -176,50 +176,49 @@ def theirs(port: int, text: str, n: int) -> tuple[float, str, int]:
     return (count - 1) / (last - first), "".join(out), count
 
 
-def round_of(fn: object, k: int, n: int) -> tuple[float, dict[str, tuple[str, int]]]:
-    """Every prompt once (``k`` at a time: each prompt k times at once): aggregate decode
-    tok/s over the round, and each prompt's text and tokens (the first stream's)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    assert callable(fn)
-    rates, texts = [], {}
-    for name, text in PROMPTS.items():
-        with ThreadPoolExecutor(k) as pool:
-            got = list(pool.map(lambda i, t=text: fn(t, n, i), range(k)))
-        rates.append(sum(r for r, _, _ in got))
-        texts[name] = (got[0][1], got[0][2])
-    return statistics.mean(rates), texts
+Side = dict[str, tuple[float, str, int]]
+"""Each prompt's best decode tok/s over the rounds (summed over its streams), its text
+and its tokens (the first stream's)."""
 
 
 def side(name: str, start: contextlib.AbstractContextManager[object], call: object, k: int,
-         n: int, rounds: int) -> tuple[list[float], dict[str, tuple[str, int]]]:
-    DRAFTS[:] = [0, 0]
-    with start as handle:
-        def go(text: str, n: int, i: int) -> tuple[float, str, int]:
-            assert callable(call)
-            return call(handle, text, n, i)  # type: ignore[no-any-return]
+         n: int, rounds: int) -> Side:
+    """Every prompt ``rounds`` times on one server (``k`` streams of it at once)."""
+    from concurrent.futures import ThreadPoolExecutor
 
-        go(PROMPTS["prose"], 8, 0)  # warm-up
-        results = [round_of(go, k, n) for _ in range(rounds)]
-    rates = [r for r, _ in results]
+    assert callable(call)
+    DRAFTS[:] = [0, 0]
+    best: Side = {}
+    with start as handle:
+        call(handle, PROMPTS["prose"], 8, 0)  # warm-up
+        for _ in range(rounds):
+            for prompt, text in PROMPTS.items():
+                with ThreadPoolExecutor(k) as pool:
+                    got = list(pool.map(lambda i, t=text: call(handle, t, n, i), range(k)))
+                rate = sum(r for r, _, _ in got)
+                if rate > best.get(prompt, (0.0, "", 0))[0]:
+                    best[prompt] = (rate, got[0][1], got[0][2])
     drafted, accepted = DRAFTS
     said = (f"; {accepted}/{drafted} drafted tokens accepted" if drafted
             else "; nothing drafted" if "draft" in name or "-md" in name else "")
-    print(f"  {name:<26} {max(rates):7.1f} tok/s (rounds: "
-          f"{' '.join(f'{r:.1f}' for r in rates)}{said})", flush=True)
-    return rates, results[-1][1]
+    print(f"  {name:<26} " + "  ".join(f"{p} {best[p][0]:6.1f} ({best[p][2]})"
+                                       for p in PROMPTS)
+          + f" tok/s (tokens){said}", flush=True)
+    return best
 
 
-def compare(label: str, a: tuple[list[float], dict[str, tuple[str, int]]],
-            b: tuple[list[float], dict[str, tuple[str, int]]]) -> None:
-    """``a`` over ``b``: the ratio of their best rounds, where both made the same tokens."""
-    counts = [(a[1][p][1], b[1][p][1]) for p in PROMPTS]
-    if any(x != y for x, y in counts):
-        print(f"  {label}: not compared: token counts differ {counts}")
+def compare(label: str, a: Side, b: Side) -> None:
+    """``a`` over ``b``: the mean of the prompts' ratios, over the prompts where both
+    generated as many tokens (the same work); whether their texts are the same."""
+    same = [p for p in PROMPTS if a[p][2] == b[p][2]]
+    if not same:
+        print(f"  {label}: not compared: no prompt made as many tokens on both sides")
         return
-    same = sum(a[1][p][0] == b[1][p][0] for p in PROMPTS)
-    print(f"  {label}: {max(a[0]) / max(b[0]):.3f} (same text on {same}/{len(PROMPTS)} "
-          f"prompts, {counts[0][0]} tokens each)")
+    ratio = statistics.mean(a[p][0] / b[p][0] for p in same)
+    texts = sum(a[p][1] == b[p][1] for p in same)
+    left = [f"{p} {a[p][2]} vs {b[p][2]} tokens" for p in PROMPTS if p not in same]
+    print(f"  {label}: {ratio:.3f} over {', '.join(same)} (same text on {texts}/{len(same)})"
+          + (f"; left out: {', '.join(left)}" if left else ""))
 
 
 def main() -> None:
@@ -255,20 +254,23 @@ def main() -> None:
                 yield port
         return run()
 
+    def our(sock: Path, text: str, n: int, i: int) -> tuple[float, str, int]:
+        return ours(sock, text, n, f"b{i}-{time.monotonic_ns()}")
+
+    def their(port: int, text: str, n: int, i: int) -> tuple[float, str, int]:
+        return theirs(port, text, n)
+
     results = {
-        "ours": side("everycycle", daemon(target, None, k, args.threads, ctx),
-                     lambda s, t, n, i: ours(s, t, n, f"a{i}{time.monotonic_ns()}"), k, n,
+        "ours": side("everycycle", daemon(target, None, k, args.threads, ctx), our, k, n,
                      args.rounds),
-        "ours+draft": side("everycycle draft_model", daemon(target, draft, k, args.threads,
-                                                            ctx, args.draft_max),
-                           lambda s, t, n, i: ours(s, t, n, f"b{i}{time.monotonic_ns()}"),
-                           k, n, args.rounds),
-        "theirs": side("llama-server", server(()), lambda p, t, n, i: theirs(p, t, n), k, n,
-                       args.rounds),
-        "theirs+draft": side("llama-server -md", server(("-md", str(draft), *spec)),
-                             lambda p, t, n, i: theirs(p, t, n), k, n, args.rounds),
+        "ours+draft": side("everycycle draft_model", daemon(
+            target, draft, k, args.threads, ctx, args.draft_max), our, k, n, args.rounds),
+        "theirs": side("llama-server", server(()), their, k, n, args.rounds),
+        "theirs+draft": side("llama-server -md", server(
+            ("-md", str(draft), "--spec-type", "draft-simple", *spec)), their, k, n,
+            args.rounds),
     }
-    print("ratios (best rounds):")
+    print("ratios (each prompt's best round):")
     compare("ours with draft / ours without (our gain)", results["ours+draft"],
             results["ours"])
     compare("llama-server -md / without (its gain)", results["theirs+draft"],

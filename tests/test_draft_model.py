@@ -303,6 +303,8 @@ def test_a_cheap_draft_that_agrees_is_asked_for_and_a_dear_one_is_not() -> None:
 def test_a_slot_whose_drafts_fail_rests_then_tries_a_short_one_then_rests_longer() -> None:
     drafter = Drafter(_costs(0.020, 0.0005), Priced(0.001))
     run = _run(0.02)
+    assert drafter.propose(run, 50, 1, 1.0).ask == PROBE  # a new request tries at once
+    drafter.verified(run, PROBE, 0, "model")
     assert drafter.propose(run, 50, 1, 1.0).ask == 0
     assert run.pace is not None and run.pace.rest == REST_FIRST
     for _ in range(REST_FIRST):
@@ -311,6 +313,11 @@ def test_a_slot_whose_drafts_fail_rests_then_tries_a_short_one_then_rests_longer
     drafter.verified(run, PROBE, 0, "model")
     assert drafter.propose(run, 50, 1, 1.0).ask == 0
     assert run.pace.rest == 2 * REST_FIRST  # it failed: the next rest is longer
+    # Where not even a draft always confirmed pays, it rests without trying.
+    cpu = Drafter(_costs(0.001, 0.010), Priced(0.001))
+    idle = _run(0.5)
+    assert [cpu.propose(idle, 50, 1, 1.0).ask for _ in range(40)] == [0] * 40
+    assert idle.pace is not None and idle.pace.backoff > REST_FIRST
 
 
 def test_draft_keys_are_checked_in_models_toml(tmp_path: Path) -> None:

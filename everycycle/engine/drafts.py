@@ -19,7 +19,7 @@ a short one. Engine thread only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
@@ -69,8 +69,10 @@ class Pace:
     """Steps left before it may draft again."""
     backoff: int = REST_FIRST
     """The next rest's length."""
-    tried: bool = field(default=True)
-    """Whether it has drafted since its last rest began (else the next step tries)."""
+    tried: bool = False
+    """Whether it has drafted since its last rest began, or since it started (else, where
+    no draft the model's rate says pays, it tries a short one: a new request learns its
+    own rate at once, where the model's so far says not to draft)."""
 
 
 class Drafter:

@@ -367,6 +367,14 @@ class StepCost:
             return
         xs = sorted(self._seen)
         ys = [sorted(self._seen[x])[len(self._seen[x]) // 2] for x in xs]
+        # A step of more rows that took less says the fewer rows' time was noise (one
+        # can always be run as the other): they cost no more. Without this, one slow step
+        # at a row count seen rarely (8 rows, once, in the load probe) keeps every draft
+        # that would make a step of about that many rows from ever being tried, and so
+        # from ever being timed again (tiny 62-layer target, 4 streams: 38 tokens drafted
+        # of 1,024, where every draft is right).
+        for i in range(len(ys) - 2, -1, -1):
+            ys[i] = min(ys[i], ys[i + 1])
         size = len(self._table) or 65
         while size <= max(rows, xs[-1]):  # grown only as far as asked (doubling)
             size *= 2
