@@ -97,12 +97,19 @@ async def everycycle_load(client: BaseClient, k: int, n: int) -> Run:
     return await concurrent(one_stream, client, k, n)
 
 
+SPECULATIVE: bool | None = None
+"""The raw client's ``speculative`` (None: not sent, the model's default)."""
+
+
 async def raw_stream(sock: Path, i: int, n: int, out: list[tuple[int, float]]) -> None:
     """One stream as a client of our own would read it that is not our client library:
     a line of JSON out, lines of JSON in, ``json.loads`` each (as ``server_stream`` reads
     llama-server, and on the same kind of asyncio stream)."""
-    body = {"Generate": {"request_id": f"raw-{i}", "model": "bench", "prompt": prompt(i),
-                         "max_tokens": n, "temperature": 0.0, "format": "raw"}}
+    body: dict[str, dict[str, object]] = {"Generate": {
+        "request_id": f"raw-{i}", "model": "bench", "prompt": prompt(i), "max_tokens": n,
+        "temperature": 0.0, "format": "raw"}}
+    if SPECULATIVE is not None:
+        body["Generate"]["speculative"] = SPECULATIVE
     start = time.perf_counter()
     reader, writer = await asyncio.open_unix_connection(str(sock))
     first: float | None = None
@@ -258,6 +265,39 @@ def side_by_side(sock: Path, port: int | None, k: int, n: int, rounds: int
 # ----------------------------------------------------------------- ttft and prefix reuse
 
 
+def lookup_ab(sock: Path, k: int, n: int, rounds: int) -> None:
+    """Prompt lookup forced on against off, on one daemon and model, in alternating
+    rounds (the raw client's ``speculative``); both sides checked to make as many
+    tokens."""
+    global SPECULATIVE
+
+    async def go() -> list[tuple[Run, Run]]:
+        global SPECULATIVE
+        async with connect(sock) as client:
+            await client.load("bench")
+        await raw_load(sock, k, min(n, 8))  # warm-up
+        pairs = []
+        for _ in range(rounds):
+            SPECULATIVE = True
+            on = await raw_load(sock, k, n)
+            SPECULATIVE = False
+            off = await raw_load(sock, k, n)
+            pairs.append((on, off))
+        return pairs
+
+    pairs = anyio.run(go)
+    SPECULATIVE = None
+    for on, off in pairs:
+        if on.tokens != off.tokens:
+            raise SystemExit(f"lookup on made {on.tokens} tokens, off {off.tokens}: "
+                             "not the same work")
+    ratios = [on.rate / off.rate for on, off in pairs]
+    print(max((p[0] for p in pairs), key=lambda r: r.rate).line("lookup on"))
+    print(max((p[1] for p in pairs), key=lambda r: r.rate).line("lookup off"))
+    print(f"ratio lookup on/off ({k} streams): median {statistics.median(ratios):.3f}, "
+          f"rounds in order {' '.join(f'{r:.3f}' for r in ratios)}")
+
+
 def ttft_pair(sock: Path, models: Path, n_samples: int) -> tuple[list[float], list[float]]:
     """Single-stream time to first token, alternating daemon and embedded requests."""
 
@@ -323,6 +363,8 @@ def main() -> None:
                     help="llama-server's -t and -tb (default: every core)")
     ap.add_argument("--no-lookup", action="store_true",
                     help="speculative = false for the daemon's model (prompt lookup off)")
+    ap.add_argument("--lookup-ab", action="store_true",
+                    help="only prompt lookup forced on against off, alternating rounds")
     ap.add_argument("--ngl", type=int, default=0,
                     help="llama-server's -ngl (99 on a GPU; the daemon places by itself)")
     args = ap.parse_args()
@@ -350,6 +392,11 @@ def bench_model(model: Path, args: argparse.Namespace) -> None:
             if daemon.poll() is not None:
                 raise SystemExit("the daemon did not start")
             time.sleep(0.05)
+        if args.lookup_ab:
+            print(f"model {model.name}, {args.k} streams x {args.n} tokens, "
+                  f"{args.rounds} alternating rounds, raw client")
+            lookup_ab(sock, args.k, args.n, args.rounds)
+            return
         with contextlib.ExitStack() as stack:
             port = None
             if args.llama_server:

@@ -33,9 +33,10 @@ from everycycle.client import SyncClient
 from everycycle.engine.draftmodel import Ask, DraftLimits, DraftModel
 from everycycle.engine.drafts import PROBE, REST_FIRST, Drafter, Pace
 from everycycle.engine.jobs import Job, JobSpec, Sampling
-from everycycle.engine.lookup import Acceptance, Costs, StepCost
+from everycycle.engine.lookup import Acceptance
 from everycycle.engine.runner import Runner
 from everycycle.engine.slots import Run
+from everycycle.engine.stepcost import Costs, Rows, StepCost
 from everycycle.errors import ConfigError, InvalidRequestError
 from everycycle.models.drafting import parse
 from everycycle.protocol import Format, Tokens, Usage
@@ -275,6 +276,10 @@ class Priced(DraftModel):
         self.drafted = self.accepted = 0
 
 
+ALONE = Rows(((0, 1),), 0)
+"""One slot decoding, its own row so far."""
+
+
 def _run(rate: float) -> Run:
     run = Run(Job(JobSpec(tokens=[1, 2, 3], max_tokens=100)))
     run.pace = Pace(Acceptance(rate * 10, 10.0))
@@ -290,33 +295,33 @@ def _costs(step: float, per_row: float) -> Costs:
 def test_a_cheap_draft_that_agrees_is_asked_for_and_a_dear_one_is_not() -> None:
     # A target step of 20 ms whose rows are nearly free (a GPU), a 1 ms draft step:
     drafter = Drafter(_costs(0.020, 0.0005), Priced(0.001))
-    draft = drafter.propose(_run(0.8), room=50, rows=1, expected=1.0)
+    draft = drafter.propose(_run(0.8), room=50, rows=ALONE, expected=1.0)
     assert draft.source == "model" and draft.ask == 4 and not draft.tokens
     # Each draft token as dear as the target's own step: no length pays.
     dear = Drafter(_costs(0.020, 0.0005), Priced(0.020))
-    assert dear.propose(_run(0.8), room=50, rows=1, expected=1.0).ask == 0
+    assert dear.propose(_run(0.8), room=50, rows=ALONE, expected=1.0).ask == 0
     # A CPU where each row costs what a step does: drafting loses.
     cpu = Drafter(_costs(0.001, 0.010), Priced(0.001))
-    assert cpu.propose(_run(0.8), room=50, rows=1, expected=1.0).ask == 0
+    assert cpu.propose(_run(0.8), room=50, rows=ALONE, expected=1.0).ask == 0
 
 
 def test_a_slot_whose_drafts_fail_rests_then_tries_a_short_one_then_rests_longer() -> None:
     drafter = Drafter(_costs(0.020, 0.0005), Priced(0.001))
     run = _run(0.02)
-    assert drafter.propose(run, 50, 1, 1.0).ask == PROBE  # a new request tries at once
+    assert drafter.propose(run, 50, ALONE, 1.0).ask == PROBE  # a new request tries at once
     drafter.verified(run, PROBE, 0, "model")
-    assert drafter.propose(run, 50, 1, 1.0).ask == 0
+    assert drafter.propose(run, 50, ALONE, 1.0).ask == 0
     assert run.pace is not None and run.pace.rest == REST_FIRST
     for _ in range(REST_FIRST):
-        assert drafter.propose(run, 50, 1, 1.0).ask == 0
-    assert drafter.propose(run, 50, 1, 1.0).ask == PROBE  # a short try once rested
+        assert drafter.propose(run, 50, ALONE, 1.0).ask == 0
+    assert drafter.propose(run, 50, ALONE, 1.0).ask == PROBE  # a short try once rested
     drafter.verified(run, PROBE, 0, "model")
-    assert drafter.propose(run, 50, 1, 1.0).ask == 0
+    assert drafter.propose(run, 50, ALONE, 1.0).ask == 0
     assert run.pace.rest == 2 * REST_FIRST  # it failed: the next rest is longer
     # Where not even a draft always confirmed pays, it rests without trying.
     cpu = Drafter(_costs(0.001, 0.010), Priced(0.001))
     idle = _run(0.5)
-    assert [cpu.propose(idle, 50, 1, 1.0).ask for _ in range(40)] == [0] * 40
+    assert [cpu.propose(idle, 50, ALONE, 1.0).ask for _ in range(40)] == [0] * 40
     assert idle.pace is not None and idle.pace.backoff > REST_FIRST
 
 

@@ -11,8 +11,8 @@ from enginehelp import Collector
 
 from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
 from everycycle.engine.llamalog import log_capture
-from everycycle.engine.lookup import StepCost
 from everycycle.engine.runner import Runner
+from everycycle.engine.stepcost import StepCost
 from everycycle.errors import InvalidRequestError
 from everycycle.protocol import Format
 

@@ -14,9 +14,9 @@ from enginehelp import Collector
 from everycycle.chatfmt import constraint
 from everycycle.engine.drafts import NO_DRAFT, Draft, Drafter
 from everycycle.engine.jobs import Job, JobSpec, Sampling
-from everycycle.engine.lookup import StepCost
 from everycycle.engine.runner import Runner
 from everycycle.engine.slots import Run
+from everycycle.engine.stepcost import Rows, StepCost
 
 # Long keys, and values the model picks: most of the text is forced.
 SCHEMA = {
@@ -54,7 +54,7 @@ class Forcing(Runner):
 class Undrafting(Drafter):
     """Proposes no draft."""
 
-    def propose(self, run: Run, room: int, rows: int, expected: float) -> Draft:
+    def propose(self, run: Run, room: int, rows: Rows, expected: float) -> Draft:
         return NO_DRAFT
 
 

@@ -26,14 +26,9 @@ from hypothesis import strategies as st
 from everycycle import paths
 from everycycle.client import SyncClient
 from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
-from everycycle.engine.lookup import (
-    MAX_DRAFT,
-    History,
-    PromptLookup,
-    StepCost,
-    expected_accepted,
-)
+from everycycle.engine.lookup import MAX_DRAFT, History, PromptLookup, expected_accepted
 from everycycle.engine.runner import Runner
+from everycycle.engine.stepcost import Rows, StepCost, ubatches
 from everycycle.hardware import cpukernels
 from everycycle.protocol import Format, Tokens
 
@@ -524,3 +519,25 @@ def test_a_prompt_indexed_at_once_is_indexed_as_token_by_token(
         one_by_one.append(t)
     assert bulk._index == one_by_one._index
     assert bulk.draft(4) == one_by_one.draft(4)
+
+
+def test_a_step_of_several_sequences_is_priced_as_llama_cpp_splits_it() -> None:
+    """Each slot has its own KV stream, so llama.cpp splits a batch into micro-batches
+    of consecutive sequence ids and equal rows (``split_equal``): one slot's draft among
+    eight decoding slots is a second micro-batch, which on a CPU reads the weights again.
+    A draft that pays alone does not pay there; drafts of the same length on every slot
+    make one micro-batch again."""
+    assert ubatches([(0, 1), (1, 1), (2, 1)]) == [3]
+    assert ubatches([(0, 4), (1, 1), (2, 1)]) == [3, 3]
+    assert ubatches([(0, 4), (1, 2), (2, 1)]) == [3, 2, 2]
+    assert ubatches([(0, 1), (2, 1)]) == [1, 1]  # (a gap in the ids: two micro-batches)
+    assert ubatches([(1, 2), (0, 2)]) == [2, 2]  # (1, then 0: no id follows 1)
+    ms = 1e-3
+    cpu = StepCost.fit([(n, 10 * ms + 2 * ms * n) for n in (1, 2, 4, 8, 16, 32)] * 3)
+    assert cpu.draft_len(1, 1.0, 0.9, 4) > 0  # alone: rows are cheap beside a step
+    eight = Rows(tuple((seq, 1) for seq in range(8)), 0)
+    assert cpu.step(eight.with_draft(3)) == pytest.approx(cpu.step(eight.with_draft(0))
+                                                          + 10 * ms + 6 * ms)
+    assert cpu.draft_len(eight, 8.0, 0.9, 4) == 0  # a second micro-batch: not worth it
+    drafted = Rows(((0, 4), *((seq, 4) for seq in range(1, 7)), (7, 1)), 7)
+    assert cpu.draft_len(drafted, 30.0, 0.9, 4) == 3  # joining the others' micro-batch

@@ -17,10 +17,10 @@ from daemonhelp import wait_until
 from enginehelp import Collector
 
 from everycycle.engine.jobs import Job, JobSpec, Sampling
-from everycycle.engine.lookup import StepCost
 from everycycle.engine.plan import StepPlan
 from everycycle.engine.preempt import ABORTED, Preempt
 from everycycle.engine.runner import Runner
+from everycycle.engine.stepcost import StepCost
 
 LONG = ("Once upon a time in a quiet village by the sea there lived an old sailor who "
         "told stories to anyone who would listen, every evening, by the harbour wall. ") * 3

@@ -26,10 +26,10 @@ from modelshelp import Entry, models_toml
 from everycycle.client import SyncClient
 from everycycle.daemon.eta import Rates, Work, starts
 from everycycle.engine.jobs import Job, JobSpec, Output, Sampling, common_prefix
-from everycycle.engine.lookup import StepCost
 from everycycle.engine.promptcache import Spares
 from everycycle.engine.runner import Runner
 from everycycle.engine.scheduler import BACKGROUND_CHUNK
+from everycycle.engine.stepcost import StepCost
 from everycycle.errors import ErrorKind
 from everycycle.protocol import Accepted, Error, Generate, Priority, TokenChunk, Tokens, encode
 

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 from everycycle.engine.drafts import NO_DRAFT, Draft, Drafter
 from everycycle.engine.jobs import Job, JobSpec
-from everycycle.engine.lookup import Costs, StepCost
 from everycycle.engine.parking import Parked
 from everycycle.engine.plan import Park, Resume, Start, StepPlan, Work
 from everycycle.engine.scheduler import BACKGROUND_CHUNK, Scheduler
 from everycycle.engine.slots import Run, Slot
+from everycycle.engine.stepcost import Costs, Rows, StepCost
 
 NOW = 1000.0
 
@@ -50,8 +50,8 @@ class Fixed(Drafter):
         self.tokens, self.rate = list(tokens), rate
         self.asked: list[tuple[int, int]] = []
 
-    def propose(self, run: Run, room: int, rows: int, expected: float) -> Draft:
-        self.asked.append((room, rows))
+    def propose(self, run: Run, room: int, rows: Rows, expected: float) -> Draft:
+        self.asked.append((room, rows.n))
         return Draft(self.tokens[:max(room, 0)], self.rate) if self.tokens else NO_DRAFT
 
 

@@ -13,11 +13,11 @@ from functools import partial
 from typing import Any
 
 from .jobs import Job
-from .lookup import Costs
 from .lora import Adapters
 from .plan import StepPlan
 from .preempt import Preempt
 from .probes import put
+from .stepcost import Costs, ubatches
 
 
 class BatchRunner:
@@ -58,8 +58,13 @@ class BatchRunner:
             for w in plan.work:
                 L.llama_memory_seq_rm(self._mem, w.slot.seq, w.start, -1)
         elif rc == 0:
-            cost = self.costs.fill if plan.filling else self.costs.decode
-            cost.observe(plan.n, time.perf_counter() - started)
+            took = time.perf_counter() - started
+            if plan.filling:
+                self.costs.fill.observe(plan.n, took)
+            elif len(ubatches([(w.slot.seq, len(w.tokens)) for w in plan.work])) == 1:
+                # (the decode table is of single micro-batches: a step llama.cpp split
+                # is priced as its parts, ``StepCost.step``)
+                self.costs.decode.observe(plan.n, took)
         return rc
 
     def forget(self, seq: int, start: int) -> None:

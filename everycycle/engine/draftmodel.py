@@ -26,8 +26,9 @@ from ..errors import InternalError, InvalidRequestError
 from .jobs import common_prefix
 from .llamaload import create_context, load_model
 from .logits import RowLogits
-from .lookup import Acceptance, StepCost
+from .lookup import Acceptance
 from .probes import put
+from .stepcost import StepCost
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128
 VOCAB_CHECK_START_TOKEN_ID = 5

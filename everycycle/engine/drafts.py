@@ -24,9 +24,10 @@ from functools import partial
 from typing import Literal
 
 from .draftmodel import Ask, DraftModel
-from .lookup import Acceptance, Costs
+from .lookup import Acceptance
 from .plan import Work
 from .slots import Run
+from .stepcost import Costs, Rows
 
 FORCED_RATE = 0.95
 """The chance a forced token is the model's choice too: it is, unless the model spells
@@ -83,8 +84,8 @@ class Drafter:
         self._costs = costs
         self.model = model
         """The draft model (None: none)."""
-        self._sharing = 1
-        """Slots that drafted with the model together last time: its step is theirs."""
+        self._asked = 0
+        """Slots that asked the draft model for this step so far (``fill`` resets it)."""
         self.lookup_drafted = 0
         """Prompt-lookup draft tokens proposed, and those the model confirmed."""
         self.lookup_accepted = 0
@@ -99,20 +100,24 @@ class Drafter:
             return None
         return Pace(self.model.acceptance.copy())
 
-    def propose(self, run: Run, room: int, rows: int, expected: float) -> Draft:
-        """``run``'s draft for a step of ``rows`` rows so far, expected to yield
+    def propose(self, run: Run, room: int, rows: Rows, expected: float) -> Draft:
+        """``run``'s draft for a step of ``rows`` so far (the decoding slots'), expected to yield
         ``expected`` tokens, with room for ``room`` more: the tokens its grammar forces
         (the model confirms them, barring another spelling of the same text), else a
         prompt-lookup draft or a draft model's, whichever pays more."""
         cost = self._costs.decode
-        if run.grammar is not None and room > 0:
-            forced = run.grammar.forced(room)
+        # A slot that is not the one with the most left may only join the rows of other
+        # slots' drafts: a micro-batch of its own makes the step longer for every slot,
+        # and the batch ends no sooner for its draft (it ends before the others anyway).
+        own = room if rows.lead else min(room, rows.joinable - 1)
+        if run.grammar is not None and own > 0:
+            forced = run.grammar.forced(own)
             if forced:
                 n = cost.draft_len(rows, expected, FORCED_RATE, len(forced))
                 return Draft(forced[:n], FORCED_RATE, "forced")
         lookup = NO_DRAFT
         if run.lookup is not None:
-            tokens = run.lookup.propose(room, partial(cost.draft_len, rows, expected))
+            tokens = run.lookup.propose(own, partial(cost.draft_len, rows, expected))
             if tokens:
                 lookup = Draft(tokens, run.lookup.rate)
         pace, model = run.pace, self.model
@@ -123,9 +128,10 @@ class Drafter:
             return lookup
         rate = pace.acceptance.rate
         available = min(room, model.limits.n_max)
-        step = model.cost.estimate(self._sharing)
-        per_token = step / self._sharing if step is not None else 0.0
-        n, speed = cost.draft_plan(rows, expected, rate, available, per_token)
+        # (it and its peers draft together: one drafting step of all their rows a token)
+        step = model.cost.estimate(1 + len(rows.peers) + self._asked)
+        n, speed = cost.joint_plan(rows, expected, rate, available,
+                                   lambda d: d * (step or 0.0))
         if lookup.tokens and cost.draft_plan(rows, expected, lookup.rate,
                                              len(lookup.tokens))[1] >= speed:
             return lookup
@@ -134,13 +140,16 @@ class Drafter:
             # draft the target always confirmed would pay (on a CPU whose rows cost what
             # a step does, with a draft model not much cheaper than the target, none
             # does: trying costs the draft model's catching up, for nothing).
-            if not pace.tried and cost.draft_len(rows, expected, 1.0, available, per_token):
+            if not pace.tried and cost.joint_plan(rows, expected, 1.0, available,
+                                                  lambda d: d * (step or 0.0))[0]:
                 pace.tried = True
+                self._asked += 1
                 return Draft([], rate, "model", min(PROBE, available))
             pace.rest, pace.backoff = pace.backoff, min(2 * pace.backoff, REST_MAX)
             pace.tried = False
             return lookup
         pace.backoff = REST_FIRST
+        self._asked += 1
         return Draft([], rate, "model", n)
 
     def fill(self, works: list[Work], rows: int) -> None:
@@ -150,7 +159,7 @@ class Drafter:
         model = self.model
         assert model is not None
         asks = [Ask(w.slot.seq, [*w.slot.cached, w.run.last], w.ask) for w in works]
-        self._sharing = len(asks)
+        self._asked = 0
         for w, tokens in zip(works, model.draft(asks, self._catch_up(rows)), strict=True):
             w.tokens.extend(tokens)
             w.draft, w.ask = len(tokens), 0

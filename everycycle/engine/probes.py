@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import InternalError
 from ..hardware.cpukernels import FAULT_ENV, write_probe_model
-from .lookup import StepCost
+from .stepcost import StepCost
 
 
 def put(batch: Any, i: int, token: int, pos: int, seq: int, logits: bool) -> None:

@@ -42,7 +42,7 @@ from .drafts import Drafter
 from .jobs import EMBED_MAX_TOKENS, Job, Output
 from .llamaload import create_context, devices_for, load_model
 from .logits import RowLogits
-from .lookup import Costs, History, PromptLookup, StepCost
+from .lookup import History, PromptLookup
 from .lora import Adapters
 from .preempt import Preempt
 from .probes import batch_probe
@@ -51,6 +51,7 @@ from .sampling import Samplers
 from .scheduler import Scheduler
 from .seating import Outputs, Seating
 from .slots import Slot
+from .stepcost import Costs, StepCost
 from .steps import Inbox, StepLoop
 from .vision import Vision
 from .vocab import Vocab

@@ -21,11 +21,12 @@ from functools import partial
 
 from .drafts import Drafter
 from .jobs import Job, common_prefix
-from .lookup import Costs, expected_accepted
+from .lookup import expected_accepted
 from .lora import cells
 from .parking import Parked, parkable
 from .plan import Move, Park, Resume, Start, StepPlan, Work
-from .slots import Slot, best_slot
+from .slots import Run, Slot, best_slot
+from .stepcost import Costs, Rows
 
 BACKGROUND_CHUNK = 16
 """Prompt tokens of background jobs read in one step at most (short steps, where none stop)."""
@@ -162,14 +163,21 @@ class Scheduler:
                 plan.work.append(Work(s, r, r.n_past, [r.last], [n], sample=n))
                 n += 1
         expected = float(n)  # the tokens this step should yield
-        for w in list(plan.work):  # drafts after every slot has its row
+        decoding = list(plan.work)
+        for at, w in enumerate(decoding):  # drafts after every slot has its row
             r = w.run
             if (r.grammar is None and r.lookup is None and r.pace is None) or r.forced or (
                     r.thinking is not None and not r.thinking.done):
                 continue  # (nothing drafts; or a thinking budget counts token by token)
             room = min(self.n_batch - n, self.n_ctx_slot - r.n_past - 1,
                        r.job.spec.max_tokens - r.job.n_generated - 1)
-            draft = self.drafter.propose(r, room, n, expected)
+            left = [self._left(x.run) for x in decoding]
+            rows = Rows(tuple((x.slot.seq, len(x.tokens) + x.ask) for x in decoding), at,
+                        lead=all(left[at] > v for i, v in enumerate(left) if i != at),
+                        peers=tuple(i for i in range(at + 1, len(decoding))
+                                    if (p := decoding[i].run.pace) is not None
+                                    and not p.rest))
+            draft = self.drafter.propose(r, room, rows, expected)
             length = len(draft.tokens) or draft.ask
             if not length:
                 continue
@@ -193,6 +201,10 @@ class Scheduler:
                                   sample=0 if len(take) == len(r.todo) else None))
         plan.settle()
         return plan
+
+    def _left(self, run: Run) -> int:
+        """Tokens ``run`` may make yet: to its ``max_tokens``, or its context's end."""
+        return min(self.n_ctx_slot - run.n_past, run.job.spec.max_tokens - run.job.n_generated)
 
     def _lora_turn(self, sets: Sequence[tuple[float, ...]],
                    interactive: Sequence[tuple[float, ...]]) -> tuple[float, ...]:

@@ -32,13 +32,14 @@ from .contract import Notify
 from .drafts import Drafter
 from .jobs import Job, Output
 from .logits import RowLogits, logprob
-from .lookup import Costs, StepCost, accepted_prefix
+from .lookup import accepted_prefix
 from .parking import Parked
 from .plan import Park, Resume, Start, StepPlan, Work
 from .sampling import Samplers
 from .scheduler import Scheduler
 from .seating import Outputs, Seating
 from .slots import Run, Slot
+from .stepcost import Costs, StepCost
 from .vocab import Vocab
 
 log = logging.getLogger(__name__)
