@@ -9,7 +9,8 @@ daemon without and with ``draft_model``, llama-server without and with ``-md``. 
 lookup is off on ours (``speculative = false``), as llama-server drafts with the draft
 model only: like for like. Greedy, three prompts (prose, code, a list), N tokens each,
 decode tok/s timed from the first token to the last, as a client sees it; ``-k`` streams
-at once for the load figures.
+at once for the load figures. All four servers are up together and take turns prompt by
+prompt, round by round.
 
 A ratio is printed only where both sides generated the same number of tokens; whether
 their texts are the same is said (a draft changes no token where batches are bit-exact;
@@ -110,7 +111,7 @@ def daemon(target: Path, draft: Path | None, k: int, threads: int, ctx: int,
 
 def ours(sock: Path, text: str, n: int, tag: str) -> tuple[float, str, int]:
     """One greedy stream on our socket, read as raw JSON lines: (decode tok/s, text,
-    tokens)."""
+    tokens). Drafts verified and accepted are added to ``DRAFTS``."""
     import socket
 
     body = {"Generate": {"request_id": tag, "model": "bench", "prompt": text,
@@ -181,29 +182,48 @@ Side = dict[str, tuple[float, str, int]]
 and its tokens (the first stream's)."""
 
 
-def side(name: str, start: contextlib.AbstractContextManager[object], call: object, k: int,
-         n: int, rounds: int) -> Side:
-    """Every prompt ``rounds`` times on one server (``k`` streams of it at once)."""
+def sides(servers: dict[str, tuple[contextlib.AbstractContextManager[object], object]],
+          k: int, n: int, rounds: int) -> dict[str, Side]:
+    """Every prompt ``rounds`` times on each server (``k`` streams at once), all of them
+    up together and taking turns prompt by prompt (a burst of noise on this machine
+    falls on every side alike); each prompt's best round kept."""
     from concurrent.futures import ThreadPoolExecutor
 
-    assert callable(call)
-    DRAFTS[:] = [0, 0]
-    best: Side = {}
-    with start as handle:
-        call(handle, PROMPTS["prose"], 8, 0)  # warm-up
+    best: dict[str, Side] = {name: {} for name in servers}
+    drafts = {name: [0, 0] for name in servers}
+    with contextlib.ExitStack() as stack:
+        handles = {name: stack.enter_context(start) for name, (start, _) in servers.items()}
+
+        def one(name: str, text: str, tokens: int) -> list[tuple[float, str, int]]:
+            call = servers[name][1]
+            assert callable(call)
+            DRAFTS[:] = [0, 0]
+            with ThreadPoolExecutor(k) as pool:
+                got = list(pool.map(lambda i: call(handles[name], text, tokens, i),
+                                    range(k)))
+            drafts[name][0] += DRAFTS[0]
+            drafts[name][1] += DRAFTS[1]
+            time.sleep(0.2)  # (the last one's OpenMP threads spin a while after it)
+            return got
+
+        for name in servers:
+            one(name, PROMPTS["prose"], 8)  # warm-up
+        for name in servers:
+            drafts[name] = [0, 0]
         for _ in range(rounds):
             for prompt, text in PROMPTS.items():
-                with ThreadPoolExecutor(k) as pool:
-                    got = list(pool.map(lambda i, t=text: call(handle, t, n, i), range(k)))
-                rate = sum(r for r, _, _ in got)
-                if rate > best.get(prompt, (0.0, "", 0))[0]:
-                    best[prompt] = (rate, got[0][1], got[0][2])
-    drafted, accepted = DRAFTS
-    said = (f"; {accepted}/{drafted} drafted tokens accepted" if drafted
-            else "; nothing drafted" if "draft" in name or "-md" in name else "")
-    print(f"  {name:<26} " + "  ".join(f"{p} {best[p][0]:6.1f} ({best[p][2]})"
-                                       for p in PROMPTS)
-          + f" tok/s (tokens){said}", flush=True)
+                for name in servers:
+                    got = one(name, text, n)
+                    rate = sum(r for r, _, _ in got)
+                    if rate > best[name].get(prompt, (0.0, "", 0))[0]:
+                        best[name][prompt] = (rate, got[0][1], got[0][2])
+    for name, side in best.items():
+        drafted, accepted = drafts[name]
+        said = (f"; {accepted}/{drafted} drafted tokens accepted" if drafted
+                else "; nothing drafted" if "draft" in name or "-md" in name else "")
+        print(f"  {name:<26} " + "  ".join(f"{p} {side[p][0]:6.1f} ({side[p][2]})"
+                                           for p in PROMPTS)
+              + f" tok/s (tokens){said}", flush=True)
     return best
 
 
@@ -260,16 +280,16 @@ def main() -> None:
     def their(port: int, text: str, n: int, i: int) -> tuple[float, str, int]:
         return theirs(port, text, n)
 
-    results = {
-        "ours": side("everycycle", daemon(target, None, k, args.threads, ctx), our, k, n,
-                     args.rounds),
-        "ours+draft": side("everycycle draft_model", daemon(
-            target, draft, k, args.threads, ctx, args.draft_max), our, k, n, args.rounds),
-        "theirs": side("llama-server", server(()), their, k, n, args.rounds),
-        "theirs+draft": side("llama-server -md", server(
-            ("-md", str(draft), "--spec-type", "draft-simple", *spec)), their, k, n,
-            args.rounds),
-    }
+    got = sides({
+        "everycycle": (daemon(target, None, k, args.threads, ctx), our),
+        "everycycle draft_model": (daemon(target, draft, k, args.threads, ctx,
+                                          args.draft_max), our),
+        "llama-server": (server(()), their),
+        "llama-server -md": (server(("-md", str(draft), "--spec-type", "draft-simple",
+                                     *spec)), their),
+    }, k, n, args.rounds)
+    results = {"ours": got["everycycle"], "ours+draft": got["everycycle draft_model"],
+               "theirs": got["llama-server"], "theirs+draft": got["llama-server -md"]}
     print("ratios (each prompt's best round):")
     compare("ours with draft / ours without (our gain)", results["ours+draft"],
             results["ours"])
