@@ -271,19 +271,25 @@ def lookup_ab(sock: Path, k: int, n: int, rounds: int) -> None:
     tokens."""
     global SPECULATIVE
 
+    drafts: list[str] = []
+
     async def go() -> list[tuple[Run, Run]]:
         global SPECULATIVE
         async with connect(sock) as client:
             await client.load("bench")
-        await raw_load(sock, k, min(n, 8))  # warm-up
-        pairs = []
-        for _ in range(rounds):
-            SPECULATIVE = True
-            on = await raw_load(sock, k, n)
-            SPECULATIVE = False
-            off = await raw_load(sock, k, n)
-            pairs.append((on, off))
-        return pairs
+            await raw_load(sock, k, min(n, 8))  # warm-up
+            pairs, seen = [], (0, 0)
+            for _ in range(rounds):
+                SPECULATIVE = True
+                on = await raw_load(sock, k, n)
+                (m,) = (await client.describe_fleet()).loaded_models
+                now = (m.lookup_drafted or 0, m.lookup_accepted or 0)
+                drafts.append(f"{now[1] - seen[1]}/{now[0] - seen[0]}")
+                seen = now
+                SPECULATIVE = False
+                off = await raw_load(sock, k, n)
+                pairs.append((on, off))
+            return pairs
 
     pairs = anyio.run(go)
     SPECULATIVE = None
@@ -295,7 +301,8 @@ def lookup_ab(sock: Path, k: int, n: int, rounds: int) -> None:
     print(max((p[0] for p in pairs), key=lambda r: r.rate).line("lookup on"))
     print(max((p[1] for p in pairs), key=lambda r: r.rate).line("lookup off"))
     print(f"ratio lookup on/off ({k} streams): median {statistics.median(ratios):.3f}, "
-          f"rounds in order {' '.join(f'{r:.3f}' for r in ratios)}")
+          f"rounds in order {' '.join(f'{r:.3f}' for r in ratios)}; draft tokens accepted/"
+          f"drafted by round {' '.join(drafts)}")
 
 
 def ttft_pair(sock: Path, models: Path, n_samples: int) -> tuple[list[float], list[float]]:

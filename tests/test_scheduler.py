@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from everycycle.engine.drafts import NO_DRAFT, Draft, Drafter
 from everycycle.engine.jobs import Job, JobSpec
+from everycycle.engine.lookup import PromptLookup
 from everycycle.engine.parking import Parked
 from everycycle.engine.plan import Park, Resume, Start, StepPlan, Work
 from everycycle.engine.scheduler import BACKGROUND_CHUNK, Scheduler
@@ -279,3 +280,40 @@ def test_a_job_resumed_elsewhere_keys_the_slots_cells_by_its_lora_scales() -> No
     resume(memory, None, None, p, other, Spares())
     assert other.run is not None and other.run.todo == [1, 2, 3, 4, 4]  # (read again)
     assert memory.removed == [(1, -1, -1)] and other.lora == (0.5,)
+
+
+
+class Forcing:
+    """A grammar that forces as many tokens as it is asked for, and says how many."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def forced(self, room: int) -> list[int]:
+        self.asked.append(room)
+        return [7] * room
+
+
+def test_only_the_slot_with_most_left_may_lengthen_a_step_of_several_unless_all_draft(
+        ) -> None:
+    """One slot's draft among several decoding slots is a micro-batch of its own
+    (llama.cpp splits a step by sequence): only the slot the batch waits for (the most
+    left to make) may add one; where every slot has a lookup draft to offer, any may."""
+    costs = Costs()
+    costs.decode = StepCost.fit([(n, 0.010) for n in (1, 2, 4, 8, 16, 32)] * 3)  # (a GPU)
+    sched = Scheduler(n_batch=64, n_ctx_slot=256, parallel=2, costs=costs,
+                      drafter=Drafter(costs))
+    short = running(0, job(max_tokens=10), cached=[1])
+    long = running(1, job(max_tokens=50), cached=[1])
+    grammars = {}
+    for s in (short, long):
+        assert s.run is not None
+        s.run.grammar = grammars.setdefault(s.seq, Forcing())  # type: ignore[assignment]
+    plan = sched.plan([short, long])
+    assert grammars[0].asked == [] and grammars[1].asked == [49]  # (to its max_tokens)
+    assert [w.draft for w in plan.work] == [0, 49]
+    for s in (short, long):
+        assert s.run is not None
+        s.run.lookup = PromptLookup([1, 2, 3, 1, 2, 3])  # (both have a draft to offer)
+    plan = sched.plan([short, long])
+    assert grammars[0].asked == [9] and plan.work[0].draft == 9

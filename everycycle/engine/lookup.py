@@ -212,6 +212,13 @@ class PromptLookup:
             self._predicted, self._hits = draft, 0
         return []
 
+    def ready(self, limit: int) -> bool:
+        """Whether it has a draft it may propose now, if its rows pay (not waiting for a
+        prediction to come true)."""
+        if self._predicted and self._hits < SURVIVE:
+            return False
+        return bool(self.draft(min(limit, MAX_DRAFT, 1)))
+
     def verified(self, drafted: int, accepted: int) -> None:
         """A draft of ``drafted`` tokens had its first ``accepted`` confirmed."""
         self.drafted += drafted

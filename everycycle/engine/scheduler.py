@@ -164,6 +164,11 @@ class Scheduler:
                 n += 1
         expected = float(n)  # the tokens this step should yield
         decoding = list(plan.work)
+        # Where every decoding slot has a lookup draft to offer, any may lengthen the
+        # step (the others join its rows: all get ahead together); else only the slot
+        # with the most left may (``Rows.lead``).
+        together = len(decoding) > 1 and all(
+            x.run.lookup is not None and x.run.lookup.ready(self.n_batch) for x in decoding)
         for at, w in enumerate(decoding):  # drafts after every slot has its row
             r = w.run
             if (r.grammar is None and r.lookup is None and r.pace is None) or r.forced or (
@@ -173,7 +178,8 @@ class Scheduler:
                        r.job.spec.max_tokens - r.job.n_generated - 1)
             left = [self._left(x.run) for x in decoding]
             rows = Rows(tuple((x.slot.seq, len(x.tokens) + x.ask) for x in decoding), at,
-                        lead=all(left[at] > v for i, v in enumerate(left) if i != at),
+                        lead=together or all(left[at] > v for i, v in enumerate(left)
+                                             if i != at),
                         peers=tuple(i for i in range(at + 1, len(decoding))
                                     if (p := decoding[i].run.pace) is not None
                                     and not p.rest))
