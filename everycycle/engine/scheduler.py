@@ -5,9 +5,10 @@ background job to take its slot, so it waits at most one step; a parked job resu
 before any pending background job; a job parked for longer than its
 ``background_age`` is served as interactive. ``plan`` lays out the one
 ``llama_decode``: a row per decoding slot, then drafts (``Drafter``; a draft model's
-asked for, its rows held, made once the plan is laid out), then prompt chunks; while an interactive job reads its prompt, background jobs sit the step out
-(its first token comes as soon as on an idle engine), and a background prompt reads
-only as many tokens as keep the step short (``background_room``).
+asked for, its rows held, made once the plan is laid out), then prompt chunks; while
+an interactive job reads its prompt, background jobs sit the step out (its first token
+comes as soon as on an idle engine), and a background prompt reads only as many tokens
+as keep the step short (``background_room``).
 
 Nothing here calls llama.cpp or changes a slot: the step applies what it decides
 (``steps.py``), and tests drive it with plain slots and jobs.
@@ -169,6 +170,7 @@ class Scheduler:
         # with the most left may (``Rows.lead``).
         together = len(decoding) > 1 and all(
             x.run.lookup is not None and x.run.lookup.ready(self.n_batch) for x in decoding)
+        left = [self._left(x.run) for x in decoding]
         for at, w in enumerate(decoding):  # drafts after every slot has its row
             r = w.run
             if (r.grammar is None and r.lookup is None and r.pace is None) or r.forced or (
@@ -176,7 +178,6 @@ class Scheduler:
                 continue  # (nothing drafts; or a thinking budget counts token by token)
             room = min(self.n_batch - n, self.n_ctx_slot - r.n_past - 1,
                        r.job.spec.max_tokens - r.job.n_generated - 1)
-            left = [self._left(x.run) for x in decoding]
             rows = Rows(tuple((x.slot.seq, len(x.tokens) + x.ask) for x in decoding), at,
                         lead=together or all(left[at] > v for i, v in enumerate(left)
                                              if i != at),
