@@ -13,9 +13,11 @@ slots.py      one decoding slot: its sequence in the KV cache, its job, the text
 sampling.py   llama.cpp's sampler chains for a job
 constraint.py constrained decoding: llguidance's tokenizer for the vocabulary, a
               matcher per slot (the mask before the chain)
-drafts.py     drafts in a step's batch (the tokens a grammar forces, prompt lookup's),
-              verified as one-at-a-time decoding chooses
-lookup.py     prompt-lookup drafts and the step cost by row count (no llama.cpp)
+drafts.py     drafts in a step's batch (the tokens a grammar forces, prompt lookup's, a
+              draft model's), verified as one-at-a-time decoding chooses; the policy
+draftmodel.py a draft model beside the model: its vocabulary checked, greedy drafts
+lookup.py     prompt-lookup drafts (no llama.cpp)
+stepcost.py   what a step costs by rows and micro-batches, as measured (no llama.cpp)
 probes.py     the load-time batch probe (exactness, step timings), and the CPU-kernel
               probe's child (``python -m everycycle.engine.probes``)
 jobs.py       Job in, Outputs out, stop strings and held-back text
