@@ -7,17 +7,20 @@ same weights up to quantization noise, so they agree as a matched pair does. Fou
 sides, each on its own server started for it, the same threads, context and slots: our
 daemon without and with ``draft_model``, llama-server without and with ``-md``. Prompt
 lookup is off on ours (``speculative = false``), as llama-server drafts with the draft
-model only: like for like. Greedy, three prompts (prose, code, a list), N tokens each,
-decode tok/s timed from the first token to the last, as a client sees it; ``-k`` streams
-at once for the load figures. All four servers are up together and take turns prompt by
-prompt, round by round.
+model only (``--spec-type draft-simple``: with ``-md`` alone this llama-server loads the
+draft and never drafts): like for like. Greedy, three prompts (prose, code, a list), N
+tokens each, decode tok/s timed from the first token to the last, as a client sees it;
+``-k`` streams at once for the load figures. All four servers are up together and take
+turns prompt by prompt, round by round. Each side's drafted and accepted tokens are
+printed (ours from ``Usage``, llama-server's from its timings).
 
-A ratio is printed only where both sides generated the same number of tokens; whether
-their texts are the same is said (a draft changes no token where batches are bit-exact;
-llama.cpp's CPU kernels round a batch of rows otherwise on some CPUs, and both engines
-then may differ in a late token).
+A ratio is the mean of the prompts' ratios over the prompts where both sides generated
+as many tokens (the others are named); whether their texts are the same is said (a draft
+changes no token where batches are bit-exact; llama.cpp's CPU kernels round a batch of
+rows otherwise on some CPUs, and two engines may then differ after a near-tie).
 
     .venv/bin/python bench/draft.py --llama-server PATH [-n 256] [-k 1] [--rounds 3]
+        [--target T.gguf --draft D.gguf] [--draft-max N] [--ngl 99]
 """
 
 from __future__ import annotations
