@@ -536,7 +536,7 @@ def test_a_step_of_several_sequences_is_priced_as_llama_cpp_splits_it() -> None:
     cpu = StepCost.fit([(n, 10 * ms + 2 * ms * n) for n in (1, 2, 4, 8, 16, 32)] * 3)
     assert cpu.draft_len(1, 1.0, 0.9, 4) > 0  # alone: rows are cheap beside a step
     eight = Rows(tuple((seq, 1) for seq in range(8)), 0)
-    assert cpu.step(eight.with_draft(3)) == pytest.approx(cpu.step(eight.with_draft(0))
+    assert cpu.step(eight.together(3)) == pytest.approx(cpu.step(eight.together(0))
                                                           + 10 * ms + 6 * ms)
     assert cpu.draft_len(eight, 8.0, 0.9, 4) == 0  # a second micro-batch: not worth it
     drafted = Rows(((0, 4), *((seq, 4) for seq in range(1, 7)), (7, 1)), 7)

@@ -11,7 +11,7 @@ llama.cpp's numerics).
 
 One policy chooses, from what steps cost here as measured: a draft is proposed only
 where its expected confirmed tokens pay for the rows it adds to the step, and, a draft
-model's, for that model's own decoding (``StepCost.draft_plan``); of lookup's and the
+model's, for that model's own decoding (``StepCost.joint_plan``); of lookup's and the
 draft model's, the one promising more tokens a second. A slot whose model drafts stop
 paying rests from them (8 steps, doubling to 256 while they keep failing), then tries
 a short one. Engine thread only.

@@ -161,7 +161,7 @@ class Scheduler:
         n = 0
         for s, r in runs:
             if not r.todo:
-                plan.work.append(Work(s, r, r.n_past, [r.last], [n], sample=n))
+                plan.work.append(Work(s, r, r.n_past, [r.last], [], sample=0))
                 n += 1
         expected = float(n)  # the tokens this step should yield
         decoding = list(plan.work)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 Shape = Sequence[tuple[int, int]]
 """A decode step's rows by sequence: (sequence id, rows), in the batch's order."""
@@ -69,13 +69,9 @@ class Rows:
         return max(rows for i, (_, rows) in enumerate(self.shape) if i != self.at) \
             if len(self.shape) > 1 else self.shape[self.at][1]
 
-    def with_draft(self, d: int) -> Shape:
-        """The shape with the slot's rows grown by a draft of ``d``."""
-        seq, rows = self.shape[self.at]
-        return (*self.shape[:self.at], (seq, rows + d), *self.shape[self.at + 1:])
-
     def together(self, d: int) -> Shape:
-        """The shape with the slot's and its peers' rows grown by drafts of ``d``."""
+        """The shape with the slot's and its peers' rows (none: the slot's alone) grown by
+        drafts of ``d``."""
         grown = {self.at, *self.peers}
         return tuple((seq, rows + d if i in grown else rows)
                      for i, (seq, rows) in enumerate(self.shape))
@@ -128,41 +124,27 @@ class StepCost:
             return None
         return sum(self._table[rows] for rows in parts)
 
-    def draft_len(self, rows: int | Rows, tokens: float, rate: float, available: int,
-                  per_token: float = 0.0) -> int:
+    def draft_len(self, rows: int | Rows, tokens: float, rate: float, available: int) -> int:
         """How many draft tokens to add to a step that already has ``rows`` rows (one
         sequence's, or ``Rows``: every decoding slot's, this one's among them) and is
         expected to yield ``tokens`` tokens: the length with the most expected tokens
         per second, each draft token right with probability ``rate`` given the ones
-        before it were, each costing ``per_token`` seconds to make (a draft model's
-        decoding; 0 for prompt lookup's); 0 if none beats no draft by MARGIN."""
-        return self.draft_plan(rows, tokens, rate, available, per_token)[0]
+        before it were (a draft free to make: prompt lookup's, a grammar's); 0 if none
+        beats no draft by MARGIN."""
+        return self.draft_plan(rows, tokens, rate, available)[0]
 
-    def draft_plan(self, rows: int | Rows, tokens: float, rate: float, available: int,
-                   per_token: float = 0.0) -> tuple[int, float]:
+    def draft_plan(self, rows: int | Rows, tokens: float, rate: float, available: int
+                   ) -> tuple[int, float]:
         """``draft_len``'s length and the expected tokens per second it gives (without a
         draft: ``tokens`` over the step's time; 0.0 before any step was timed)."""
-        shaped = rows if isinstance(rows, Rows) else Rows(((0, rows),), 0)
-        alone_s = self.step(shaped.with_draft(0))
-        if alone_s is None or self.step(shaped.with_draft(available)) is None:
-            return 0, 0.0
-        alone = tokens / alone_s
-        best_len, best = 0, alone * (1.0 + self.MARGIN)
-        gain, p = 0.0, 1.0
-        for d in range(1, available + 1):
-            p *= rate
-            gain += p
-            took = self.step(shaped.with_draft(d))
-            assert took is not None
-            speed = (tokens + gain) / (took + per_token * d)
-            if speed > best:
-                best_len, best = d, speed
-        return best_len, best if best_len else alone
+        alone = (replace(rows, peers=()) if isinstance(rows, Rows)
+                 else Rows(((0, rows),), 0))
+        return self.joint_plan(alone, tokens, rate, available, lambda d: 0.0)
 
     def joint_plan(self, rows: Rows, tokens: float, rate: float, available: int,
                    making: Callable[[int], float]) -> tuple[int, float]:
-        """A draft model's length for the slot and its peers alike (``Rows.together``:
-        drafts of one length keep the step one micro-batch), each draft token right
+        """A draft length for the slot and its peers alike (``Rows.together``: drafts of
+        one length keep the step one micro-batch; a draft model's), each draft token right
         with probability ``rate``, ``making(d)`` the seconds the draft model takes for
         drafts of ``d``: the length with the most expected tokens per second, 0 if none
         beats no draft by MARGIN; and that speed."""

@@ -55,9 +55,9 @@ def source(model: str, origin: Path) -> str:
 
 
 def checked(model: str, n_max: object, n_min: object, p_min: object, *,
-            where: str = "--") -> DraftSpec:
+            where: str) -> DraftSpec:
     """A DraftSpec from given values. Raises ConfigError naming the key (``where``: its
-    prefix, ``models.x.`` or ``--`` for the command line)."""
+    prefix, the entry's)."""
     if model.startswith("hf:"):
         try:
             hub.parse_hf_url(model)

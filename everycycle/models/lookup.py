@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import InvalidRequestError
+from ..errors import ChecksumMismatchError, InvalidRequestError
 from . import hub, stores
 from .registry import ModelSpec, Registry, local_file
 
@@ -44,14 +44,16 @@ def draft_file(registry: Registry, spec: ModelSpec, *, download: bool = False
     if draft is None:
         return None
     what = f"model '{spec.name}': its draft model"
-    if draft.model.startswith("hf:"):
-        path = hub.resolved(draft.model, None, fetch=download, what=what)
-        return path.name, path
     if draft.model == spec.name:
         raise InvalidRequestError(f"{what} is the model itself")
     try:
+        if draft.model.startswith("hf:"):
+            path = hub.resolved(draft.model, None, fetch=download, what="the file")
+            return path.name, path
         found = spec_for(registry, draft.model, allow_paths=True)
         path = local_file(found, download=download)
         return path.name if found.name == draft.model == str(path) else found.name, path
+    except ChecksumMismatchError:
+        raise  # (it names the file and both hashes; its kind stays)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{what} '{draft.model}': {exc.message}") from None
