@@ -99,6 +99,7 @@ def audit_record(outcome: Outcome, req: Generate | Embed, *, prompts: bool) -> d
         record["prompt"] = ({"query": query, "documents": list(req.input)}
                             if isinstance(req, Embed) and query is not None
                             else list(req.input) if isinstance(req, Embed) else
+                            list(req.prompt_tokens) if req.prompt_tokens is not None else
                             req.prompt if req.messages is None else
                             [[m.role.value, m.text] + [f"(image, {_size(i.data or '')} bytes)"
                                                        for i in m.images]

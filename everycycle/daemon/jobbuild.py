@@ -6,10 +6,10 @@ Blocking (tokenizing, compiling a grammar): the supervisor calls it on a worker 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..chatfmt import constraint
+from ..chatfmt import constraint, infill
 from ..chatfmt.callgrammar import CallGrammar, CallGrammars
 from ..chatfmt.chat import ChatPrompt
 from ..chatfmt.chatoutput import ChatOutput
@@ -30,7 +30,40 @@ def sampling(req: Generate, model_defaults: Mapping[str, Any], grammar: str | No
              ) -> Sampling:
     """The request's options, else the model's (models.toml), else llama.cpp's defaults
     (the table's: the engine reads an unset one as its default)."""
-    return Sampling({**model_defaults, **sampling_values(req)}, grammar)
+    return Sampling({**model_defaults, **sampling_values(req)}, grammar,
+                    ignore_eos=req.ignore_eos is True)
+
+
+def infill_tokens(spec: ModelSpec, engine: Engine, req: Generate) -> list[int]:
+    """A fill-in-the-middle prompt, laid out as llama-server lays it out with the model's
+    own FIM tokens. Raises InvalidRequestError for a model without them."""
+    assert req.infill is not None and req.prompt is not None
+    facts = engine.vocab_facts
+    if missing := facts.fim.missing:
+        raise InvalidRequestError(
+            f"model '{spec.name}' cannot fill in the middle: its vocabulary has no FIM "
+            f"{', '.join(missing)} token{'s' if len(missing) > 1 else ''}")
+
+    def tokenize(texts: Sequence[str]) -> list[list[int]]:
+        return engine.tokens(texts)
+
+    fill = req.infill
+    return infill.layout(facts.fim, tokenize, prefix=req.prompt, suffix=fill.suffix,
+                         middle=fill.middle,
+                         extra=[infill.Chunk(c.filename, c.text) for c in fill.extra],
+                         bos=facts.bos, n_ctx=engine.n_ctx_slot,
+                         n_predict=req.max_tokens or -1)
+
+
+def given_tokens(engine: Engine, ids: Sequence[int]) -> list[int]:
+    """A prompt given as token ids. Raises InvalidRequestError for an id the model's
+    vocabulary lacks."""
+    n_vocab = engine.vocab_facts.n_vocab
+    bad = next((t for t in ids if t >= n_vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"prompt token {bad} is not in the model's vocabulary of "
+                                  f"{n_vocab}")
+    return list(ids)
 
 
 Listed = tuple[list[dict[str, Any]], list[str]]
@@ -118,7 +151,11 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
     listed = _tools(req, grammars)
     tools, names = listed if listed is not None else (None, None)
     prompt: ChatPrompt | None = None
-    if req.messages is not None:
+    if req.prompt_tokens is not None:
+        tokens = given_tokens(engine, req.prompt_tokens)
+    elif req.infill is not None:
+        tokens = infill_tokens(spec, engine, req)
+    elif req.messages is not None:
         if spec.format is Format.RAW:
             raise InvalidRequestError(f"model '{spec.name}' is a completion model: it has no "
                                       "chat; send a `prompt` instead of `messages`")

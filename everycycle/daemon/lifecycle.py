@@ -409,7 +409,8 @@ class Requests:
     def _chunk(active: Active, out: Output, *, final: bool = False) -> TokenChunk:
         """The chunk for the engine's output: split into answer and thinking (and its
         tool calls kept back) when the request's output needs it."""
-        logprobs = (tuple(TokenLogprob(t, lp, tuple(TopLogprob(a, alp) for a, alp in top))
+        logprobs = (tuple(TokenLogprob(t, lp, tuple(TopLogprob(a, alp, aid)
+                                                     for a, alp, aid in top))
                           for t, lp, top in out.logprobs) if out.logprobs else None)
         if active.output is None:
             return TokenChunk(out.text, out.ids, None, logprobs)

@@ -95,4 +95,11 @@ def prompt_bytes(req: Generate | Embed) -> int:
         return sum(len(text.encode("utf-8")) for text in (*req.input, req.query or ""))
     if req.messages is not None:
         return sum(len(m.text.encode("utf-8")) for m in req.messages)
-    return len((req.prompt or "").encode("utf-8"))
+    if req.prompt_tokens is not None:
+        return 4 * len(req.prompt_tokens)  # (as a token's text is, on average)
+    size = len((req.prompt or "").encode("utf-8"))
+    if req.infill is not None:
+        size += sum(len(t.encode("utf-8")) for t in (
+            req.infill.suffix, req.infill.middle,
+            *(c.filename + c.text for c in req.infill.extra)))
+    return size

@@ -38,7 +38,7 @@ from ..errors import (
 )
 from ..hardware import cpukernels, rpc
 from ..models import manage, stores
-from ..models.registry import DEFAULT_KEEP_ALIVE, Registry
+from ..models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry
 from ..protocol import (
     Cancel,
     DescribeFleet,
@@ -62,7 +62,7 @@ from .events import Bus, CancelCause, Cancelled, RequestEnded, RequestInput
 from .fleet import FleetView
 from .handoff import Handoff
 from .jobbuild import build_job
-from .keys import may_act_for
+from .keys import Principal, may_act_for
 from .lifecycle import Requests
 from .lorascales import LoraScales
 from .outcome import Limits, Outcome, Peer, prompt_bytes
@@ -415,9 +415,28 @@ class Supervisor:
         finally:
             lane.admitting -= 1
 
-    def _check_principal(self, peer: Peer, req: Generate | Embed) -> None:
-        """The principal's own limits: which models, how many at once, how fast (a lane's)."""
-        principal = peer.principal
+    async def engine_for(self, principal: Principal, name: str) -> tuple[ModelSpec, Engine]:
+        """The engine that serves model ``name`` (loaded first where it is not and loads
+        are allowed), for work on its vocabulary alone: tokenizing, detokenizing.
+        Raises InvalidRequestError for a model the principal may not use or that is
+        unknown, ModelNotLoadedError, and what a load raises."""
+        if self.closing:
+            raise RejectedError("daemon shutting down")
+        self._check_models(principal, name)
+        self._know(name)
+        spec = self.residency.spec_for(name, allow_paths=False)
+        lane = self.requests.lane(spec.name)
+        for attempt in range(3):
+            model = await context.loaded(self.residency, lane, spec, None,
+                                         allow_load=self.auto_load)
+            await self.residency.serving(model)
+            if model.engine.dead is None or attempt == 2:
+                self.residency.touch(model)
+                return spec, model.engine
+        raise AssertionError("unreachable")
+
+    def _check_models(self, principal: Principal, name: str) -> None:
+        """Raises InvalidRequestError unless ``principal`` may use model ``name``."""
         limits = principal.limits
         if limits.models is not None:
             def canonical(name: str) -> str | None:
@@ -426,11 +445,16 @@ class Supervisor:
                 except EverycycleError:
                     return None
 
-            wanted = canonical(req.model)
+            wanted = canonical(name)
             if wanted is None or wanted not in {canonical(m) for m in limits.models}:
                 # The same words whether or not the model exists.
                 raise InvalidRequestError(
-                    f"model '{req.model}' is not available to key '{principal.name}'")
+                    f"model '{name}' is not available to key '{principal.name}'")
+
+    def _check_principal(self, peer: Peer, req: Generate | Embed) -> None:
+        """The principal's own limits: which models, how many at once, how fast (a lane's)."""
+        principal = peer.principal
+        self._check_models(principal, req.model)
         lane = "background" if req.priority is Priority.BACKGROUND else "interactive"
         inflight = sum(1 for a in self.requests.active.values()
                        if a.peer.principal.name == principal.name and a.lane == lane)

@@ -94,7 +94,7 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
         return
     send(Ready(EngineInfo(os.getpid(), runner.parallel, runner.n_ctx_slot,
                           runner.weights_bytes, runner.kv_bytes, runner.offloaded,
-                          runner.lookup_exact)))
+                          runner.lookup_exact, runner.vocab_facts)))
     stop = threading.Event()
 
     def beat() -> None:

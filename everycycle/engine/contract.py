@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any, NamedTuple, Protocol
 
 from ..chatfmt.chat import ChatPrompt
+from ..chatfmt.infill import FimTokens
 from ..errors import AllocationError, ErrorKind, EverycycleError
 from ..protocol import Format, Message
 from .jobs import Job, JobSpec, Logprob, Output
@@ -37,10 +38,20 @@ class CacheStats(NamedTuple):
     evictions: int
 
 
+class VocabFacts(NamedTuple):
+    """What the daemon needs of a model's vocabulary without asking: its size, the BOS
+    token tokenizing adds (None: none), and its fill-in-the-middle tokens."""
+
+    n_vocab: int
+    bos: int | None
+    fim: FimTokens
+
+
 class Engine(Protocol):
     """A model resident on an executor, decoding for ``parallel`` slots."""
 
     parallel: int
+    vocab_facts: VocabFacts
     n_ctx_slot: int
     """Tokens one slot holds."""
     weights_bytes: int
@@ -110,6 +121,18 @@ class Engine(Protocol):
         """Ask ``job`` to stop; it ends ``cancelled`` within one decode step."""
 
     def tokenize(self, prompt: str, fmt: Format | None = None) -> list[int]: ...
+
+    def tokens(self, texts: Sequence[str], *, add_special: bool = False,
+               parse_special: bool = False) -> list[list[int]]:
+        """Each text's tokens, as llama.cpp's tokenizer gives them: ``add_special``, BOS
+        (and EOS) where the vocabulary adds them; ``parse_special``, control tokens'
+        text read as those tokens. Raises InternalError once the model is unloaded."""
+        ...
+
+    def pieces(self, ids: Sequence[int]) -> list[bytes]:
+        """Each token's bytes (a control token's as its text). Raises InvalidRequestError
+        for an id outside the vocabulary, InternalError once the model is unloaded."""
+        ...
 
     def chat_prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None
                     = None, think: bool | None = None, as_prompt: bool = False
@@ -294,6 +317,27 @@ class Tokenize(NamedTuple):
         return engine.tokenize(self.prompt, self.fmt)
 
 
+class TokenizeTexts(NamedTuple):
+    """``Engine.tokens``: answered by each text's token ids."""
+
+    texts: Sequence[str]
+    add_special: bool = False
+    parse_special: bool = False
+
+    def answer(self, engine: Engine) -> list[list[int]]:
+        return engine.tokens(self.texts, add_special=self.add_special,
+                             parse_special=self.parse_special)
+
+
+class TokenPieces(NamedTuple):
+    """``Engine.pieces``: answered by each token's bytes."""
+
+    ids: Sequence[int]
+
+    def answer(self, engine: Engine) -> list[bytes]:
+        return engine.pieces(self.ids)
+
+
 class RenderChat(NamedTuple):
     """``Engine.chat_prompt``: answered by the tokens and the ChatPrompt."""
 
@@ -332,7 +376,8 @@ class DropPromptCache(NamedTuple):
         return engine.drop_prompt_cache()
 
 
-Question = Tokenize | RenderChat | RerankTokens | CheckGrammar | DropPromptCache
+Question = (Tokenize | TokenizeTexts | TokenPieces | RenderChat | RerankTokens | CheckGrammar
+            | DropPromptCache)
 """What a ``Call`` may ask: each answers itself from the child's Runner."""
 
 
@@ -357,6 +402,7 @@ class EngineInfo(NamedTuple):
     kv_bytes: int
     offloaded: tuple[int, int] | None
     lookup_exact: bool
+    vocab: VocabFacts
 
 
 class Ready(NamedTuple):

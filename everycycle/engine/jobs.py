@@ -29,6 +29,9 @@ class Sampling:
     """The constraint every output must follow: llguidance's serialized grammar
     (``chatfmt.constraint``: a JSON Schema, GBNF, or a tool format's calls, which may
     start lazily at a trigger word)."""
+    ignore_eos: bool = False
+    """Never end by itself: every end-of-generation token is barred (llama-server's
+    ``ignore_eos``, which benchmarks send for answers of a fixed length)."""
 
     @classmethod
     def of(cls, grammar: str | None = None, **values: object) -> Sampling:
@@ -51,12 +54,13 @@ class Sampling:
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes its choice (no penalty, bias, DRY or XTC):
         an argmax over the logits."""
-        return self.greedy and all(self[p] == p.neutral for p in PARAMS
-                                   if p.neutral is not None)
+        return self.greedy and not self.ignore_eos and all(
+            self[p] == p.neutral for p in PARAMS if p.neutral is not None)
 
 
-Logprob = tuple[str, float, tuple[tuple[str, float], ...]]
-"""A generated token's text and log-probability, and the likeliest alternatives'."""
+Logprob = tuple[str, float, tuple[tuple[str, float, int], ...]]
+"""A generated token's text and log-probability, and the likeliest alternatives' (with
+their ids)."""
 
 
 @dataclass(frozen=True, slots=True)

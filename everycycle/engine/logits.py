@@ -42,9 +42,9 @@ def logprob(row: np.ndarray[Any, np.dtype[np.float32]], tok: int, top: int,
     logits = row.astype(np.float64)
     peak = logits.max()
     lse = peak + np.log(np.exp(logits - peak).sum())
-    best: list[tuple[str, float]] = []
+    best: list[tuple[str, float, int]] = []
     if top:
         ids = np.argpartition(-logits, top - 1)[:top]
         ids = ids[np.argsort(-logits[ids], kind="stable")]
-        best = [(text(int(i)), float(logits[i] - lse)) for i in ids]
+        best = [(text(int(i)), float(logits[i] - lse), int(i)) for i in ids]
     return text(tok), float(logits[tok] - lse), tuple(best)

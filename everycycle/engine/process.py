@@ -56,6 +56,8 @@ from .contract import (
     Returned,
     SubmitJob,
     Tokenize,
+    TokenizeTexts,
+    TokenPieces,
     receive_message,
     send_message,
 )
@@ -139,6 +141,7 @@ class EngineProcess:
         self.kv_bytes = info.kv_bytes
         self.offloaded = info.offloaded
         self.lookup_exact = info.lookup_exact
+        self.vocab_facts = info.vocab
         self.lookup_drafted = 0
         self.lookup_accepted = 0
         self.draft_drafted = 0
@@ -386,6 +389,16 @@ class EngineProcess:
 
     def tokenize(self, prompt: str, fmt: Format | None = None) -> list[int]:
         result: list[int] = self._call(Tokenize(prompt, fmt))
+        return result
+
+    def tokens(self, texts: Sequence[str], *, add_special: bool = False,
+               parse_special: bool = False) -> list[list[int]]:
+        result: list[list[int]] = self._call(TokenizeTexts(tuple(texts), add_special,
+                                                           parse_special))
+        return result
+
+    def pieces(self, ids: Sequence[int]) -> list[bytes]:
+        result: list[bytes] = self._call(TokenPieces(tuple(ids)))
         return result
 
     def chat_prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None

@@ -36,7 +36,7 @@ from ..protocol import Format, Message, Role
 from . import kvdisk, promptcache
 from .batchrun import BatchRunner
 from .constraint import Constraints
-from .contract import CacheStats, LoadOptions, Notify
+from .contract import CacheStats, LoadOptions, Notify, VocabFacts
 from .draftmodel import DraftLimits, DraftModel
 from .drafts import Drafter
 from .jobs import EMBED_MAX_TOKENS, Job, Output
@@ -136,6 +136,7 @@ class Runner:
         """(layers on the devices, layers + output head), as llama.cpp reported them."""
         self._model = model
         self.vocab = Vocab(L, model)
+        self.vocab_facts = VocabFacts(self.vocab.n_vocab, self.vocab.bos, self.vocab.fim())
         self._pairs = Pairs(L, model, self.vocab)
         self._n_vocab = self.vocab.n_vocab
         self._samplers = Samplers(L, self.vocab.handle, self._n_vocab)
@@ -321,6 +322,26 @@ class Runner:
                 self._check_alive()
                 return self.vocab.tokenize(prompt, special=False)
         return self.chat_prompt((Message(Role.USER, prompt),), as_prompt=True)[0]
+
+    def tokens(self, texts: Sequence[str], *, add_special: bool = False,
+               parse_special: bool = False) -> list[list[int]]:
+        """Each text's tokens (``Engine.tokens``). Safe from any thread."""
+        with self._life:
+            self._check_alive()
+            return [self.vocab.tokenize(t, special=parse_special, add_special=add_special)
+                    for t in texts]
+
+    def pieces(self, ids: Sequence[int]) -> list[bytes]:
+        """Each token's bytes, a control token's as its text (``Engine.pieces``). Raises
+        InvalidRequestError for an id outside the vocabulary."""
+        with self._life:
+            self._check_alive()
+            n_vocab = self.vocab.n_vocab
+            for t in ids:
+                if not 0 <= t < n_vocab:
+                    raise InvalidRequestError(f"token {t} is not in this model's vocabulary "
+                                              f"of {n_vocab}")
+            return [self.vocab.piece(t, special=True) for t in ids]
 
     def rerank_tokens(self, query: str, documents: Sequence[str]) -> list[list[int]]:
         """Each (query, document) pair's tokens, laid out for this reranker. Raises

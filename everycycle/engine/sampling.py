@@ -4,6 +4,7 @@ chain runs on logits its matcher has masked (``constraint.py``)."""
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ class Samplers:
         # The candidate array of constrained sampling (engine thread only).
         self._all = np.zeros(n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
         self._ids = np.arange(n_vocab, dtype=np.int32)
+        self._eog: list[int] | None = None
 
     def chain(self, s: Sampling, n_ctx: int) -> Any:
         """llama.cpp's sampler chain for ``s`` (a constraint aside: see ``sample_constrained``), in
@@ -46,9 +48,12 @@ class Samplers:
 
         # (A grammar is never in the chain: sample_constrained masks the logits first.)
         seed = DEFAULT_SEED if s[P.SEED] is None else s[P.SEED]
-        if biases := s[P.LOGIT_BIAS]:
-            array = (L.llama_logit_bias * len(biases))(*[(b.token, b.bias) for b in biases])
-            add(L.llama_sampler_init_logit_bias(self._n_vocab, len(biases), array))
+        pairs = [(b.token, b.bias) for b in s[P.LOGIT_BIAS]]
+        if s.ignore_eos:  # (as llama-server: each end token's logit at -inf)
+            pairs += [(t, -math.inf) for t in self.eog_tokens()]
+        if pairs:
+            array = (L.llama_logit_bias * len(pairs))(*pairs)
+            add(L.llama_sampler_init_logit_bias(self._n_vocab, len(pairs), array))
         last_n = s[P.REPEAT_LAST_N]
         if any(s[p] != p.neutral for p in (P.REPEAT_PENALTY, P.FREQUENCY_PENALTY,
                                            P.PRESENCE_PENALTY)):
@@ -89,6 +94,13 @@ class Samplers:
         add(L.llama_sampler_init_temp(s[P.TEMPERATURE]))
         add(L.llama_sampler_init_dist(seed))
         return chain
+
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token of the vocabulary (read once)."""
+        if self._eog is None:
+            L = self._L
+            self._eog = [t for t in range(self._n_vocab) if L.llama_vocab_is_eog(self._vocab, t)]
+        return self._eog
 
     def check(self, s: Sampling) -> None:
         """Raises InvalidRequestError for a logit bias on a token the vocabulary lacks."""

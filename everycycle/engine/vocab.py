@@ -12,6 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from ..chatfmt.infill import FimTokens
 from ..errors import InvalidRequestError
 from .tokencache import Pieces
 
@@ -113,6 +114,25 @@ class Vocab:
 
     def is_eog(self, token: int) -> bool:
         return bool(self._L.llama_vocab_is_eog(self._vocab, token))
+
+    @property
+    def bos(self) -> int | None:
+        """The BOS token where tokenizing adds one (else None)."""
+        token = int(self._L.llama_vocab_bos(self._vocab))
+        return token if self.add_bos and token >= 0 else None
+
+    def fim(self) -> FimTokens:
+        """The vocabulary's fill-in-the-middle tokens, as llama.cpp found them at load
+        (its GGUF keys, else the tokens' text)."""
+        L, v = self._L, self._vocab
+
+        def tok(fn: Any) -> int | None:
+            t = int(fn(v))
+            return t if t >= 0 else None
+
+        return FimTokens(tok(L.llama_vocab_fim_pre), tok(L.llama_vocab_fim_suf),
+                         tok(L.llama_vocab_fim_mid), tok(L.llama_vocab_fim_pad),
+                         tok(L.llama_vocab_fim_rep), tok(L.llama_vocab_fim_sep))
 
     @property
     def handle(self) -> Any:

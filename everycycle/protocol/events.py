@@ -34,6 +34,8 @@ class TopLogprob:
 
     token: str
     logprob: float
+    id: int | None = field(default=None, metadata=_EXT)
+    """The token's id (an extension)."""
 
 
 @message()

@@ -25,12 +25,15 @@ from .validation import (
     MAX_STOPS,
     MAX_TOKENS_LIMIT,
     MAX_TOOL_CALLS,
+    TOKEN_ID_MAX,
     check_name,
     message,
     parse_json,
 )
 
 _EXT = {"skip_none": True}
+MAX_INFILL_CHUNKS = 256
+MAX_PROMPT_TOKENS = 1 << 20
 
 
 class Format(enum.Enum):
@@ -181,6 +184,32 @@ class Message:
             check_name("tool_call_id", self.tool_call_id)
 
 
+@message(names=("filename",))
+class InfillChunk:
+    """Repo-level context for fill-in-the-middle (an extension): another file's name and
+    text, laid out before the prefix as llama-server lays out ``input_extra``."""
+
+    filename: str
+    text: str
+
+
+@message()
+class Infill:
+    """Fill in the middle (an extension: ``Generate.infill``): the Generate's ``prompt``
+    is the text before the cursor, ``suffix`` the text after it; ``middle`` is text
+    already typed after the prefix (llama-server's ``/infill`` ``prompt``), ``extra``
+    other files' text. Laid out with the model's own FIM tokens; a model without them
+    refuses it (Invalid)."""
+
+    suffix: str
+    extra: tuple[InfillChunk, ...] = ()
+    middle: str = ""
+
+    def _validate(self) -> None:
+        if len(self.extra) > MAX_INFILL_CHUNKS:
+            raise ProtocolError(f"at most {MAX_INFILL_CHUNKS} extra chunks")
+
+
 @message(ranges={
     "max_tokens": (1, MAX_TOKENS_LIMIT), **sampling.RANGES, "deadline_ms": DEADLINE,
     "keep_alive_ms": KEEP_ALIVE, "logprobs": (0, 20), "context": CONTEXT,
@@ -255,12 +284,34 @@ class Generate:
     lora: tuple[LoraScale, ...] | None = field(default=None, metadata=_EXT)
     """Its model's LoRA adapters' scales (an extension): those it names, the model's
     own (``POST /lora-adapters``, models.toml) for the others."""
+    prompt_tokens: tuple[int, ...] | None = field(default=None, metadata=_EXT)
+    """The prompt as token ids, read as they are (an extension; llama-server's token
+    prompts). Exactly one of ``prompt``, ``messages`` and ``prompt_tokens``."""
+    infill: Infill | None = field(default=None, metadata=_EXT)
+    """Fill in the middle between ``prompt`` (before) and ``infill.suffix`` (after)."""
+    ignore_eos: bool | None = field(default=None, metadata=_EXT)
+    """Never end by itself: generate until ``max_tokens``, a stop string or the full
+    context (an extension; llama-server's, which benchmarks send)."""
 
     def _validate(self) -> None:
         self._validate_tools()
         sampling.check(self)
-        if (self.prompt is None) == (self.messages is None):
-            raise ProtocolError("give exactly one of `prompt` and `messages`")
+        given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_tokens))
+        if given != 1:
+            raise ProtocolError("give exactly one of `prompt`, `messages` and "
+                                "`prompt_tokens`")
+        if self.prompt_tokens is not None:
+            if not self.prompt_tokens:
+                raise ProtocolError("`prompt_tokens` must not be empty")
+            if len(self.prompt_tokens) > MAX_PROMPT_TOKENS:
+                raise ProtocolError(f"at most {MAX_PROMPT_TOKENS} prompt tokens")
+            if any(not 0 <= t <= TOKEN_ID_MAX for t in self.prompt_tokens):
+                raise ProtocolError("`prompt_tokens` must be token ids (0 or more)")
+        if self.infill is not None and self.prompt is None:
+            raise ProtocolError("`infill` fills after a `prompt`: give the text before the "
+                                "cursor as `prompt`")
+        if self.infill is not None and self.format is Format.CHAT:
+            raise ProtocolError("`infill` reads the prompt raw: format `chat` is for chats")
         if self.messages is not None:
             if not self.messages:
                 raise ProtocolError("`messages` must not be empty")

@@ -144,6 +144,8 @@ class Text:
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
     index: int = 0
+    ids: tuple[int, ...] = ()
+    """The tokens the text came from."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +205,7 @@ async def fold(events: Events, ids: Sequence[str] = ()) -> AsyncIterator[Part]:
             if chunk.reasoning:
                 parts.append(Thinking(chunk.reasoning, i))
             if chunk.text or chunk.logprobs:
-                parts.append(Text(chunk.text, chunk.logprobs or (), i))
+                parts.append(Text(chunk.text, chunk.logprobs or (), i, chunk.ids))
             if event.finished:
                 left -= 1
                 parts.append(Finished(FinishReason.of(outcome), Usage.of(outcome), outcome, i,
@@ -232,6 +234,7 @@ class Choice:
     text: str = ""
     reasoning: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
     calls: tuple[ToolCall, ...] = ()
     finished: Finished | None = None
 
@@ -294,6 +297,7 @@ async def gather(parts: AsyncIterator[Part], n: int = 1) -> Answer:
             if isinstance(part, Text):
                 choice.text += part.text
                 choice.logprobs.extend(part.logprobs)
+                choice.ids.extend(part.ids)
             elif isinstance(part, Thinking):
                 choice.reasoning += part.text
             elif isinstance(part, Calls):

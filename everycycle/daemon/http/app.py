@@ -27,6 +27,7 @@ from . import (
     anthropic,
     console,
     eventstream,
+    llamacpp,
     ollama,
     ollama_meta,
     openai,
@@ -56,6 +57,7 @@ DIALECTS = (
     Registered(anthropic.Anthropic, ("/v1/messages",), anthropic.error_response),
     Registered(responses.Responses),
     Registered(ollama.Ollama, ("/api/",), ollama_meta.error_response),
+    Registered(llamacpp.LlamaCpp, llamacpp.PATHS, llamacpp.error_response),
     Registered(rerank.Rerank),
     Registered(eventstream.EventStream),
     Registered(console.Console),
@@ -85,6 +87,7 @@ class HttpApi:
         self.app = Starlette(routes=[
             *(route for d in DIALECTS for route in d.dialect(self, self.reader).routes()),
             Route("/health", self.health, methods=["GET"]),
+            Route("/v1/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])
         self.app.add_exception_handler(HttpError, self._http_error)  # type: ignore[arg-type]
@@ -93,7 +96,7 @@ class HttpApi:
         self.app.add_exception_handler(Exception, self._internal)
         self.asgi = Guard(self.app, loopback=loopback, allowed_hosts=allowed_hosts,
                           cors_origins=cors_origins, error_body=self._error_body,
-                          lenient=("/api/",))
+                          lenient=("/api/", *llamacpp.PATHS))
         """What the server serves: the app behind the browser guard (guard.py)."""
 
     def _error_body(self, path: str, status: int, message: str) -> bytes:

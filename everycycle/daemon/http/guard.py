@@ -13,7 +13,8 @@ to 127.0.0.1) makes the page same-origin with the daemon, with full read access.
    CORS headers, and their preflight (``OPTIONS``) is answered; nobody else's is.
 3. A POST body with a Content-Type must say ``application/json``: 415 otherwise, so a
    form or a ``text/plain`` body never reaches a route. Under the ``lenient`` prefixes
-   (Ollama's ``/api/``, whose documented usage is ``curl -d '{…}'``) a form type is let
+   (Ollama's ``/api/`` and llama-server's native routes, whose documented usage is
+   ``curl -d '{…}'``) a form type is let
    through from a request with no Origin: no browser sends one without it, and a
    rebinding page is refused by its Host already.
 

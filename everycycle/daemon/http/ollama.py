@@ -28,7 +28,18 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ...protocol import Embed, Error, Format, Generate, Load, Message, Role, ToolCall, Unload
+from ...protocol import (
+    Embed,
+    Error,
+    Format,
+    Generate,
+    Infill,
+    Load,
+    Message,
+    Role,
+    ToolCall,
+    Unload,
+)
 from ..keys import Principal
 from ..outcome import Outcome
 from . import ollama_request as parse
@@ -179,8 +190,11 @@ class Ollama(Dialect):
 
     async def generate(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)
-        parse.refuse(data, "suffix", "template", "context", "logprobs")
+        parse.refuse(data, "template", "context", "logprobs")
         images = data.get("images")
+        suffix = data.get("suffix")
+        if suffix is not None and not isinstance(suffix, str):
+            raise HttpError(400, "`suffix` must be a string", "invalid_type")
         prompt, system, raw = data.get("prompt"), data.get("system"), data.get("raw", False)
         if prompt is None or prompt == "":
             return await self._load_or_unload(request, data, chat=False)
@@ -190,7 +204,12 @@ class Ollama(Dialect):
             raise HttpError(400, "`raw` must be a boolean and `system` a string",
                             "invalid_type")
         fields: dict[str, Any] = parse.think(data)
-        if images not in (None, []):  # a one-turn chat: the images, then the prompt
+        if suffix:  # fill in the middle, with the model's FIM tokens (as Ollama does)
+            if images not in (None, []):
+                raise HttpError(400, "`suffix` (fill-in-the-middle) takes no `images`",
+                                "invalid_images")
+            fields.update(prompt=prompt, format=Format.RAW, infill=Infill(suffix))
+        elif images not in (None, []):  # a one-turn chat: the images, then the prompt
             if raw:
                 raise HttpError(400, "`images` need the chat template (not `raw`)",
                                 "invalid_images")

@@ -90,7 +90,7 @@ class _Facts:
                                        if isinstance(ftype, int) else "")}
 
 
-def _file(spec: ModelSpec) -> Path | None:
+def present_file(spec: ModelSpec) -> Path | None:
     """``spec``'s GGUF if it is here (a weights package is never imported for it)."""
     if spec.package is not None and spec.package_file is None:
         return hub.verified_path(spec.sha256) if spec.sha256 else None
@@ -130,7 +130,7 @@ class OllamaMeta(Dialect):
 
     def _read(self, spec: ModelSpec | None) -> _Facts:
         """(On a worker thread.)"""
-        path = _file(spec) if spec is not None else None
+        path = present_file(spec) if spec is not None else None
         if path is None:  # (not here: the time of the registry file that names it)
             with contextlib.suppress(OSError):
                 return _Facts(mtime=spec.origin.stat().st_mtime) if spec else _Facts()

@@ -114,8 +114,7 @@ def refuse(data: dict[str, Any], *fields: str) -> None:
     """Refuse fields we cannot honour, when given (their empty values are fine)."""
     for name in fields:
         if data.get(name) not in (None, "", [], False):
-            why = {"suffix": "`suffix` (fill-in-the-middle) is not supported",
-                   "template": "`template` is not supported: everycycle renders the "
+            why = {"template": "`template` is not supported: everycycle renders the "
                                "model's own chat template (`raw: true` sends the prompt as is)",
                    "context": "`context` (token arrays) is not supported: send the "
                               "conversation to /api/chat",

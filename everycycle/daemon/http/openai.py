@@ -28,7 +28,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ...protocol import Embed, Error, Format, Generate, TokenLogprob, ToolCall
+from ...protocol import Embed, Error, Format, Generate, Infill, TokenLogprob, ToolCall
 from ..outcome import Outcome
 from . import openai_request as parse
 from .answer import (
@@ -295,9 +295,12 @@ class OpenAI(Dialect):
     def routes(self) -> list[BaseRoute]:
         return [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/models", self.list_models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
         ]
 
@@ -340,12 +343,20 @@ class OpenAI(Dialect):
     async def completions(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)
         prompt = data.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return self._completion(request, data, "cmpl", prompt_tokens=tuple(prompt))
         if not isinstance(prompt, str):
-            raise HttpError(400, "`prompt` must be a string (one prompt per request)",
-                            "invalid_prompt")
-        return self._completion(request, data, "cmpl", prompt=prompt, format=Format.RAW)
+            raise HttpError(400, "`prompt` must be a string or a list of token ids (one "
+                            "prompt per request)", "invalid_prompt")
+        suffix = data.get("suffix")
+        if suffix is not None and not isinstance(suffix, str):
+            raise HttpError(400, "`suffix` must be a string", "invalid_type")
+        fill = {"infill": Infill(suffix)} if suffix else {}  # (fill in the middle)
+        return self._completion(request, data, "cmpl", prompt=prompt, format=Format.RAW,
+                                **fill)
 
     def _completion(self, request: HttpRequest, data: dict[str, Any], prefix: str,
                     **fields: Any) -> _Generation:

@@ -43,6 +43,12 @@ def options(request: HttpRequest, data: dict[str, Any], dialect: str = sampling.
         options["stop"] = tuple(stop) or None
     elif stop is not None:
         raise HttpError(400, "`stop` must be a string or a list of strings", "invalid_type")
+    ignore_eos = data.get("ignore_eos")  # llama-server's (and vLLM's): a fixed length
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise HttpError(400, "`ignore_eos` must be a boolean", "invalid_type")
+        if ignore_eos:
+            options["ignore_eos"] = True
     grammar = data.get("grammar")  # llama-server's extension: a GBNF grammar
     if grammar is not None:
         if not isinstance(grammar, str):

@@ -242,7 +242,8 @@ class Responses(Dialect):
     """The Responses route over ``api`` (where requests run) and ``reader``."""
 
     def routes(self) -> list[BaseRoute]:
-        return [Route("/v1/responses", self.create, methods=["POST"])]
+        return [Route("/v1/responses", self.create, methods=["POST"]),
+                Route("/responses", self.create, methods=["POST"])]
 
     async def create(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)
