@@ -198,7 +198,7 @@ def test_sse_framing_byte_for_byte(url: str) -> None:
     chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
     assert all(e.startswith(b"data: {") and b"\n" not in e for e in events[:-2])
     assert all(c["id"] == rid and c["object"] == "chat.completion.chunk" for c in chunks)
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
                                         "finish_reason": "length"}
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])

@@ -23,6 +23,12 @@ CHAT_TEMPLATE = (  # Gemma's: the assistant's turns are the model's
 )
 WORDS = [" ", "hello", "world", " the", " a", "ing", "é", "✓", "<start_of_turn>", "<end_of_turn>"]
 
+FIM_TOKENS = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>",
+              "<|fim_repo|>", "<|file_sep|>"]
+"""Qwen's FIM tokens, which llama.cpp finds by their text."""
+FIM_KEYED = {"pre": "<pfx>", "suf": "<sfx>", "mid": "<mdl>"}
+"""FIM tokens llama.cpp knows only by the GGUF's ``tokenizer.ggml.fim_*_token_id`` keys."""
+
 N_EMBD = 64
 N_HEAD = 4
 N_LAYER = 2
@@ -53,7 +59,8 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
                     n_layer: int = N_LAYER, n_embd: int = N_EMBD, n_ff: int = N_FF,
                     split_max_tensors: int = 0, head_dim: int | None = None,
                     n_ctx: int = N_CTX, inert_layers: int = 0,
-                    extra_tokens: int = 0) -> Path:
+                    extra_tokens: int = 0, fim: str | None = None,
+                    ends: bool = False) -> Path:
     """Write the tiny model to ``path`` and return it (with ``split_max_tensors``, as a
     split GGUF of that many tensors a part, ``STEM-00001-of-0000N.gguf`` and on beside
     ``path``: the first part is returned).
@@ -67,6 +74,11 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
     same logits as the one without them (same seed), a perfect draft model for it.
     ``extra_tokens`` more words at the end of the vocabulary (a vocabulary a draft
     model cannot share).
+
+    ``fim``: fill-in-the-middle tokens at the end of the vocabulary, ``"text"`` (Qwen's,
+    ``FIM_TOKENS``, found by their text) or ``"keys"`` (``FIM_KEYED``, named by the
+    GGUF's keys). ``ends``: the model ends every answer at once (its end token is the
+    likeliest), so that only ``ignore_eos`` makes it say anything.
     """
     rng = np.random.default_rng(seed)
     tokens, scores, types = vocabulary()
@@ -74,6 +86,12 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
         tokens.append(f"extra{i}")
         scores.append(-100.0)
         types.append(int(gguf.TokenType.NORMAL))
+    first_fim = len(tokens)
+    added = FIM_TOKENS if fim == "text" else list(FIM_KEYED.values()) if fim == "keys" else []
+    for word in added:
+        tokens.append(word)
+        scores.append(0.0)
+        types.append(int(gguf.TokenType.CONTROL))
     n_vocab = len(tokens)
     arch = "llama" if sliding_window is None else "gemma3"
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
@@ -90,6 +108,9 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
                   types=types, head_dim=head)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
+    if fim == "keys":
+        for i, which in enumerate(FIM_KEYED):
+            w.add_uint32(f"tokenizer.ggml.fim_{which}_token_id", first_fim + i)
     if chat_template is not None:
         w.add_chat_template(chat_template)
 
@@ -110,10 +131,11 @@ def write_tiny_gguf(path: Path, *, seed: int = 1234,
     ones("output_norm.weight")
     out = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
     out[:, 0] = 0.0
-    out[2, 0] = -1000.0
+    out[2, 0] = 1000.0 if ends else -1000.0
     for i, word in enumerate(WORDS):
         if word.startswith("<"):  # llama.cpp treats <end_of_turn> as end-of-generation too
             out[259 + i, 0] = -1000.0
+    out[first_fim:, 0] = -1000.0  # (FIM's pad, repo and file separator end generations)
     w.add_tensor("output.weight", out)
     for i in range(n_layer + inert_layers):
         ones(f"blk.{i}.attn_norm.weight")

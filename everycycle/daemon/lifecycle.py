@@ -160,7 +160,8 @@ class Requests:
         if active.position != position or (eta is not None and active.eta_ms is not None
                                            and abs(eta - active.eta_ms) > 1000):
             active.position, active.eta_ms = position, eta
-            active.peer.emit(Accepted(active.req.request_id, position, eta))
+            active.peer.emit(Accepted(active.req.request_id, position, eta,
+                                      active.n_prompt or None))
             active.told()
 
     def loading_eta(self, active: Active, position: int, parallel: int,

@@ -171,7 +171,7 @@ class Supervisor:
         """Whether a request may name ``name``: a registry entry (read again if need be),
         a model in another tool's store, or a hub URL the daemon pulls."""
         self._know(name)
-        return name in self.registry.models or self._in_store(name) or (
+        return self.registry.has(name) or self._in_store(name) or (
             self._resolve is not None and manage.is_hub_url(name))
 
     @staticmethod
@@ -191,7 +191,7 @@ class Supervisor:
     def _know(self, name: str) -> None:
         """Read the registry files again if they may name ``name`` now (a broken file
         keeps the registry in use, and says why once)."""
-        if name in self.registry.models or self._reload is None:
+        if self.registry.has(name) or self._reload is None:
             return
         try:
             registry = self._reload()

@@ -15,7 +15,7 @@ def spec_for(registry: Registry, name: str, *, allow_paths: bool) -> ModelSpec:
     """The entry ``name`` names; an absolute GGUF path only where ``allow_paths`` (the
     connection may name paths) and the file is this user's. Raises InvalidRequestError
     (UnknownModelError for a name nothing has)."""
-    if name in registry.models:
+    if registry.has(name):
         return registry.get(name)
     if stores.is_ref(name):
         return stores.spec_of(stores.find(name))

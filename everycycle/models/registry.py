@@ -55,6 +55,7 @@ _KEYS = {
     "grammar_after_tools": str,
     "kv_cache_disk": int,
     "kv_cache_ram": int,
+    "aliases": list,
 }
 _KEYS.update({p.name: object for p in sampling.PARAMS})  # (checked by the table)
 _KEYS.update(budgets.KEYS)
@@ -154,6 +155,9 @@ class ModelSpec:
     """Its LoRA adapters (``models/adapters.py``)."""
     draft: drafting.DraftSpec | None = None
     """Its draft model for speculative decoding (``models/drafting.py``)."""
+    aliases: tuple[str, ...] = ()
+    """Other names requests may call it by (llama-swap's ``aliases``, llama-server's
+    ``--alias``): clients with a model name of their own reach it."""
 
     @property
     def hub_ref(self) -> hub.HubRef:
@@ -185,9 +189,20 @@ class Registry:
     """At most this many models resident at once (``max_loaded_models = N`` at the top
     level); None: as many as memory holds."""
 
+    def alias(self, name: str) -> str | None:
+        """The entry ``name`` is an alias of (None: no entry's)."""
+        return next((n for n, spec in self.models.items() if name in spec.aliases), None)
+
+    def has(self, name: str) -> bool:
+        """Whether ``name`` is an entry's name or one of its aliases."""
+        return name in self.models or self.alias(name) is not None
+
     def get(self, name: str) -> ModelSpec:
-        """The spec for ``name``. Raises UnknownModelError for an unknown name."""
+        """The spec for ``name`` (an entry's name, or its alias). Raises UnknownModelError
+        for an unknown name."""
         spec = self.models.get(name)
+        if spec is None and (entry := self.alias(name)) is not None:
+            spec = self.models[entry]
         if spec is None:
             known = ", ".join(sorted(self.models)) or "none"
             raise UnknownModelError(f"unknown model '{name}' (known: {known})")
@@ -277,6 +292,13 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         raise ConfigError(f"{where}.path = {raw['path']!r}: no such user's home") from None
     if path is not None and not path.is_absolute():
         path = origin.parent / path
+    aliases = raw.get("aliases", [])
+    for alias in aliases:
+        try:
+            check_model_name(alias if isinstance(alias, str) else "")
+        except ProtocolError as exc:
+            raise ConfigError(f"{where}.aliases: {json.dumps(alias)[:60]}: {exc.message}"
+                              ) from None
     return ModelSpec(
         name=name,
         origin=origin,
@@ -308,6 +330,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         reasoning=budgets.parse(raw, where),
         lora=adapters.parse(raw, where, origin),
         draft=drafting.parse(raw, where, origin),
+        aliases=tuple(aliases),
     )
 
 
@@ -384,6 +407,14 @@ def load_registry(models_file: Path | None = None) -> Registry:
         used.append(f)
     if default is not None and default not in models:
         raise ConfigError(f"{used[-1]}: default '{default}' is not a model in the registry")
+    owner: dict[str, str] = {}
+    for spec in models.values():
+        for alias in spec.aliases:
+            if alias in models or alias in owner:
+                other = alias if alias in models else owner[alias]
+                raise ConfigError(f"{spec.origin}: [models.{spec.name}].aliases: '{alias}' "
+                                  f"already names model '{other}'")
+            owner[alias] = spec.name
     return Registry(models=models, default=default, rpc=tuple(rpc), max_loaded_models=cap)
 
 

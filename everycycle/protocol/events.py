@@ -26,6 +26,9 @@ class Accepted:
     request_id: str
     queue_position: int
     eta_ms: int | None = field(default=None, metadata=_EXT)
+    prompt_tokens: int | None = field(default=None, metadata=_EXT)
+    """The prompt's tokens, once it is read into tokens (an extension: absent while
+    its model loads)."""
 
 
 @message()

@@ -296,11 +296,12 @@ class Generate:
     def _validate(self) -> None:
         self._validate_tools()
         sampling.check(self)
-        given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_tokens))
-        if given != 1:
-            raise ProtocolError("give exactly one of `prompt`, `messages` and "
-                                "`prompt_tokens`")
+        if self.prompt_tokens is None and (self.prompt is None) == (self.messages is None):
+            raise ProtocolError("give exactly one of `prompt` and `messages`")
         if self.prompt_tokens is not None:
+            if self.prompt is not None or self.messages is not None:
+                raise ProtocolError("give `prompt_tokens` alone, without `prompt` or "
+                                    "`messages`")
             if not self.prompt_tokens:
                 raise ProtocolError("`prompt_tokens` must not be empty")
             if len(self.prompt_tokens) > MAX_PROMPT_TOKENS:

@@ -109,6 +109,8 @@ class Queued:
     position: int
     eta_ms: int | None = None
     index: int = 0
+    prompt: int | None = None
+    """The prompt's tokens, once known (not while the model loads)."""
 
     def eta(self) -> dict[str, Any]:
         """``{"eta_ms": N}`` to go beside the position, where there is an estimate."""
@@ -120,6 +122,8 @@ class Running:
     """It has a slot: generation begins."""
 
     index: int = 0
+    prompt: int | None = None
+    """The prompt's tokens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,8 +215,8 @@ async def fold(events: Events, ids: Sequence[str] = ()) -> AsyncIterator[Part]:
                 parts.append(Finished(FinishReason.of(outcome), Usage.of(outcome), outcome, i,
                                       last=left == 0))
         elif isinstance(event, Accepted):
-            parts.append(Queued(event.queue_position, event.eta_ms, i) if event.queue_position
-                         else Running(i))
+            parts.append(Queued(event.queue_position, event.eta_ms, i, event.prompt_tokens)
+                         if event.queue_position else Running(i, event.prompt_tokens))
         elif isinstance(event, ToolCalls):
             parts.append(Calls(event.calls, i))
         elif isinstance(event, Progress):

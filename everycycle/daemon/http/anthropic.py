@@ -8,8 +8,8 @@ are accepted and ignored. The request id is the message's ``id`` and comes back 
 ``x-request-id`` (``everycycle cancel ID`` stops it). A stream opens with
 ``message_start`` and then one ``event: ping`` for every queue move, carrying the
 request's ``queue_position`` (0 once it runs), as Anthropic's clients skip pings; its
-``message_start`` usage is 0 (the prompt is counted as it is read) and the totals come in
-``message_delta``. Errors are Anthropic's ``{"type": "error", "error": {type, message}}``:
+``message_start`` usage has the prompt's tokens (the stream begins once they are known,
+after a load) and the totals come in ``message_delta``. Errors are Anthropic's ``{"type": "error", "error": {type, message}}``:
 Invalid 400, unknown model 404, a key's quota 429 (rate_limit_error, with Retry-After),
 any other refusal — the model's queue full, a daemon shutting down — 529
 (overloaded_error, with Retry-After), Cancelled 499, ModelNotLoaded 503, Internal 500; a
@@ -172,9 +172,15 @@ class _Message(_Exchange):
         self.open = None
         return sse_event("content_block_stop", {"index": self.blocks})
 
+    def holds(self, part: Part) -> bool:
+        """``message_start`` reports the prompt's tokens, as Anthropic's does (its clients
+        read them there): not begun while the model loads, when they are not known."""
+        return isinstance(part, Queued) and part.prompt is None
+
     def begin(self, part: Part) -> bytes:
+        prompt = part.prompt if isinstance(part, Queued | Running) else None
         return sse_event("message_start", {"message": self._message(
-            [], None, {"input_tokens": 0, "output_tokens": 0})})
+            [], None, {"input_tokens": prompt or 0, "output_tokens": 0})})
 
     def heartbeat(self) -> bytes:
         return sse_event("ping", {})

@@ -132,7 +132,7 @@ class Reader:
                 raise HttpError(400, exc.message, "model_required") from None
         if not isinstance(name, str):
             raise HttpError(400, "`model` must be a string", "invalid_type")
-        if name not in registry.models and not restricted and not self.supervisor.knows(name):
+        if not registry.has(name) and not restricted and not self.supervisor.knows(name):
             # (A key limited to some models hears the same for every other model,
             # existing or not: the supervisor's Invalid.)
             raise HttpError(404, f"model '{name}' not found ({listing} lists them)",

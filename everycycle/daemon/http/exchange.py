@@ -210,6 +210,8 @@ class Exchange:
                 if isinstance(part, Failed):
                     await self.fail(send, part)
                     return
+                if self.holds(part):
+                    continue
                 await self.start_stream(send, self.content_type)
                 self.started = True
                 await self.write(send, self.begin(part))
@@ -220,6 +222,11 @@ class Exchange:
     def begin(self, part: Part) -> bytes:
         """What a stream writes first, before its first part."""
         return b""
+
+    def holds(self, part: Part) -> bool:
+        """Whether the stream waits for a later part to begin (``begin`` needs to know
+        what this one does not say)."""
+        return False
 
     # What a stream writes for each part (nothing unless the dialect says).
 

@@ -30,7 +30,6 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ... import __version__
 from ...engine.contract import Engine
 from ...errors import ErrorKind, EverycycleError
 from ...hardware.gguf import read_metadata
@@ -45,6 +44,7 @@ from . import openai_request
 from .answer import Answer, Choice, Failed, Finished, FinishReason, Text, Usage
 from .common import HttpError, protocol_errors, request_id
 from .exchange import STATUS, Dialect, Exchange, Spawner, dumps
+from .llamafields import FINGERPRINT, timings
 from .ollama_meta import present_file
 
 T = TypeVar("T")
@@ -58,10 +58,6 @@ PATHS = ("/completion", "/infill", "/tokenize", "/detokenize", "/apply-template"
          "/slots")
 """The routes whose errors are llama-server's shape (``/completion`` covers
 ``/completions``)."""
-
-FINGERPRINT = f"b{__version__}-everycycle"
-"""What ``system_fingerprint`` says (llama-server's is its build, ``b1234-…``)."""
-
 
 def error_body(status: int, message: str) -> dict[str, Any]:
     return {"error": {"code": status, "message": message,
@@ -106,22 +102,34 @@ def _probs(entries: Sequence[TokenLogprob], ids: Sequence[int], post: bool
             for e, tok in zip(entries, ids, strict=False)]
 
 
-def _timings(usage: Usage, outcome: Outcome | None) -> dict[str, Any]:
-    """llama-server's ``timings``: the prompt's read and the answer's generation."""
-    prompt_s = gen_s = 0.0
-    if outcome is not None and outcome.ttft_s is not None:
-        prompt_s = max(0.0, outcome.ttft_s - outcome.queue_wait_s)
-        gen_s = max(0.0, outcome.duration_s - outcome.ttft_s)
-    steps = max(0, usage.generated - 1)  # (the first token comes with the prompt)
-    read = usage.prefilled
-    out = {"cache_n": usage.cached, "prompt_n": read, "prompt_ms": prompt_s * 1e3,
-           "prompt_per_token_ms": prompt_s * 1e3 / read if read else 0.0,
-           "prompt_per_second": read / prompt_s if prompt_s else 0.0,
-           "predicted_n": usage.generated, "predicted_ms": gen_s * 1e3,
-           "predicted_per_token_ms": gen_s * 1e3 / steps if steps else 0.0,
-           "predicted_per_second": steps / gen_s if gen_s else 0.0}
-    if usage.drafted:
-        out.update(draft_n=usage.drafted, draft_n_accepted=usage.draft_accepted)
+async def on_engine(api: Spawner, request: HttpRequest, model: str,
+                    fn: Callable[[Engine], T]) -> tuple[ModelSpec, T]:
+    """``fn(engine)`` on a worker thread, with the engine that serves ``model`` (loaded
+    first where need be) for the request's principal. Raises HttpError for what the
+    supervisor refuses."""
+    principal = request.state.principal
+    try:
+        spec, engine = await api.supervisor.engine_for(principal, model)
+        return spec, await anyio.to_thread.run_sync(fn, engine)
+    except EverycycleError as exc:
+        status = STATUS.get(exc.kind, 500) if exc.kind is not ErrorKind.CANCELLED else 503
+        raise HttpError(status, exc.message, exc.kind.value) from None
+
+
+def mixed_tokens(engine: Engine, prompts: Sequence[parse.Prompt], *, add_bos: bool = True,
+                 parse_special: bool = True) -> list[list[int]]:
+    """Each prompt's tokens as llama-server reads a prompt: its text with control tokens'
+    text read as those tokens, its ids as they are, BOS first (``add_bos``) where the
+    model adds one and the prompt begins with text. (On a worker thread.)"""
+    texts = [p for prompt in prompts for p in prompt if isinstance(p, str)]
+    toks = iter(engine.tokens(texts, parse_special=parse_special))
+    bos = engine.vocab_facts.bos if add_bos else None
+    out = []
+    for prompt in prompts:
+        ids = [bos] if bos is not None and isinstance(prompt[0], str) else []
+        for piece in prompt:
+            ids.extend(next(toks) if isinstance(piece, str) else (piece,))
+        out.append(ids)
     return out
 
 
@@ -180,7 +188,7 @@ class _Native(Exchange):
             "stop_type": _stop_type(choice.reason),
             "stopping_word": stops[0] if choice.reason is FinishReason.STOP and len(stops)
             == 1 else "",
-            "tokens_cached": usage.prompt + generated, "timings": _timings(shown, choice.outcome),
+            "tokens_cached": usage.prompt + generated, "timings": timings(shown, choice.outcome),
             "system_fingerprint": FINGERPRINT}
         if self.shape.n_probs and not self.stream and self.shape.n_predict != 0:
             obj["completion_probabilities"] = _probs(choice.logprobs, choice.ids,
@@ -244,15 +252,7 @@ class LlamaCpp(Dialect):
 
     async def _on_engine(self, request: HttpRequest, model: str,
                          fn: Callable[[Engine], T]) -> tuple[ModelSpec, T]:
-        """``fn(engine)`` on a worker thread, with the engine that serves ``model`` (loaded
-        first where need be). Raises HttpError for what the supervisor refuses."""
-        principal = request.state.principal
-        try:
-            spec, engine = await self.api.supervisor.engine_for(principal, model)
-            return spec, await anyio.to_thread.run_sync(fn, engine)
-        except EverycycleError as exc:
-            status = STATUS.get(exc.kind, 500) if exc.kind is not ErrorKind.CANCELLED else 503
-            raise HttpError(status, exc.message, exc.kind.value) from None
+        return await on_engine(self.api, request, model, fn)
 
     async def _body(self, request: HttpRequest) -> tuple[dict[str, Any], str]:
         data = await self.reader.json(request)
@@ -268,19 +268,8 @@ class LlamaCpp(Dialect):
             not isinstance(v, int) for v in data["prompt"]) and len(prompts) == 1
             and isinstance(data["prompt"][0], list | dict))
 
-        def tokenized(engine: Engine) -> list[list[int]]:
-            texts = [p for prompt in prompts for p in prompt if isinstance(p, str)]
-            toks = iter(engine.tokens(texts, parse_special=True))
-            bos = engine.vocab_facts.bos
-            out = []
-            for prompt in prompts:
-                ids = [bos] if bos is not None and isinstance(prompt[0], str) else []
-                for piece in prompt:
-                    ids.extend(next(toks) if isinstance(piece, str) else (piece,))
-                out.append(ids)
-            return out
-
-        spec, token_lists = await self._on_engine(request, model, tokenized)
+        spec, token_lists = await self._on_engine(
+            request, model, lambda engine: mixed_tokens(engine, prompts))
         for ids in token_lists:
             if not ids:
                 raise HttpError(400, "the prompt is empty after tokenization", "invalid_prompt")
@@ -339,12 +328,8 @@ class LlamaCpp(Dialect):
         with_pieces = parse.flag(data, "with_pieces", False)
 
         def work(engine: Engine) -> list[Any]:
-            texts = [p for p in prompt if isinstance(p, str)]
-            toks = iter(engine.tokens(texts, parse_special=parse_special))
-            bos = engine.vocab_facts.bos
-            ids = [bos] if add_special and bos is not None and isinstance(prompt[0], str) else []
-            for piece in prompt:
-                ids.extend(next(toks) if isinstance(piece, str) else (piece,))
+            (ids,) = mixed_tokens(engine, [prompt], add_bos=add_special,
+                                  parse_special=parse_special)
             if not with_pieces:
                 return ids
             out: list[Any] = []
@@ -421,6 +406,7 @@ class LlamaCpp(Dialect):
         principal = self.reader.auth(request)
         model = self.reader.model(request, request.query_params.get("model"), "GET /v1/models")
         sup = self.api.supervisor
+        model = sup.registry.alias(model) or model
         resident = sup.residency.models.get(model)
         spec = sup.registry.models.get(model)
         n_slots = (resident.engine.parallel if resident is not None

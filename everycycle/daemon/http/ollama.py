@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
@@ -42,8 +43,8 @@ from ...protocol import (
 )
 from ..keys import Principal
 from ..outcome import Outcome
+from . import llamacpp, openai_request
 from . import ollama_request as parse
-from . import openai_request
 from .answer import (
     Answer,
     Calls,
@@ -217,8 +218,11 @@ class Ollama(Dialect):
             fields["messages"] = parse.messages(
                 [*([{"role": "system", "content": system}] if system else []),
                  {"role": "user", "content": turn}])
-        elif raw:
-            fields.update(prompt=prompt, format=Format.RAW)
+        elif raw:  # as Ollama reads a raw prompt: control tokens' text as those tokens
+            model = parse.model(self.reader, request, data.get("model"))
+            _, (ids,) = await llamacpp.on_engine(self.api, request, model, partial(
+                llamacpp.mixed_tokens, prompts=[(prompt,)]))
+            fields.update(prompt_tokens=tuple(ids))
         elif system:
             fields["messages"] = (Message(Role.SYSTEM, system), Message(Role.USER, prompt))
         else:

@@ -55,6 +55,7 @@ from .common import (
     stream_flag,
 )
 from .exchange import STATUS, Dialect, Exchange, Spawner, dumps
+from .llamafields import FINGERPRINT, timings
 
 _TYPE = {
     400: "invalid_request_error",
@@ -172,7 +173,8 @@ class _Shape:
                       "finish_reason": finish}
             obj = "text_completion"
         body: dict[str, Any] = {"id": self.request_id, "object": obj, "created": self.created,
-                                "model": self.model, "choices": [choice]}
+                                "model": self.model, "system_fingerprint": FINGERPRINT,
+                                "choices": [choice]}
         if usage is not False:
             body["usage"] = usage
         return body
@@ -235,9 +237,11 @@ class _Generation(Exchange):
         shape = self.shape
         return {"id": shape.request_id, "object": "chat.completion" if shape.chat
                 else "text_completion", "created": shape.created, "model": shape.model,
+                "system_fingerprint": FINGERPRINT,
                 "choices": [shape.choice(i, c, self.asked[i])
                             for i, c in enumerate(answer.choices)],
-                "usage": _usage(answer.usage)}
+                "usage": _usage(answer.usage),
+                "timings": timings(answer.usage, answer.first.outcome)}
 
     def _chunk(self, text: str | None, finish: str | None = None, **fields: Any) -> bytes:
         return _sse(self.shape.chunk(text, finish, usage=self.usage, **fields))
@@ -250,7 +254,8 @@ class _Generation(Exchange):
         if part.index in self.role_sent or not self.shape.chat:
             return b""
         self.role_sent.add(part.index)
-        return self._chunk("", role=True, index=part.index)
+        # (the role alone, its content null: as llama-server and OpenAI begin a stream)
+        return self._chunk(None, role=True, delta={"content": None}, index=part.index)
 
     def on_prefill(self, part: Prefill) -> bytes:
         """llama-server's shape, as its clients read it."""
@@ -275,13 +280,17 @@ class _Generation(Exchange):
 
     def on_finished(self, part: Finished) -> bytes:
         self.usages.append(part.usage)
-        out = self._chunk(None if self.shape.chat else "", _FINISH[part.reason],
-                          index=part.index)
+        finish = self.shape.chunk(None if self.shape.chat else "", _FINISH[part.reason],
+                                  usage=self.usage, index=part.index)
+        finish["timings"] = timings(part.usage, part.outcome)
+        out = _sse(finish)
         if not part.last:
             return out
         if self.include_usage:
-            last = self.shape.chunk(None, None, usage=_usage(Usage.together(self.usages)))
+            together = Usage.together(self.usages)
+            last = self.shape.chunk(None, None, usage=_usage(together))
             last["choices"] = []
+            last["timings"] = timings(together, part.outcome)
             out += _sse(last)
         return out + _sse("[DONE]")
 
@@ -322,7 +331,8 @@ class OpenAI(Dialect):
             raise HttpError(400, "`n` must be a positive integer", "invalid_value")
         if n == 1:
             return [req]
-        spec = self.api.supervisor.registry.models.get(req.model)
+        registry = self.api.supervisor.registry
+        spec = registry.models.get(registry.alias(req.model) or req.model)
         slots = spec.parallel if spec is not None else 1
         if n > slots:
             raise HttpError(400, f"n={n} is more than model '{req.model}' has slots ({slots}):"

@@ -34,6 +34,10 @@ def options(request: HttpRequest, data: dict[str, Any], dialect: str = sampling.
     Responses API, ``dialect``)."""
     options: dict[str, Any] = sampling_options(dialect, data)
     max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
+    n_predict = data.get("n_predict")  # (llama-server's, which its clients send here too)
+    if max_tokens is None and isinstance(n_predict, int) and not isinstance(n_predict, bool):
+        # 0: read the prompt only (a warm-up: one token is the least we generate)
+        max_tokens = max(1, n_predict) if n_predict >= 0 else None
     if max_tokens is not None:
         options["max_tokens"] = max_tokens
     stop = data.get("stop")
