@@ -261,6 +261,11 @@ def from_json(dialect: str | None, data: Mapping[str, Any], where: str = "") -> 
             out[p.name] = biases_from_json(name, value)
             continue
         if p.kind == "strings":
+            if isinstance(value, str) and value.startswith("["):  # (SillyTavern sends JSON)
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    pass
             if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
                 raise ProtocolError(f"{name} must be a list of strings")
             out[p.name] = tuple(value)

@@ -175,7 +175,7 @@ class _Message(_Exchange):
     def holds(self, part: Part) -> bool:
         """``message_start`` reports the prompt's tokens, as Anthropic's does (its clients
         read them there): not begun while the model loads, when they are not known."""
-        return isinstance(part, Queued) and part.prompt is None
+        return isinstance(part, Queued | Running) and part.prompt is None
 
     def begin(self, part: Part) -> bytes:
         prompt = part.prompt if isinstance(part, Queued | Running) else None

@@ -22,6 +22,7 @@ sent as ``prompt_tokens``. Errors are llama-server's ``{"error": {code, message,
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -139,7 +140,7 @@ class _Native(Exchange):
 
     def __init__(self, api: Spawner, reqs: Sequence[Generate], principal: Principal,
                  shape: parse.Completion, *, model: str, prompts: Sequence[str],
-                 listed: bool) -> None:
+                 listed: bool, n_ctx: int) -> None:
         super().__init__(api, reqs[0], principal, reqs[1:])
         self.shape = shape
         self.stream = shape.stream
@@ -148,6 +149,8 @@ class _Native(Exchange):
         self.listed = listed
         """Several prompts (or one given as a list of prompts): a list answers."""
         self.generated = [0] * len(reqs)
+        self.n_ctx = n_ctx
+        """A slot's context (llama.vscode reads it in ``generation_settings``)."""
 
     def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
         return error_answer(event, outcome)
@@ -160,7 +163,7 @@ class _Native(Exchange):
         out = {p.name: given.get(p.name, p.default) for p in sampling.PARAMS}
         out = sampling.to_json(out)
         n_predict = -1 if self.shape.n_predict is None else self.shape.n_predict
-        return {**out, "seed": req.seed if req.seed is not None else -1,
+        return {**out, "n_ctx": self.n_ctx, "seed": req.seed if req.seed is not None else -1,
                 "n_predict": n_predict, "max_tokens": n_predict,
                 "stop": list(req.stop or ()), "ignore_eos": bool(req.ignore_eos),
                 "stream": self.stream, "n_probs": self.shape.n_probs,
@@ -267,33 +270,13 @@ class LlamaCpp(Dialect):
         listed = len(prompts) > 1 or (isinstance(data.get("prompt"), list) and any(
             not isinstance(v, int) for v in data["prompt"]) and len(prompts) == 1
             and isinstance(data["prompt"][0], list | dict))
-
         spec, token_lists = await self._on_engine(
             request, model, lambda engine: mixed_tokens(engine, prompts))
-        for ids in token_lists:
-            if not ids:
-                raise HttpError(400, "the prompt is empty after tokenization", "invalid_prompt")
-        shape, own = parse.completion(data)
-        options = {**openai_request.options(request, data), **own}
-        n_cmpl = parse.integer(data, "n_cmpl", parse.integer(data, "n", 1)) or 1
-        slots = spec.parallel
-        if not 1 <= n_cmpl <= slots:  # (llama-server's limit and words: its clients read them)
-            raise HttpError(400, f"Field 'n_cmpl': Value must be between 1 <= value <= {slots}"
-                            f", but got {n_cmpl}", "invalid_value")
-        rid = request_id(request, "cmpl")
-        reqs: list[Generate] = []
-        texts: list[str] = []
-        for i, ids in enumerate(token_lists):
-            for j in range(n_cmpl):
-                k = i * n_cmpl + j
-                seed = options.get("seed")
-                reqs.append(protocol_errors(
-                    Generate, rid if k == 0 else f"{rid[:56]}.{k}", model,
-                    prompt_tokens=tuple(ids), **{**options, **(
-                        {"seed": (seed + j) % (2**32 - 1)} if seed is not None and j else {})}))
-                texts.append("".join(p if isinstance(p, str) else "" for p in prompts[i]))
-        return _Native(self.api, reqs, request.state.principal, shape, model=model,
-                       prompts=texts, listed=listed or len(reqs) > 1)
+        if not all(token_lists):
+            raise HttpError(400, "the prompt is empty after tokenization", "invalid_prompt")
+        return self._answer(request, data, spec, "cmpl", model, listed, [
+            ({"prompt_tokens": tuple(ids)}, "".join(p for p in prompt if isinstance(p, str)))
+            for ids, prompt in zip(token_lists, prompts, strict=True)])
 
     async def infill(self, request: HttpRequest) -> Any:
         data, model = await self._body(request)
@@ -301,18 +284,40 @@ class LlamaCpp(Dialect):
         def missing(engine: Engine) -> list[str]:
             return engine.vocab_facts.fim.missing
 
-        _, lacks = await self._on_engine(request, model, missing)
+        spec, lacks = await self._on_engine(request, model, missing)
         if lacks:
             raise HttpError(501, "Infill is not supported by this model: " + " ".join(
                 f"{name} token is missing." for name in lacks), "not_supported_error")
         prefix, fill = parse.infill(data)
+        return self._answer(request, data, spec, "infill", model, False, [
+            ({"prompt": prefix, "format": Format.RAW, "infill": fill}, prefix + fill.middle)])
+
+    def _answer(self, request: HttpRequest, data: dict[str, Any], spec: ModelSpec,
+                prefix: str, model: str, listed: bool,
+                prompts: Sequence[tuple[dict[str, Any], str]]) -> _Native:
+        """The answer to ``prompts`` (each: its Generate's prompt fields, and its text),
+        ``n_cmpl`` completions of each (at most the model's slots, as llama-server's
+        limit: they run at once; seeds ``seed+1``, … where one is given)."""
         shape, own = parse.completion(data)
         options = {**openai_request.options(request, data), **own}
-        rid = request_id(request, "infill")
-        req = protocol_errors(Generate, rid, model, prompt=prefix, format=Format.RAW,
-                              infill=fill, **options)
-        return _Native(self.api, [req], request.state.principal, shape, model=model,
-                       prompts=[prefix + fill.middle], listed=False)
+        n_cmpl = parse.integer(data, "n_cmpl", parse.integer(data, "n", 1)) or 1
+        if not 1 <= n_cmpl <= spec.parallel:  # (llama-server's words: its clients read them)
+            raise HttpError(400, "Field 'n_cmpl': Value must be between 1 <= value <= "
+                            f"{spec.parallel}, but got {n_cmpl}", "invalid_value")
+        rid = request_id(request, prefix)
+        seed = options.get("seed")
+        reqs: list[Generate] = []
+        texts: list[str] = []
+        for i, (fields, text) in enumerate(prompts):
+            for j in range(n_cmpl):
+                k = i * n_cmpl + j
+                seeded = {"seed": (seed + j) % (2**32 - 1)} if seed is not None and j else {}
+                reqs.append(protocol_errors(Generate, rid if k == 0 else f"{rid[:56]}.{k}",
+                                            model, **fields, **{**options, **seeded}))
+                texts.append(text)
+        n_ctx = residency_context.of(self.api.supervisor.residency, spec.name) or 0
+        return _Native(self.api, reqs, request.state.principal, shape, model=model,
+                       prompts=texts, listed=listed or len(reqs) > 1, n_ctx=n_ctx)
 
     # ------------------------------------------------------------------ the tokenizer
 
@@ -425,7 +430,18 @@ class LlamaCpp(Dialect):
                 slot["next_token"] = [{"has_next_token": True, "n_decoded": active.n_out}]
                 if may_act_for(principal, active.peer.principal) and isinstance(
                         active.req, Generate):
-                    slot["prompt"] = active.req.prompt or "".join(
-                        m.text for m in active.req.messages or ())
+                    slot["prompt"] = await self._prompt_text(active.req, resident)
             out.append(slot)
         return JSONResponse(out)
+
+    @staticmethod
+    async def _prompt_text(req: Generate, resident: Any) -> str:
+        """What a request asked its model to read, as text (token ids detokenized)."""
+        if req.prompt_tokens is not None and resident is not None:
+            ids = req.prompt_tokens
+            with contextlib.suppress(EverycycleError):
+                return b"".join(await anyio.to_thread.run_sync(
+                    resident.engine.pieces, ids)).decode("utf-8", "replace")
+        if req.messages is not None:
+            return "".join(m.text for m in req.messages)
+        return (req.prompt or "") + (req.infill.middle if req.infill else "")

@@ -54,7 +54,7 @@ def options(request: HttpRequest, data: dict[str, Any], dialect: str = sampling.
         if ignore_eos:
             options["ignore_eos"] = True
     grammar = data.get("grammar")  # llama-server's extension: a GBNF grammar
-    if grammar is not None:
+    if grammar not in (None, ""):  # (an empty one, as SillyTavern sends: none)
         if not isinstance(grammar, str):
             raise HttpError(400, "`grammar` must be a GBNF string", "invalid_type")
         options["grammar"] = grammar
