@@ -435,3 +435,36 @@ def test_editor_clients_requests_are_answered_as_they_read_them(url: str, name: 
         assert '"content":"' in text
     for key in READS[name]:
         assert key in body, (key, body)
+
+
+# ------------------------------------------------------------------ code completion's limits
+
+
+def test_a_completion_ends_with_its_block() -> None:
+    from everycycle.engine.jobs import Job, JobSpec
+    from everycycle.engine.slots import Run
+
+    run = Run(Job(JobSpec(tokens=[1], max_tokens=10)))
+    assert not run.ends_block("    x = 1", 4)  # (the first line is the cursor's)
+    assert not run.ends_block("\n    y", 4) and not run.ends_block("\n\t\t\t\t", 4)
+    assert not run.ends_block("z", 4)
+    assert run.ends_block("\n  return", 4)  # a line less indented: the block is over
+    fresh = Run(Job(JobSpec(tokens=[1], max_tokens=10)))
+    assert not fresh.ends_block("a\n ", 2) and fresh.ends_block("b", 2) and fresh.new_line
+
+
+def test_n_indent_and_t_max_predict_ms(http: httpx.Client) -> None:
+    # (line breaks and spaces made likely: byte tokens 0x0A and 0x20)
+    body = {"input_prefix": "hello", "input_suffix": "world", "n_predict": 300,
+            "temperature": 1.0, "seed": 1, "logit_bias": [[13, 6.0], [35, 6.0]]}
+    free = post(http, "/infill", body)
+    assert "\n" in free["content"]
+    fast = post(http, "/infill", {**body, "t_max_predict_ms": 1})
+    # (a line break, then the time is up: it ends there, not at n_predict)
+    assert "\n" in fast["content"] and fast["tokens_predicted"] < free["tokens_predicted"]
+    assert fast["stop_type"] == "limit"
+    blocked = post(http, "/infill", {**body, "n_indent": 3})
+    lines = blocked["content"].split("\n")
+    assert blocked["tokens_predicted"] < free["tokens_predicted"] and len(lines) > 1
+    assert all(not line.strip() or len(line) - len(line.lstrip(" \t")) >= 3
+               for line in lines[1:])

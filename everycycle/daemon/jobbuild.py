@@ -192,7 +192,8 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
         special=output is not None, logprobs=req.logprobs,
         images=images, text=prompt.text if images and prompt is not None else None,
         progress=bool(req.progress), background_age=background_age,
-        think=_think(spec, req, prompt),
+        think=_think(spec, req, prompt), n_indent=req.n_indent or 0,
+        t_max_predict_ms=req.t_max_predict_ms or 0,
         lora=(lora or LoraScales()).for_request(spec, [(s.id, s.scale) for s in req.lora or ()])
         if spec.lora or req.lora else ()), tag=tag)
     job.spec.check_fits(engine.n_ctx_slot)

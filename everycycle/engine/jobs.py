@@ -119,6 +119,11 @@ class JobSpec:
     think: ThinkBudget | None = None
     """A thinking model's budget: its thinking ends after this many tokens (None: as the
     model ends it)."""
+    n_indent: int = 0
+    """End before a line (after the first line break) indented less than this (0: no)."""
+    t_max_predict_ms: int = 0
+    """End once the answer has a line break and this long has passed since its first
+    token (0: no limit; llama-server's, for code completion)."""
     background_age: float | None = None
     """A background job (None: interactive): a pending interactive job takes its slot
     (it is parked, and resumes where it stopped), unless it has waited parked this many

@@ -53,6 +53,29 @@ class Run:
     held_ids: list[int] = field(default_factory=list)
     held_logprobs: list[Logprob] = field(default_factory=list)
     """With a job that asked for them: one per held id."""
+    t_gen: float = 0.0
+    """When its first token came (time.monotonic)."""
+    new_line: bool = False
+    """Whether its answer has a line break yet."""
+    indent: int | None = 0
+    """The indentation of its answer's line so far, while that line is only indentation
+    (None once it has more)."""
+
+    def ends_block(self, text: str, n_indent: int) -> bool:
+        """Whether ``text``, next in the answer, begins a line indented less than
+        ``n_indent`` after a line break (llama-server's ``n_indent``: a code completion
+        ends where its block does). Follows the answer's lines either way."""
+        for ch in text:
+            if ch == "\n":
+                self.new_line, self.indent = True, 0
+            elif self.indent is not None:
+                if ch in " \t":
+                    self.indent += 1
+                else:
+                    if self.new_line and self.indent < n_indent:
+                        return True
+                    self.indent = None
+        return False
 
     def take_logprobs(self) -> tuple[Logprob, ...] | None:
         """The held ids' log-probabilities (None when the job asked for none)."""

@@ -325,14 +325,27 @@ class StepLoop:
             job.n_thought = thinking.count
             if thinking.due:
                 run.forced = self.seating.ending(thinking)
-        chunk = run.add_text(tok, self._vocab.piece(tok, job.spec.special), job.spec.stop)
+        spec = job.spec
+        piece = self._vocab.piece(tok, spec.special)
+        if job.n_generated == 1:
+            run.t_gen = time.monotonic()
+        if (spec.n_indent or spec.t_max_predict_ms) and run.ends_block(
+                piece.decode("utf-8", "replace"), spec.n_indent):
+            job.n_generated -= 1  # (the token that leaves the block is not the answer's)
+            if run.held_logprobs:
+                run.held_logprobs.pop()
+            self._finish(s, out, "length")
+            return True
+        chunk = run.add_text(tok, piece, spec.stop)
         if chunk is True:
             self._finish(s, out, "stop")
             return True
         if chunk is not False:
             out.append((job, Output(chunk[0], tuple(chunk[1]),
                                     logprobs=run.take_logprobs())))
-        if job.n_generated >= job.spec.max_tokens:
+        if job.n_generated >= spec.max_tokens or (
+                spec.t_max_predict_ms and run.new_line
+                and time.monotonic() - run.t_gen > spec.t_max_predict_ms / 1000):
             self._finish(s, out, "length")
         elif n_past + 1 >= self._n_ctx_slot:
             self._finish(s, out, "context")

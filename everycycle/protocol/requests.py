@@ -213,7 +213,8 @@ class Infill:
 @message(ranges={
     "max_tokens": (1, MAX_TOKENS_LIMIT), **sampling.RANGES, "deadline_ms": DEADLINE,
     "keep_alive_ms": KEEP_ALIVE, "logprobs": (0, 20), "context": CONTEXT,
-    "think_budget": (0, MAX_TOKENS_LIMIT)})
+    "think_budget": (0, MAX_TOKENS_LIMIT), "n_indent": (0, 4096),
+    "t_max_predict_ms": DEADLINE})
 @sampling.with_extensions
 class Generate:
     """Generate text with ``model`` from ``prompt`` or from a conversation, ``messages``.
@@ -292,6 +293,13 @@ class Generate:
     ignore_eos: bool | None = field(default=None, metadata=_EXT)
     """Never end by itself: generate until ``max_tokens``, a stop string or the full
     context (an extension; llama-server's, which benchmarks send)."""
+    n_indent: int | None = field(default=None, metadata=_EXT)
+    """End before a line, after the first line break, indented less than this many
+    spaces or tabs (an extension; llama-server's: a code completion ends with its
+    block)."""
+    t_max_predict_ms: int | None = field(default=None, metadata=_EXT)
+    """End once the answer has a line break and this many ms have passed since its first
+    token (an extension; llama-server's, for editors that want a line fast)."""
 
     def _validate(self) -> None:
         self._validate_tools()

@@ -9,6 +9,7 @@ is listed once, in ``ACCEPTED``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ Piece = str | int
 
 Prompt = tuple[Piece, ...]
 
+log = logging.getLogger(__name__)
+
 
 ACCEPTED = frozenset({
     "cache_prompt",  # a slot's cells are always reused where a prompt extends them
@@ -30,9 +33,6 @@ ACCEPTED = frozenset({
     "t_max_prompt_ms",  # a prompt is read whole
     "timings_per_token",  # the last object carries the timings
     "return_progress",  # prompt progress comes where the prompt is long (OpenAI streams)
-    "n_indent",  # (read by /infill)
-    "t_max_predict_ms",  # (read by /infill)
-    "n_cmpl",  # (read)
     "typical_p", "mirostat", "mirostat_tau", "mirostat_eta",  # (the sampling table's)
     "api_key", "image_data", "multimodal_data", "slot_id",
 })
@@ -134,6 +134,8 @@ class Completion:
 def completion(data: dict[str, Any]) -> tuple[Completion, dict[str, Any]]:
     """The answer's shape, and the Generate fields of llama-server's own options
     (``max_tokens``, ``logprobs``, ``ignore_eos``). Raises HttpError (400)."""
+    if ignored := sorted(ACCEPTED & data.keys()):
+        log.debug("accepted, changing nothing here: %s", ", ".join(ignored))
     n_predict = integer(data, "n_predict", integer(data, "max_tokens"))
     if n_predict is not None and n_predict < 0:
         n_predict = None  # (-1: as many as the context holds)
@@ -153,6 +155,12 @@ def completion(data: dict[str, Any]) -> tuple[Completion, dict[str, Any]]:
         fields["logprobs"] = shape.n_probs
     if flag(data, "ignore_eos"):
         fields["ignore_eos"] = True
+    for name in ("n_indent", "t_max_predict_ms"):
+        value = integer(data, name, 0) or 0
+        if value < 0:
+            raise HttpError(400, f"`{name}` must be 0 or more", "invalid_value")
+        if value:
+            fields[name] = value
     return shape, fields
 
 
