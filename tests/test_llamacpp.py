@@ -468,3 +468,23 @@ def test_n_indent_and_t_max_predict_ms(http: httpx.Client) -> None:
     assert blocked["tokens_predicted"] < free["tokens_predicted"] and len(lines) > 1
     assert all(not line.strip() or len(line) - len(line.lstrip(" \t")) >= 3
                for line in lines[1:])
+
+
+def test_post_sampling_probs_are_the_chains(http: httpx.Client, tiny_batches_exact: bool
+                                           ) -> None:
+    got = post(http, "/completion", {"prompt": "hello", "n_predict": 5, "n_probs": 10,
+                                     "temperature": 1.0, "top_k": 4, "seed": 3,
+                                     "post_sampling_probs": True})
+    probs = got["completion_probabilities"]
+    assert len(probs) == 5
+    for tok in probs:
+        top = tok["top_probs"]
+        assert 1 <= len(top) <= 4  # (top_k 4: no other token could be chosen)
+        assert sum(p["prob"] for p in top) == pytest.approx(1.0, abs=1e-4)
+        assert tok["id"] in [p["id"] for p in top] and 0 < tok["prob"] <= 1
+    # The same draws as without the report (the chain runs once a token either way),
+    # where a reused prefix gives the same logits here (llama.cpp does not promise it).
+    same = post(http, "/completion", {"prompt": "hello", "n_predict": 5, "temperature": 1.0,
+                                      "top_k": 4, "seed": 3, "return_tokens": True})
+    if tiny_batches_exact:
+        assert [t["id"] for t in probs] == same["tokens"]

@@ -190,6 +190,7 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
         sampling=sampling(req, spec.sampling, grammar), stop=req.stop or (),
         lookup=lookup and not images, draft=req.speculative is not False,
         special=output is not None, logprobs=req.logprobs,
+        post_sampling=req.post_sampling_probs is True,
         images=images, text=prompt.text if images and prompt is not None else None,
         progress=bool(req.progress), background_age=background_age,
         think=_think(spec, req, prompt), n_indent=req.n_indent or 0,

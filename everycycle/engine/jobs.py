@@ -108,6 +108,9 @@ class JobSpec:
     logprobs: int | None = None
     """Report each generated token's log-probability and this many likeliest
     alternatives (None: none)."""
+    post_sampling: bool = False
+    """With ``logprobs``: the probabilities after the sampler chain (its candidates, as
+    llama-server's ``post_sampling_probs``), not the model's own."""
     images: tuple[bytes, ...] = ()
     """Image files for a vision model, one per media marker in ``text`` (in order)."""
     text: str | None = None

@@ -125,6 +125,27 @@ class Samplers:
         L.llama_sampler_accept(chain, tok)
         return tok
 
+    def sample_with_probs(self, chain: Any, logits: np.ndarray, top: int
+                          ) -> tuple[int, list[tuple[int, float]]]:
+        """Sample with ``chain`` from ``logits`` as ``llama_sampler_sample`` does (the
+        same candidates, the same RNG draw, accepted by the chain), and report the
+        ``top`` likeliest candidates after the chain, with their probabilities (those
+        at 0 left out): llama-server's ``post_sampling_probs``. Engine thread only."""
+        L = self._L
+        arr = self._candidates(logits)
+        L.llama_sampler_apply(chain, ctypes.byref(arr))
+        tok = int(arr.data[arr.selected].id)
+        L.llama_sampler_accept(chain, tok)
+        if ctypes.addressof(arr.data.contents) == self._all.ctypes.data:
+            kept = self._all[:arr.size]  # (the chain cut and sorted the array in place)
+            order = np.argsort(-kept["p"], kind="stable")[:top]
+            pairs = [(int(kept["id"][i]), float(kept["p"][i])) for i in order]
+        else:
+            data = arr.data
+            pairs = sorted(((int(data[i].id), float(data[i].p)) for i in range(arr.size)),
+                           key=lambda pair: -pair[1])[:top]
+        return tok, [pair for pair in pairs if pair[1] > 0.0]
+
     def _candidates(self, logits: np.ndarray) -> Any:
         """Every token with its logit, as a llama_token_data_array over ``_all``."""
         every = self._all

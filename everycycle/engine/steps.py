@@ -19,6 +19,8 @@ the rest.
 from __future__ import annotations
 
 import logging
+import math
+import sys
 import threading
 import time
 from collections import deque
@@ -55,6 +57,11 @@ class Inbox:
     cond: threading.Condition = field(default_factory=threading.Condition)
     pending: deque[Job] = field(default_factory=deque)
     closing: bool = False
+
+
+def _log(p: float) -> float:
+    """A probability's log (0 reported as the lowest float, as llama-server does)."""
+    return math.log(p) if p > 0.0 else -sys.float_info.max
 
 
 class StepLoop:
@@ -257,9 +264,20 @@ class StepLoop:
         elif run.grammar is not None:
             tok = self._samplers.sample_constrained(run.sampler, run.grammar,
                                                     self._logits(row))
+        elif run.job.spec.post_sampling and run.job.spec.logprobs is not None:
+            tok, probs = self._samplers.sample_with_probs(run.sampler, self._logits(row),
+                                                          run.job.spec.logprobs)
+            chosen = next((p for t, p in probs if t == tok), 0.0)
+            run.held_logprobs.append((self._piece_text(tok), _log(chosen), tuple(
+                (self._piece_text(t), _log(p), t) for t, p in probs)))
+            return tok
         else:
             tok = self._L.llama_sampler_sample(run.sampler, self._ctx, row)
-        if run.job.spec.logprobs is not None:
+        if run.job.spec.post_sampling and run.job.spec.logprobs is not None:
+            # greedy: the chosen token is certain
+            run.held_logprobs.append((self._piece_text(tok), 0.0,
+                                      ((self._piece_text(tok), 0.0, tok),)))
+        elif run.job.spec.logprobs is not None:
             run.held_logprobs.append(logprob(self._logits(row), tok, run.job.spec.logprobs,
                                              self._piece_text))
         return tok

@@ -293,6 +293,10 @@ class Generate:
     ignore_eos: bool | None = field(default=None, metadata=_EXT)
     """Never end by itself: generate until ``max_tokens``, a stop string or the full
     context (an extension; llama-server's, which benchmarks send)."""
+    post_sampling_probs: bool | None = field(default=None, metadata=_EXT)
+    """With ``logprobs``: report the probabilities after the sampler chain (its top
+    candidates), as llama-server's ``post_sampling_probs``, not the model's own (an
+    extension)."""
     n_indent: int | None = field(default=None, metadata=_EXT)
     """End before a line, after the first line break, indented less than this many
     spaces or tabs (an extension; llama-server's: a code completion ends with its

@@ -89,7 +89,8 @@ def _stop_type(reason: FinishReason) -> str:
 def _probs(entries: Sequence[TokenLogprob], ids: Sequence[int], post: bool
            ) -> list[dict[str, Any]]:
     """llama-server's ``completion_probabilities``: each token with its log-probability
-    and its alternatives' (``post``: as probabilities, ``prob``/``top_probs``)."""
+    and its alternatives' (``post``: the probabilities after the sampler chain, as
+    ``prob``/``top_probs``)."""
     import math
 
     def value(logprob: float) -> float:

@@ -153,6 +153,8 @@ def completion(data: dict[str, Any]) -> tuple[Completion, dict[str, Any]]:
         fields["max_tokens"] = max(1, n_predict)
     if n_probs:
         fields["logprobs"] = shape.n_probs
+        if shape.post_sampling:
+            fields["post_sampling_probs"] = True
     if flag(data, "ignore_eos"):
         fields["ignore_eos"] = True
     for name in ("n_indent", "t_max_predict_ms"):
