@@ -488,3 +488,12 @@ def test_post_sampling_probs_are_the_chains(http: httpx.Client, tiny_batches_exa
                                       "top_k": 4, "seed": 3, "return_tokens": True})
     if tiny_batches_exact:
         assert [t["id"] for t in probs] == same["tokens"]
+
+
+def test_ignore_eos_lists_the_end_tokens_it_bars(http: httpx.Client) -> None:
+    got = post(http, "/completion", {"model": "ends", "prompt": "hi", "n_predict": 2,
+                                     "ignore_eos": True})
+    barred = got["generation_settings"]["logit_bias"]
+    assert {"bias": None, "token": 2} in barred  # </s>, at -inf (null in JSON)
+    free = post(http, "/completion", {"model": "ends", "prompt": "hi", "n_predict": 2})
+    assert free["generation_settings"]["logit_bias"] == []

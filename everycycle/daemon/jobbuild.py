@@ -186,7 +186,7 @@ def build_job(spec: ModelSpec, engine: Engine, req: Generate | Embed, tag: objec
               else spec.speculative and engine.lookup_exact) and req.logprobs is None
     images = _images(spec, req)
     job = Job(JobSpec(
-        tokens=tokens, max_tokens=req.max_tokens or engine.n_ctx_slot,
+        tokens=tokens, max_tokens=req.max_tokens or spec.max_tokens or engine.n_ctx_slot,
         sampling=sampling(req, spec.sampling, grammar), stop=req.stop or (),
         lookup=lookup and not images, draft=req.speculative is not False,
         special=output is not None, logprobs=req.logprobs,

@@ -40,11 +40,13 @@ class CacheStats(NamedTuple):
 
 class VocabFacts(NamedTuple):
     """What the daemon needs of a model's vocabulary without asking: its size, the BOS
-    token tokenizing adds (None: none), and its fill-in-the-middle tokens."""
+    token tokenizing adds (None: none), its fill-in-the-middle tokens, and the tokens
+    that end a generation."""
 
     n_vocab: int
     bos: int | None
     fim: FimTokens
+    eog: tuple[int, ...] = ()
 
 
 class Engine(Protocol):

@@ -136,10 +136,12 @@ class Runner:
         """(layers on the devices, layers + output head), as llama.cpp reported them."""
         self._model = model
         self.vocab = Vocab(L, model)
-        self.vocab_facts = VocabFacts(self.vocab.n_vocab, self.vocab.bos, self.vocab.fim())
+        self.vocab_facts = VocabFacts(self.vocab.n_vocab, self.vocab.bos, self.vocab.fim(),
+                                      self.vocab.eog_tokens())
         self._pairs = Pairs(L, model, self.vocab)
         self._n_vocab = self.vocab.n_vocab
-        self._samplers = Samplers(L, self.vocab.handle, self._n_vocab)
+        self._samplers = Samplers(L, self.vocab.handle, self._n_vocab,
+                                  self.vocab_facts.eog)
         self._constraints = Constraints(L, self.vocab.handle, self._n_vocab)
         threads = n_threads or max(1, os.cpu_count() or 1)
         self._threads = threads

@@ -20,14 +20,15 @@ DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
 class Samplers:
     """Builds samplers for one model's vocabulary (``vocab``: a llama_vocab pointer)."""
 
-    def __init__(self, L: Any, vocab: Any, n_vocab: int) -> None:
+    def __init__(self, L: Any, vocab: Any, n_vocab: int, eog: tuple[int, ...] = ()) -> None:
         self._L = L
         self._vocab = vocab
         self._n_vocab = n_vocab
         # The candidate array of constrained sampling (engine thread only).
         self._all = np.zeros(n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
         self._ids = np.arange(n_vocab, dtype=np.int32)
-        self._eog: list[int] | None = None
+        self.eog = eog
+        """Its end-of-generation tokens (``ignore_eos`` bars them)."""
 
     def chain(self, s: Sampling, n_ctx: int) -> Any:
         """llama.cpp's sampler chain for ``s`` (a constraint aside: see ``sample_constrained``), in
@@ -50,7 +51,7 @@ class Samplers:
         seed = DEFAULT_SEED if s[P.SEED] is None else s[P.SEED]
         pairs = [(b.token, b.bias) for b in s[P.LOGIT_BIAS]]
         if s.ignore_eos:  # (as llama-server: each end token's logit at -inf)
-            pairs += [(t, -math.inf) for t in self.eog_tokens()]
+            pairs += [(t, -math.inf) for t in self.eog]
         if pairs:
             array = (L.llama_logit_bias * len(pairs))(*pairs)
             add(L.llama_sampler_init_logit_bias(self._n_vocab, len(pairs), array))
@@ -94,13 +95,6 @@ class Samplers:
         add(L.llama_sampler_init_temp(s[P.TEMPERATURE]))
         add(L.llama_sampler_init_dist(seed))
         return chain
-
-    def eog_tokens(self) -> list[int]:
-        """Every end-of-generation token of the vocabulary (read once)."""
-        if self._eog is None:
-            L = self._L
-            self._eog = [t for t in range(self._n_vocab) if L.llama_vocab_is_eog(self._vocab, t)]
-        return self._eog
 
     def check(self, s: Sampling) -> None:
         """Raises InvalidRequestError for a logit bias on a token the vocabulary lacks."""

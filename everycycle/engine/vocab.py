@@ -115,6 +115,11 @@ class Vocab:
     def is_eog(self, token: int) -> bool:
         return bool(self._L.llama_vocab_is_eog(self._vocab, token))
 
+    def eog_tokens(self) -> tuple[int, ...]:
+        """Every token that ends a generation (EOS, EOT, and FIM's pad, repo and file
+        separator where the model has them)."""
+        return tuple(t for t in range(self.n_vocab) if self.is_eog(t))
+
     @property
     def bos(self) -> int | None:
         """The BOS token where tokenizing adds one (else None)."""

@@ -25,7 +25,7 @@ from ..errors import (
     ProtocolError,
     UnknownModelError,
 )
-from ..protocol import Format, check_model_name, sampling
+from ..protocol import MAX_TOKENS_LIMIT, Format, check_model_name, sampling
 from . import adapters, budgets, drafting, hub, hubrepo
 
 SHIPPED_MODELS = Path(__file__).parent.parent / "models.toml"
@@ -56,6 +56,7 @@ _KEYS = {
     "kv_cache_disk": int,
     "kv_cache_ram": int,
     "aliases": list,
+    "max_tokens": int,
 }
 _KEYS.update({p.name: object for p in sampling.PARAMS})  # (checked by the table)
 _KEYS.update(budgets.KEYS)
@@ -155,6 +156,9 @@ class ModelSpec:
     """Its LoRA adapters (``models/adapters.py``)."""
     draft: drafting.DraftSpec | None = None
     """Its draft model for speculative decoding (``models/drafting.py``)."""
+    max_tokens: int | None = None
+    """The tokens an answer may have when its request says none (llama-server's ``-n``,
+    Ollama's ``num_predict`` in a Modelfile); None: as many as the context holds."""
     aliases: tuple[str, ...] = ()
     """Other names requests may call it by (llama-swap's ``aliases``, llama-server's
     ``--alias``): clients with a model name of their own reach it."""
@@ -249,6 +253,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         except InvalidRequestError as exc:
             raise ConfigError(f"{where}: {exc.message}") from None
     for key, lo, hi in (("context", 16, 1 << 20), ("parallel", 1, 256),
+                        ("max_tokens", 1, MAX_TOKENS_LIMIT),
                         ("gpu_layers", 0, 100_000), ("threads", 1, 1024)):
         if key in raw and not lo <= raw[key] <= hi:
             raise ConfigError(f"{where}.{key} must be between {lo} and {hi}")
@@ -331,6 +336,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         lora=adapters.parse(raw, where, origin),
         draft=drafting.parse(raw, where, origin),
         aliases=tuple(aliases),
+        max_tokens=raw.get("max_tokens"),
     )
 
 

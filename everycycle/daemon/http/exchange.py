@@ -28,13 +28,17 @@ from collections.abc import (
     MutableMapping,
     Sequence,
 )
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
+import anyio.to_thread
+from starlette.requests import Request as HttpRequest
 from starlette.routing import BaseRoute
 
-from ...errors import ErrorKind
+from ...engine.contract import Engine
+from ...errors import ErrorKind, EverycycleError
 from ...mailbox import Mailbox
+from ...models.registry import ModelSpec
 from ...protocol import Done, Embed, Error, Generate, Load, ServerEvent, Unload
 from ..keys import Principal
 from ..outcome import Outcome
@@ -55,7 +59,9 @@ from .answer import (
     fold,
     gather,
 )
-from .common import Reader
+from .common import HttpError, Reader
+
+T = TypeVar("T")
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -141,6 +147,20 @@ async def control(api: Spawner, principal: Principal, req: Load | Unload) -> Err
         return None
     finally:
         peer.box.close()
+
+
+async def on_engine(api: Spawner, request: HttpRequest, model: str,
+                    fn: Callable[[Engine], T]) -> tuple[ModelSpec, T]:
+    """``fn(engine)`` on a worker thread, with the engine that serves ``model`` (loaded
+    first where need be) for the request's principal. Raises HttpError for what the
+    supervisor refuses."""
+    principal = request.state.principal
+    try:
+        spec, engine = await api.supervisor.engine_for(principal, model)
+        return spec, await anyio.to_thread.run_sync(fn, engine)
+    except EverycycleError as exc:
+        status = STATUS.get(exc.kind, 500) if exc.kind is not ErrorKind.CANCELLED else 503
+        raise HttpError(status, exc.message, exc.kind.value) from None
 
 
 def retry_after(outcome: Outcome | None) -> str:

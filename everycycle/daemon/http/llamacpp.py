@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ...engine.contract import Engine
-from ...errors import ErrorKind, EverycycleError
+from ...errors import EverycycleError
 from ...hardware.gguf import read_metadata
 from ...models.registry import ModelSpec
 from ...protocol import Error, Format, Generate, TokenLogprob, sampling
@@ -44,7 +44,7 @@ from . import llamacpp_request as parse
 from . import openai_request
 from .answer import Answer, Choice, Failed, Finished, FinishReason, Text, Usage
 from .common import HttpError, protocol_errors, request_id
-from .exchange import STATUS, Dialect, Exchange, Spawner, dumps
+from .exchange import STATUS, Dialect, Exchange, Spawner, dumps, on_engine
 from .llamafields import FINGERPRINT, timings
 from .ollama_meta import present_file
 
@@ -104,20 +104,6 @@ def _probs(entries: Sequence[TokenLogprob], ids: Sequence[int], post: bool
             for e, tok in zip(entries, ids, strict=False)]
 
 
-async def on_engine(api: Spawner, request: HttpRequest, model: str,
-                    fn: Callable[[Engine], T]) -> tuple[ModelSpec, T]:
-    """``fn(engine)`` on a worker thread, with the engine that serves ``model`` (loaded
-    first where need be) for the request's principal. Raises HttpError for what the
-    supervisor refuses."""
-    principal = request.state.principal
-    try:
-        spec, engine = await api.supervisor.engine_for(principal, model)
-        return spec, await anyio.to_thread.run_sync(fn, engine)
-    except EverycycleError as exc:
-        status = STATUS.get(exc.kind, 500) if exc.kind is not ErrorKind.CANCELLED else 503
-        raise HttpError(status, exc.message, exc.kind.value) from None
-
-
 def mixed_tokens(engine: Engine, prompts: Sequence[parse.Prompt], *, add_bos: bool = True,
                  parse_special: bool = True) -> list[list[int]]:
     """Each prompt's tokens as llama-server reads a prompt: its text with control tokens'
@@ -141,7 +127,7 @@ class _Native(Exchange):
 
     def __init__(self, api: Spawner, reqs: Sequence[Generate], principal: Principal,
                  shape: parse.Completion, *, model: str, prompts: Sequence[str],
-                 listed: bool, n_ctx: int) -> None:
+                 listed: bool, n_ctx: int, eog: Sequence[int] = ()) -> None:
         super().__init__(api, reqs[0], principal, reqs[1:])
         self.shape = shape
         self.stream = shape.stream
@@ -151,6 +137,8 @@ class _Native(Exchange):
         """Several prompts (or one given as a list of prompts): a list answers."""
         self.generated = [0] * len(reqs)
         self.n_ctx = n_ctx
+        self.eog = eog
+        """The model's end tokens (listed in ``generation_settings`` with ``ignore_eos``)."""
         """A slot's context (llama.vscode reads it in ``generation_settings``)."""
 
     def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
@@ -161,8 +149,12 @@ class _Native(Exchange):
         req = self.reqs[i]
         assert isinstance(req, Generate)
         given = sampling.values_of(req)
-        out = {p.name: given.get(p.name, p.default) for p in sampling.PARAMS}
-        out = sampling.to_json(out)
+        out = sampling.to_json({p.name: given.get(p.name, p.default) for p in sampling.PARAMS
+                                if p is not sampling.LOGIT_BIAS})
+        # llama-server's list; ``ignore_eos`` bars each end token (-inf: null in JSON)
+        biases = given.get(sampling.LOGIT_BIAS.name, ())
+        out["logit_bias"] = [{"bias": b.bias, "token": b.token} for b in biases] + [
+            {"bias": None, "token": t} for t in self.eog if req.ignore_eos]
         n_predict = -1 if self.shape.n_predict is None else self.shape.n_predict
         return {**out, "n_ctx": self.n_ctx, "seed": req.seed if req.seed is not None else -1,
                 "n_predict": n_predict, "max_tokens": n_predict,
@@ -316,9 +308,12 @@ class LlamaCpp(Dialect):
                 reqs.append(protocol_errors(Generate, rid if k == 0 else f"{rid[:56]}.{k}",
                                             model, **fields, **{**options, **seeded}))
                 texts.append(text)
-        n_ctx = residency_context.of(self.api.supervisor.residency, spec.name) or 0
+        residency = self.api.supervisor.residency
+        resident = residency.models.get(spec.name)
         return _Native(self.api, reqs, request.state.principal, shape, model=model,
-                       prompts=texts, listed=listed or len(reqs) > 1, n_ctx=n_ctx)
+                       prompts=texts, listed=listed or len(reqs) > 1,
+                       n_ctx=residency_context.of(residency, spec.name) or 0,
+                       eog=resident.engine.vocab_facts.eog if resident is not None else ())
 
     # ------------------------------------------------------------------ the tokenizer
 

@@ -56,7 +56,7 @@ from .answer import (
     Thinking,
 )
 from .common import HttpError, Reader, deadline, priority, protocol_errors, request_id
-from .exchange import STATUS, Dialect, Exchange, Spawner, control, dumps
+from .exchange import STATUS, Dialect, Exchange, Spawner, control, dumps, on_engine
 from .ollama_meta import NDJSON, OllamaMeta, error_response, rfc3339
 
 
@@ -220,7 +220,7 @@ class Ollama(Dialect):
                  {"role": "user", "content": turn}])
         elif raw:  # as Ollama reads a raw prompt: control tokens' text as those tokens
             model = parse.model(self.reader, request, data.get("model"))
-            _, (ids,) = await llamacpp.on_engine(self.api, request, model, partial(
+            _, (ids,) = await on_engine(self.api, request, model, partial(
                 llamacpp.mixed_tokens, prompts=[(prompt,)]))
             fields.update(prompt_tokens=tuple(ids))
         elif system:

@@ -18,6 +18,7 @@ with an error event and no ``[DONE]``.
 from __future__ import annotations
 
 import base64
+import json
 import struct
 import time
 from collections.abc import Sequence
@@ -54,7 +55,7 @@ from .common import (
     request_id,
     stream_flag,
 )
-from .exchange import STATUS, Dialect, Exchange, Spawner, dumps
+from .exchange import STATUS, Dialect, Exchange, Spawner, dumps, on_engine
 from .llamafields import FINGERPRINT, timings
 
 _TYPE = {
@@ -85,13 +86,20 @@ def error_response(status: int, message: str, code: str | None = None,
 
 def error_answer(event: Error, outcome: Outcome | None = None) -> tuple[int, bytes]:
     """A terminal Error's status and OpenAI error object (``context_length_exceeded``,
-    in OpenAI's words, for a prompt longer than the context)."""
+    in OpenAI's words, for a prompt longer than the context, with llama-server's type
+    ``exceed_context_size_error`` and its sizes)."""
     status = STATUS[event.kind]
     if outcome is not None and outcome.context_limit is not None:
-        return status, dumps(error_body(status, (
+        body = error_body(status, (
             f"This model's maximum context length is {outcome.context_limit} tokens. "
             f"However, your messages resulted in {outcome.prompt_tokens} tokens."),
-            "context_length_exceeded"))
+            "context_length_exceeded")
+        # llama-server's type and sizes beside OpenAI's code (each dialect's clients read
+        # their own: OpenAI's the code, llama-server's the type)
+        body["error"].update(type="exceed_context_size_error",
+                             n_prompt_tokens=outcome.prompt_tokens,
+                             n_ctx=outcome.context_limit)
+        return status, dumps(body)
     return status, dumps(error_body(status, event.message, event.kind.value))
 
 
@@ -305,6 +313,8 @@ class OpenAI(Dialect):
         return [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/chat/completions/input_tokens", self.input_tokens, methods=["POST"]),
+            Route("/chat/completions/input_tokens", self.input_tokens, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/embeddings", self.embeddings, methods=["POST"]),
@@ -349,6 +359,20 @@ class OpenAI(Dialect):
         return self._completion(request, data, "chatcmpl",
                                 messages=parse.messages(data.get("messages")),
                                 **parse.tools(data), **parse.thinking(data))
+
+    async def input_tokens(self, request: HttpRequest) -> Response:
+        """The tokens a chat completion's prompt would read (llama-server's
+        ``/chat/completions/input_tokens``): its messages and tools through the model's
+        chat template, nothing generated."""
+        data = await self.reader.json(request)
+        model = self.reader.model(request, data.get("model"), "GET /v1/models")
+        messages = parse.messages(data.get("messages"))
+        tools = parse.tools(data).get("tools")
+        listed = json.loads(tools) if tools is not None else None
+        think = parse.thinking(data).get("think")
+        _, count = await on_engine(self.api, request, model, lambda engine: len(
+            engine.chat_prompt(messages, listed, think)[0]))
+        return JSONResponse({"input_tokens": count})
 
     async def completions(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)
