@@ -51,3 +51,38 @@ def write_lora(w: Any, pairs: Sequence[tuple[str, Any, Any]], alpha: float) -> N
         w.add_tensor(f"{name}.lora_a", a)
         w.add_tensor(f"{name}.lora_b", b)
     finish(w)
+
+
+SMOLLM2_FIM = {"fim_pre": 6, "fim_suf": 7, "fim_mid": 8, "fim_rep": 3, "fim_sep": 5}
+"""FIM token ids for SmolLM2 (the default model), whose vocabulary has no FIM tokens of
+its own: three of its unused control tokens (``<filename>``, ``<gh_stars>``,
+``<issue_start>``) and its repository and file-separator tokens. The suite and the
+editor bench compare llama-server and the daemon on it, like for like."""
+
+
+def with_fim_keys(src: Any, dst: Any, ids: dict[str, int]) -> None:
+    """Copy the GGUF ``src`` to ``dst`` with ``tokenizer.ggml.{role}_token_id`` keys
+    (``ids``: role → token id) added or replaced; every other key and every tensor as
+    it was."""
+    import gguf
+
+    reader = gguf.GGUFReader(src, "r")
+    keys = {f"tokenizer.ggml.{role}_token_id": tok for role, tok in ids.items()}
+    writer = gguf.GGUFWriter(str(dst), arch=reader.fields["general.architecture"].contents(),
+                             endianess=reader.endianess)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", *keys):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for key, tok in keys.items():
+        writer.add_uint32(key, tok)
+    for t in reader.tensors:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in reader.tensors:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
