@@ -35,7 +35,7 @@ from everycycle.hardware.ggufwrite import SMOLLM2_FIM, with_fim_keys
 from everycycle.models.registry import load_registry, local_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from load import llama_server  # noqa: E402
+from load import llama_server
 
 SUFFIX = "\n\n\ndef main() -> None:\n    print(area(2.0), circumference(2.0))\n"
 EXTRA = [{"filename": "geometry/sphere.py",
