@@ -497,3 +497,20 @@ def test_ignore_eos_lists_the_end_tokens_it_bars(http: httpx.Client) -> None:
     assert {"bias": None, "token": 2} in barred  # </s>, at -inf (null in JSON)
     free = post(http, "/completion", {"model": "ends", "prompt": "hi", "n_predict": 2})
     assert free["generation_settings"]["logit_bias"] == []
+
+
+def test_the_readme_example_runs(url: str) -> None:
+    import shlex
+    import shutil
+    import subprocess
+
+    from daemonhelp import readme_block
+
+    if shutil.which("curl") is None:
+        pytest.skip("no curl here")
+    block = readme_block("### llama-server's API, and editor completion", "")
+    line = next(x for x in block.splitlines() if x.startswith("$ curl"))
+    out = subprocess.run(shlex.split(line[2:].replace("http://127.0.0.1:11777", url)),
+                         capture_output=True, text=True, timeout=60, check=False)
+    tokens = json.loads(out.stdout)["tokens"]  # (the tiny model's vocabulary: other ids)
+    assert out.returncode == 0 and tokens and all({"id", "piece"} <= set(t) for t in tokens)
