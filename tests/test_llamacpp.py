@@ -514,3 +514,18 @@ def test_the_readme_example_runs(url: str) -> None:
                          capture_output=True, text=True, timeout=60, check=False)
     tokens = json.loads(out.stdout)["tokens"]  # (the tiny model's vocabulary: other ids)
     assert out.returncode == 0 and tokens and all({"id", "piece"} <= set(t) for t in tokens)
+
+
+def test_a_logit_bias_keyed_by_text(url: str, http: httpx.Client) -> None:
+    """llama-server's rule: each token of the text gets the bias (``false``: banned)."""
+    got = post(http, "/completion", {"prompt": "x", "n_predict": 6, "temperature": 0,
+                                     "logit_bias": {"hello": 100}})
+    ids = {b["token"] for b in got["generation_settings"]["logit_bias"]}
+    assert ids == set(plain(http, "hello")) and set(got["content"]) <= set(" hello")
+    with openai_client(url) as client:
+        c = client.chat.completions.create(
+            model="fim", messages=[{"role": "user", "content": "x"}], max_tokens=6,
+            temperature=0, logit_bias={"hello": 100})  # type: ignore[dict-item]
+    assert set(c.choices[0].message.content or "") <= set(" hello")
+    r = http.post("/completion", json={"prompt": "x", "logit_bias": {"x": "much"}})
+    assert r.status_code == 400

@@ -163,6 +163,29 @@ async def on_engine(api: Spawner, request: HttpRequest, model: str,
         raise HttpError(status, exc.message, exc.kind.value) from None
 
 
+async def text_biases(api: Spawner, request: HttpRequest, model: str,
+                      data: dict[str, Any]) -> None:
+    """llama-server's ``logit_bias`` keyed by text (``{"hello": -5}``, ``[["hello",
+    false]]``: each of the text's tokens gets the bias; ``false`` bans them) rewritten in
+    ``data`` as token ids, with the model's tokenizer. Anything else is left for the
+    sampling table to read (and refuse)."""
+    raw = data.get("logit_bias")
+    pairs = (list(raw.items()) if isinstance(raw, dict) else
+             [tuple(p) for p in raw if isinstance(p, list) and len(p) == 2]
+             if isinstance(raw, list) else [])
+    texts = [k for k, _ in pairs if isinstance(k, str) and not k.isdigit()]
+    if not texts and not any(b is False for _, b in pairs):
+        return
+    _, toks = await on_engine(api, request, model, lambda engine: engine.tokens(texts))
+    by_text = dict(zip(texts, toks, strict=True))
+    out: list[list[Any]] = []
+    for key, bias in pairs:
+        value = -100.0 if bias is False else bias  # (-100: as good as banned)
+        ids = by_text.get(key, [key]) if isinstance(key, str) else [key]
+        out.extend([int(t) if isinstance(t, str) else t, value] for t in ids)
+    data["logit_bias"] = out
+
+
 def retry_after(outcome: Outcome | None) -> str:
     """Whole seconds to wait before trying a refused request again (at least 1)."""
     wait = outcome.retry_after_s if outcome and outcome.retry_after_s else 1.0

@@ -44,7 +44,7 @@ from . import llamacpp_request as parse
 from . import openai_request
 from .answer import Answer, Choice, Failed, Finished, FinishReason, Text, Usage
 from .common import HttpError, protocol_errors, request_id
-from .exchange import STATUS, Dialect, Exchange, Spawner, dumps, on_engine
+from .exchange import STATUS, Dialect, Exchange, Spawner, dumps, on_engine, text_biases
 from .llamafields import FINGERPRINT, timings
 from .ollama_meta import present_file
 
@@ -265,6 +265,7 @@ class LlamaCpp(Dialect):
             and isinstance(data["prompt"][0], list | dict))
         spec, token_lists = await self._on_engine(
             request, model, lambda engine: mixed_tokens(engine, prompts))
+        await text_biases(self.api, request, model, data)
         if not all(token_lists):
             raise HttpError(400, "the prompt is empty after tokenization", "invalid_prompt")
         return self._answer(request, data, spec, "cmpl", model, listed, [
@@ -282,6 +283,7 @@ class LlamaCpp(Dialect):
             raise HttpError(501, "Infill is not supported by this model: " + " ".join(
                 f"{name} token is missing." for name in lacks), "not_supported_error")
         prefix, fill = parse.infill(data)
+        await text_biases(self.api, request, model, data)
         return self._answer(request, data, spec, "infill", model, False, [
             ({"prompt": prefix, "format": Format.RAW, "infill": fill}, prefix + fill.middle)])
 

@@ -55,7 +55,7 @@ from .common import (
     request_id,
     stream_flag,
 )
-from .exchange import STATUS, Dialect, Exchange, Spawner, dumps, on_engine
+from .exchange import STATUS, Dialect, Exchange, Spawner, dumps, on_engine, text_biases
 from .llamafields import FINGERPRINT, timings
 
 _TYPE = {
@@ -356,9 +356,16 @@ class OpenAI(Dialect):
 
     async def chat_completions(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)
+        await self._text_biases(request, data)
         return self._completion(request, data, "chatcmpl",
                                 messages=parse.messages(data.get("messages")),
                                 **parse.tools(data), **parse.thinking(data))
+
+    async def _text_biases(self, request: HttpRequest, data: dict[str, Any]) -> None:
+        """A ``logit_bias`` keyed by text (llama-server's), as token ids."""
+        if isinstance(data.get("logit_bias"), dict | list):
+            model = self.reader.model(request, data.get("model"), "GET /v1/models")
+            await text_biases(self.api, request, model, data)
 
     async def input_tokens(self, request: HttpRequest) -> Response:
         """The tokens a chat completion's prompt would read (llama-server's
@@ -376,6 +383,7 @@ class OpenAI(Dialect):
 
     async def completions(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)
+        await self._text_biases(request, data)
         prompt = data.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]
