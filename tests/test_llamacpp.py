@@ -529,3 +529,17 @@ def test_a_logit_bias_keyed_by_text(url: str, http: httpx.Client) -> None:
     assert set(c.choices[0].message.content or "") <= set(" hello")
     r = http.post("/completion", json={"prompt": "x", "logit_bias": {"x": "much"}})
     assert r.status_code == 400
+
+
+def test_chat_requests_llama_server_refuses(http: httpx.Client) -> None:
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    r = http.post("/chat/completions", json={"messages": turns, "max_tokens": 2,
+                                             "add_generation_prompt": True,
+                                             "continue_final_message": True})
+    assert r.status_code == 400 and "mutually exclusive" in r.json()["error"]["message"]
+    r = http.post("/chat/completions", json={"messages": [*turns, turns[1]], "max_tokens": 2})
+    assert r.status_code == 400 and "2 or more assistant" in r.json()["error"]["message"]
+    count = post(http, "/chat/completions/input_tokens", {"messages": turns[:1]})
+    prompt = post(http, "/apply-template", {"messages": turns[:1]})["prompt"]
+    assert count["input_tokens"] == len(post(http, "/tokenize", {
+        "content": prompt, "add_special": True})["tokens"])

@@ -29,7 +29,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ...protocol import Embed, Error, Format, Generate, Infill, TokenLogprob, ToolCall
+from ...protocol import Embed, Error, Format, Generate, Infill, Role, TokenLogprob, ToolCall
 from ..outcome import Outcome
 from . import openai_request as parse
 from .answer import (
@@ -357,8 +357,15 @@ class OpenAI(Dialect):
     async def chat_completions(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)
         await self._text_biases(request, data)
-        return self._completion(request, data, "chatcmpl",
-                                messages=parse.messages(data.get("messages")),
+        if data.get("add_generation_prompt") is True and data.get(
+                "continue_final_message") is True:  # (llama-server's own check)
+            raise HttpError(400, "`add_generation_prompt` and `continue_final_message` are "
+                            "mutually exclusive", "invalid_value")
+        messages = parse.messages(data.get("messages"))
+        if len(messages) > 1 and all(m.role is Role.ASSISTANT for m in messages[-2:]):
+            raise HttpError(400, "Cannot have 2 or more assistant messages at the end of the "
+                            "list", "invalid_messages")
+        return self._completion(request, data, "chatcmpl", messages=messages,
                                 **parse.tools(data), **parse.thinking(data))
 
     async def _text_biases(self, request: HttpRequest, data: dict[str, Any]) -> None:
