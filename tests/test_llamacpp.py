@@ -543,3 +543,12 @@ def test_chat_requests_llama_server_refuses(http: httpx.Client) -> None:
     prompt = post(http, "/apply-template", {"messages": turns[:1]})["prompt"]
     assert count["input_tokens"] == len(post(http, "/tokenize", {
         "content": prompt, "add_special": True})["tokens"])
+
+
+def test_verbose_shows_the_rendered_prompt(http: httpx.Client) -> None:
+    turns = [{"role": "system", "content": "Book"}, {"role": "user", "content": "Hi"}]
+    got = post(http, "/chat/completions", {"messages": turns, "max_tokens": 2,
+                                           "verbose": True})
+    assert "Book" in got["__verbose"]["prompt"] and "<start_of_turn>" in got["__verbose"]["prompt"]
+    assert "__verbose" not in post(http, "/chat/completions", {"messages": turns,
+                                                               "max_tokens": 2})

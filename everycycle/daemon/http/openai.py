@@ -235,6 +235,9 @@ class _Generation(Exchange):
         """Each chunk's ``usage``: null until the last when the client asked for it."""
         self.role_sent: set[int] = set()
         self.usages: list[Usage] = []
+        self.verbose: dict[str, Any] | None = None
+        """llama-server's ``__verbose`` (asked with ``"verbose": true``): the prompt as
+        the template rendered it, and the answer in its own words."""
 
     def error_answer(self, event: Error, outcome: Outcome | None) -> tuple[int, bytes]:
         return error_answer(event, outcome)
@@ -249,7 +252,11 @@ class _Generation(Exchange):
                 "choices": [shape.choice(i, c, self.asked[i])
                             for i, c in enumerate(answer.choices)],
                 "usage": _usage(answer.usage),
-                "timings": timings(answer.usage, answer.first.outcome)}
+                "timings": timings(answer.usage, answer.first.outcome),
+                **({"__verbose": {**self.verbose, "content": answer.first.text,
+                                  "tokens_evaluated": answer.usage.prompt,
+                                  "tokens_predicted": answer.usage.generated}}
+                   if self.verbose is not None else {})}
 
     def _chunk(self, text: str | None, finish: str | None = None, **fields: Any) -> bytes:
         return _sse(self.shape.chunk(text, finish, usage=self.usage, **fields))
@@ -365,8 +372,16 @@ class OpenAI(Dialect):
         if len(messages) > 1 and all(m.role is Role.ASSISTANT for m in messages[-2:]):
             raise HttpError(400, "Cannot have 2 or more assistant messages at the end of the "
                             "list", "invalid_messages")
-        return self._completion(request, data, "chatcmpl", messages=messages,
-                                **parse.tools(data), **parse.thinking(data))
+        tools, think = parse.tools(data), parse.thinking(data)
+        exchange = self._completion(request, data, "chatcmpl", messages=messages, **tools,
+                                    **think)
+        if data.get("verbose") is True:  # (llama-server's debugging aid)
+            listed = json.loads(tools["tools"]) if "tools" in tools else None
+            _, prompt = await on_engine(
+                self.api, request, exchange.req.model, lambda engine: engine.chat_prompt(
+                    messages, listed, think.get("think"))[1].text)
+            exchange.verbose = {"prompt": prompt}
+        return exchange
 
     async def _text_biases(self, request: HttpRequest, data: dict[str, Any]) -> None:
         """A ``logit_bias`` keyed by text (llama-server's), as token ids."""
