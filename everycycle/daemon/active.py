@@ -55,8 +55,6 @@ class Active:
     """The context its prompt did not fit, when it ended so."""
     position: int | None = None
     """The queue position it was last told (None: none yet)."""
-    prompt_told: bool = False
-    """Whether an Accepted has told its prompt's tokens (not while its model loaded)."""
     waiting: anyio.CancelScope | None = None
     """While it waits for its model (a load, or room for it): cancelling ends the wait."""
     promoted: bool = False

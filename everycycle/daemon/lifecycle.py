@@ -155,13 +155,11 @@ class Requests:
     def tell_position(active: Active, position: int, eta: int | None = None) -> None:
         """Send ``active`` an Accepted with ``position`` (and, while it waits, ``eta``:
         its estimated start in ms) unless that is what it was told last: the first from
-        admission on (also while its model loads), then each move, an estimate off by
-        more than a second, or its prompt's tokens once they are known."""
+        admission on (also while its model loads), then each move, or an estimate off
+        by more than a second. Once its prompt is read into tokens, each says how many."""
         if active.position != position or (eta is not None and active.eta_ms is not None
-                                           and abs(eta - active.eta_ms) > 1000) or (
-                active.n_prompt and not active.prompt_told):
+                                           and abs(eta - active.eta_ms) > 1000):
             active.position, active.eta_ms = position, eta
-            active.prompt_told = bool(active.n_prompt)
             active.peer.emit(Accepted(active.req.request_id, position, eta,
                                       active.n_prompt or None))
             active.told()

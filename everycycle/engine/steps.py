@@ -232,11 +232,10 @@ class StepLoop:
         takes its next tokens."""
         for w in plan.work:
             w.commit()
-        if plan.filling:  # (a prompt read whole yields its first token instead)
-            for w in plan.work:
-                if w.prompt and w.run.todo and w.run.job.spec.progress:
-                    out.append((w.run.job, Output("", (), progress=w.run.n_past)))
-        elif self.steps % STEP_TABLE_EVERY == 0 or not self.step_seconds:
+        for w in plan.work:  # (the last one says the whole prompt is read, as llama-server)
+            if w.prompt and w.run.job.spec.progress:
+                out.append((w.run.job, Output("", (), progress=w.run.n_past)))
+        if not plan.filling and (self.steps % STEP_TABLE_EVERY == 0 or not self.step_seconds):
             self._publish_steps()
         for w in plan.work:
             if w.sample is None:

@@ -8,8 +8,8 @@ are accepted and ignored. The request id is the message's ``id`` and comes back 
 ``x-request-id`` (``everycycle cancel ID`` stops it). A stream opens with
 ``message_start`` and then one ``event: ping`` for every queue move, carrying the
 request's ``queue_position`` (0 once it runs), as Anthropic's clients skip pings; its
-``message_start`` usage has the prompt's tokens (the stream begins once they are known,
-after a load) and the totals come in ``message_delta``. Errors are Anthropic's ``{"type": "error", "error": {type, message}}``:
+``message_start`` usage has the prompt's tokens (the stream begins once they are known:
+its place in the queue says, or the first report of its prompt's reading) and the totals come in ``message_delta``. Errors are Anthropic's ``{"type": "error", "error": {type, message}}``:
 Invalid 400, unknown model 404, a key's quota 429 (rate_limit_error, with Retry-After),
 any other refusal — the model's queue full, a daemon shutting down — 529
 (overloaded_error, with Retry-After), Cancelled 499, ModelNotLoaded 503, Internal 500; a
@@ -41,6 +41,7 @@ from .answer import (
     Finished,
     FinishReason,
     Part,
+    Prefill,
     Queued,
     Running,
     Text,
@@ -178,7 +179,8 @@ class _Message(_Exchange):
         return isinstance(part, Queued | Running) and part.prompt is None
 
     def begin(self, part: Part) -> bytes:
-        prompt = part.prompt if isinstance(part, Queued | Running) else None
+        prompt = (part.prompt if isinstance(part, Queued | Running)
+                  else part.total if isinstance(part, Prefill) else None)
         return sse_event("message_start", {"message": self._message(
             [], None, {"input_tokens": prompt or 0, "output_tokens": 0})})
 
@@ -242,9 +244,13 @@ class Anthropic(Dialect):
 
     async def messages(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)
+        stream = stream_flag(data)
+        # (a stream asks for the prompt's progress: its first report, or a place in the
+        # queue, says the prompt's size before message_start is written)
         req = self._generate(request, data, "msg", **parse.tools(data),
-                             **parse.options(request, data))
-        return _Message(self.api, req, request.state.principal, stream=stream_flag(data))
+                             **parse.options(request, data), **({"progress": True}
+                                                                if stream else {}))
+        return _Message(self.api, req, request.state.principal, stream=stream)
 
     async def count_tokens(self, request: HttpRequest) -> Any:
         """The prompt's tokens, tools included; the tool choice renders nothing."""
