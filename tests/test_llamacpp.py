@@ -552,3 +552,21 @@ def test_verbose_shows_the_rendered_prompt(http: httpx.Client) -> None:
     assert "Book" in got["__verbose"]["prompt"] and "<start_of_turn>" in got["__verbose"]["prompt"]
     assert "__verbose" not in post(http, "/chat/completions", {"messages": turns,
                                                                "max_tokens": 2})
+
+
+def test_responses_stream_with_llama_telemetry(http: httpx.Client) -> None:
+    r = http.post("/responses", json={"input": "hello world the " * 40, "max_output_tokens": 4,
+                                      "stream": True, "timings_per_token": True,
+                                      "return_progress": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: ")]
+    progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+    assert progress and progress[-1]["processed"] == progress[-1]["total"] > 0
+    assert all(e["type"] == "response.in_progress" for e in events if "prompt_progress" in e)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas and all("predicted_per_second" in e["timings"] for e in deltas)
+    # (cut by max_output_tokens: OpenAI's response.incomplete, where llama-server says
+    # response.completed)
+    ended = events[-1]
+    assert ended["type"] == "response.incomplete" and "usage" in ended["response"]
+    assert ended["timings"]["predicted_n"] == 4

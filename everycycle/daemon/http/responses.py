@@ -35,6 +35,7 @@ from .answer import (
     Finished,
     FinishReason,
     Part,
+    Prefill,
     Queued,
     Running,
     Text,
@@ -43,6 +44,7 @@ from .answer import (
 )
 from .common import protocol_errors, request_id, stream_flag
 from .exchange import Dialect, Exchange, Spawner, sse_event
+from .llamafields import timings
 from .openai import error_answer
 from .responses_request import CUSTOM_INPUT
 
@@ -112,6 +114,11 @@ class _Response(Exchange):
         self.open: str | None = None  # the kind of the item streaming now (the last one)
         self.text: list[str] = []  # its text so far
         self.seq = 0
+        self.per_token = False
+        """llama-server's ``timings_per_token``: each text delta carries the timings."""
+        self.read: Prefill | None = None  # the prompt's reading, as last reported
+        self.first: float | None = None  # when its first token came
+        self.made = 0  # tokens generated so far
 
     def _id(self, prefix: str) -> str:
         return f"{prefix}_{self.req.request_id}_{len(self.items)}"
@@ -156,8 +163,9 @@ class _Response(Exchange):
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1,
                 "content_index": 0}
 
-    def _text(self, kind: str, delta: str) -> bytes:
-        """Stream ``delta`` into the open item of ``kind`` (opening one if need be)."""
+    def _text(self, kind: str, delta: str, more: dict[str, Any] | None = None) -> bytes:
+        """Stream ``delta`` into the open item of ``kind`` (opening one if need be), its
+        event with ``more`` fields."""
         out = b""
         if self.open != kind:
             out = self._close()
@@ -169,7 +177,7 @@ class _Response(Exchange):
         self.text.append(delta)
         extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
         return out + self._emit(f"response.{_PART[kind]}.delta", **self._where(),
-                                delta=delta, **extra)
+                                delta=delta, **extra, **(more or {}))
 
     def _close(self) -> bytes:
         """End the item streaming now: its text's done, its part's done, its own done."""
@@ -224,13 +232,42 @@ class _Response(Exchange):
     def on_thinking(self, part: Thinking) -> bytes:
         return self._text("reasoning", part.text)
 
+    def on_prefill(self, part: Prefill) -> bytes:
+        """llama-server's progress report (``return_progress``) as an in-progress event."""
+        self.read = part
+        return self._emit("response.in_progress", response=self._object("in_progress"),
+                          prompt_progress={"total": part.total, "cache": part.cached,
+                                           "processed": part.processed,
+                                           "time_ms": part.time_ms})
+
     def on_text(self, part: Text) -> bytes:
-        return self._text("message", part.text) if part.text else b""
+        self.first = self.first or time.monotonic()
+        self.made += len(part.ids)
+        if not part.text:
+            return b""
+        return self._text("message", part.text, {"timings": self._running()}
+                          if self.per_token else None)
+
+    def _running(self) -> dict[str, Any]:
+        """The timings so far (llama-server's names)."""
+        usage = Usage(self.read.total if self.read else 0, self.read.cached if self.read
+                      else 0, self.made)
+        elapsed = time.monotonic() - (self.first or time.monotonic())
+        out = timings(usage, None)
+        if self.read is not None and self.read.time_ms:
+            read = max(1, self.read.processed - self.read.cached)
+            out.update(prompt_ms=float(self.read.time_ms),
+                       prompt_per_second=read / (self.read.time_ms / 1000))
+        if self.made > 1 and elapsed > 0:
+            out.update(predicted_ms=elapsed * 1000,
+                       predicted_per_second=(self.made - 1) / elapsed)
+        return out
 
     def on_finished(self, part: Finished) -> bytes:
         out = self._close()
         final = self._object("completed", (part.reason, part.usage))
-        return out + self._emit(f"response.{final['status']}", response=final)
+        return out + self._emit(f"response.{final['status']}", response=final,
+                                timings=timings(part.usage, part.outcome))
 
     def on_failed(self, part: Failed) -> bytes:
         error = json.loads(error_answer(part.error, part.outcome)[1])["error"]
@@ -249,7 +286,11 @@ class Responses(Dialect):
         data = await self.reader.json(request)
         model = self.reader.model(request, data.get("model"), "GET /v1/models")
         messages = parse.messages(data)
+        stream = stream_flag(data)
+        progress = {"progress": True} if stream and data.get("return_progress") is True else {}
         req = protocol_errors(Generate, request_id(request, "resp"), model, messages=messages,
-                              **parse.tools(data), **parse.options(request, data))
-        return _Response(self.api, req, request.state.principal, stream=stream_flag(data),
-                         echo=parse.summary(data), custom=parse.custom_tools(data))
+                              **parse.tools(data), **parse.options(request, data), **progress)
+        exchange = _Response(self.api, req, request.state.principal, stream=stream,
+                             echo=parse.summary(data), custom=parse.custom_tools(data))
+        exchange.per_token = stream and data.get("timings_per_token") is True
+        return exchange
