@@ -5,6 +5,7 @@ recorded from their sources)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,6 +174,21 @@ def test_ollama_and_openai_suffix_fill_in_the_middle(url: str, http: httpx.Clien
     assert c.usage is not None and c.usage.prompt_tokens < native["tokens_evaluated"]
 
 
+def test_a_clients_own_fim_template_reads_as_control_tokens(url: str, http: httpx.Client
+                                                            ) -> None:
+    """Continue, Tabby and Twinny with an OpenAI provider send their own FIM template as a
+    text prompt to /v1/completions; llama-server and vLLM read its control tokens' text
+    as those tokens, and so do we."""
+    text = "<|fim_prefix|>hello world<|fim_suffix|> the<|fim_middle|>"
+    tokens = post(http, "/tokenize", {"content": text, "add_special": True,
+                                      "parse_special": True})["tokens"]
+    assert len(tokens) == 1 + 1 + len(plain(http, "hello world")) + 1 + len(
+        plain(http, " the")) + 1
+    with openai_client(url) as client:
+        c = client.completions.create(model="fim", prompt=text, max_tokens=2)
+    assert c.usage is not None and c.usage.prompt_tokens == len(tokens)
+
+
 def test_keystrokes_reuse_the_last_requests_cells(http: httpx.Client) -> None:
     """An editor's pattern: each request repeats the last one's prefix, a few characters
     longer; its cells are kept, so only what is new is read."""
@@ -300,13 +316,20 @@ def test_apply_template_props_and_slots(url: str, http: httpx.Client) -> None:
     assert props["model_path"].endswith("fim.gguf") and "bos_token" in props["chat_template"]
     store = KeyStore()
     alice, bob = store.add("alice", KeyLimits()), store.add("bob", KeyLimits())
-    with httpx.Client(base_url=url, timeout=120) as c, c.stream(
-            "POST", "/completion", json={"prompt": "a secret", "n_predict": 4000,
-                                         "stream": True},
-            headers={"authorization": f"Bearer {alice}"}) as running:
-        next(running.iter_lines())  # (it runs)
-        theirs = c.get("/slots", headers={"authorization": f"Bearer {bob}"}).json()
-        mine = c.get("/slots", headers={"authorization": f"Bearer {alice}"}).json()
+    as_alice, as_bob = ({"authorization": f"Bearer {k}"} for k in (alice, bob))
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for _ in range(10):  # (the tiny model may finish before bob looks: again)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                done = pool.submit(c.post, "/completion", headers=as_alice, json={
+                    "prompt": "a secret", "n_predict": 4000, "ignore_eos": True})
+                mine = c.get("/slots", headers=as_alice).json()
+                while not any(s["is_processing"] for s in mine) and not done.done():
+                    mine = c.get("/slots", headers=as_alice).json()
+                theirs = c.get("/slots", headers=as_bob).json()
+                again = c.get("/slots", headers=as_alice).json()
+            busy_then = [s["is_processing"] for s in mine]
+            if any(busy_then) and busy_then == [s["is_processing"] for s in again]:
+                break  # (still running after bob looked)
     assert [s["id"] for s in mine] == [0, 1, 2]
     busy = [s for s in mine if s["is_processing"]]
     assert len(busy) == 1 and busy[0]["prompt"].endswith("a secret") and busy[0]["n_prompt_tokens"] > 0
@@ -570,3 +593,68 @@ def test_responses_stream_with_llama_telemetry(http: httpx.Client) -> None:
     ended = events[-1]
     assert ended["type"] == "response.incomplete" and "usage" in ended["response"]
     assert ended["timings"]["predicted_n"] == 4
+
+
+# ------------------------------------------------------------------ resumable streams
+
+
+def test_a_stream_with_a_conversation_id_survives_its_client(url: str) -> None:
+    """llama-server's web UI pattern: the page reloads mid-answer; the answer goes on and
+    the page reads it again from the start (``GET /v1/stream``), or stops it."""
+    conv = {"x-conversation-id": "conv-1::org/model:Q8_0"}
+    body = {"model": "fim", "messages": [{"role": "user", "content": "hi"}],
+            "stream": True, "max_tokens": 300, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=url, timeout=120) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body, headers=conv) as r:
+            first = next(r.iter_lines())  # (then the client goes away)
+        assert first.startswith("data: {")
+        qs = {"conv_id": conv["x-conversation-id"]}
+        replay = c.get("/v1/stream", params={**qs, "from": "0"})
+        assert replay.status_code == 200
+        assert replay.headers["content-type"].startswith("text/event-stream")
+        events = [e for e in replay.text.split("\n\n") if e.startswith("data: ")]
+        assert events[0] == first and events[-1] == "data: [DONE]"
+        usage = json.loads(events[-2].removeprefix("data: "))["usage"]
+        assert usage["completion_tokens"] == 300  # (it went on to the end)
+        later = c.get("/v1/stream", params={**qs, "from": str(len(first) + 2)}).text
+        assert replay.text.endswith(later) and later.startswith("data: ")
+        found = c.post("/v1/streams/lookup", json={"conversation_ids": ["conv-1"]}).json()
+        assert [(s["conversation_id"], s["is_done"]) for s in found] == [
+            (conv["x-conversation-id"], True)]
+        assert found[0]["total_bytes"] == len(replay.content)
+        assert c.get("/v1/stream", params={**qs, "from": "x"}).status_code == 400
+        assert c.delete("/v1/stream", params=qs).status_code == 204
+        assert c.get("/v1/stream", params={**qs, "from": "0"}).status_code == 404
+        assert c.get("/v1/stream").status_code == 400
+
+
+def test_stopping_a_resumable_stream_cancels_it_and_keys_keep_their_own(url: str) -> None:
+    store = KeyStore()
+    alice, bob = store.add("alice", KeyLimits()), store.add("bob", KeyLimits())
+    conv, qs = {"x-conversation-id": "c2"}, {"conv_id": "c2", "from": "0"}
+    body = {"model": "fim", "prompt": "a", "stream": True, "n_predict": 4000,
+            "ignore_eos": True}
+    as_alice = {"authorization": f"Bearer {alice}"}
+    as_bob = {"authorization": f"Bearer {bob}"}
+    with httpx.Client(base_url=url, timeout=120) as c:
+        with c.stream("POST", "/completion", json=body, headers={**conv, **as_alice}) as r:
+            first = next(r.iter_lines())
+        assert first.startswith("data: {"), first
+        assert c.get("/v1/stream", params=qs, headers=as_bob).status_code == 404
+        assert c.post("/v1/streams/lookup", json={"conversation_ids": ["c2"]},
+                      headers=as_bob).json() == []
+        assert c.delete("/v1/stream", params=qs, headers=as_bob).status_code == 204
+        with c.stream("GET", "/v1/stream", params=qs, headers=as_alice) as live:
+            assert live.status_code == 200
+            lines = live.iter_lines()
+            assert next(lines).startswith("data: {")  # (still running: bob stopped nothing)
+            assert c.delete("/v1/stream", params=qs, headers=as_alice).status_code == 204
+            rest = list(lines)  # (it ends: the request was cancelled)
+        ends = [json.loads(line.removeprefix("data: ")) for line in rest
+                if line.startswith("data: {")]
+        assert ends and ends[-1]["tokens_predicted"] < 4000
+        assert not any(e.get("stop") for e in ends)
+        assert c.get("/v1/stream", params=qs, headers=as_alice).status_code == 404
+        jobs = c.get("/slots", headers=as_alice).json()
+        assert not any(s["is_processing"] for s in jobs)

@@ -33,10 +33,12 @@ from . import (
     openai,
     rerank,
     responses,
+    resume,
 )
 from .common import HttpError, Reader
 from .exchange import Dialect
 from .guard import Guard
+from .streams import Sessions
 
 ErrorRenderer = Callable[[int, str, str | None, dict[str, str] | None], Response]
 """How a dialect shapes an error answer: (status, message, code, headers)."""
@@ -60,6 +62,7 @@ DIALECTS = (
     Registered(llamacpp.LlamaCpp, llamacpp.PATHS, llamacpp.error_response),
     Registered(rerank.Rerank),
     Registered(eventstream.EventStream),
+    Registered(resume.Resume),
     Registered(console.Console),
     Registered(adapters.Adapters),
 )
@@ -78,6 +81,8 @@ class HttpApi:
                  cors_origins: Sequence[str] = (), heartbeat_s: float) -> None:
         self.supervisor = supervisor
         self.heartbeat_s = heartbeat_s
+        self.streams = Sessions()
+        """Resumable streams (``X-Conversation-Id``), for resume.py's routes."""
         """Seconds of silence after which a stream gets a heartbeat (0: never)."""
         self.metrics = metrics
         self.reader = Reader(supervisor, keys, require_key=require_key)

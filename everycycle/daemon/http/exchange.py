@@ -60,6 +60,7 @@ from .answer import (
     gather,
 )
 from .common import HttpError, Reader
+from .streams import Session, Sessions, conversation_id
 
 T = TypeVar("T")
 
@@ -89,6 +90,7 @@ class Spawner(Protocol):
 
     supervisor: Supervisor
     heartbeat_s: float
+    streams: Sessions
 
     def spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None: ...
 
@@ -329,21 +331,33 @@ class Exchange:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         peer = HttpPeer(self.principal)
-        peer.tick = lambda: self._beat(send)
         sup = self.api.supervisor
+        conv_id = conversation_id(scope) if self.stream else None
+        session: Session | None = None
         for req in self.reqs:
             self.api.spawn(sup.handle, peer, req)
         try:
             async with anyio.create_task_group() as tg:
 
+                def stop() -> None:
+                    sup.disconnect(peer)  # cancelled within one decode step
+                    tg.cancel_scope.cancel()
+
+                if conv_id is not None:  # (a resumable stream: its bytes kept)
+                    session = self.api.streams.open(self.principal, conv_id, stop)
+                    send = session.tee(send)
+
                 async def watch() -> None:
                     while True:
                         message = await receive()
                         if message["type"] == "http.disconnect":
-                            sup.disconnect(peer)  # cancelled within one decode step
-                            tg.cancel_scope.cancel()
+                            if session is not None:  # the answer goes on, kept
+                                session.client_gone = True
+                                return
+                            stop()
                             return
 
+                peer.tick = lambda: self._beat(send)
                 tg.start_soon(watch)
                 if self.stream and self.api.heartbeat_s > 0:
                     tg.start_soon(self._ticks, peer)
@@ -355,6 +369,11 @@ class Exchange:
         finally:
             sup.disconnect(peer)
             peer.box.close()
+            if session is not None:
+                session.finish()
+                if not self.started:  # (it failed whole: nothing to resume)
+                    self.api.streams.forget(self.principal, session.conv_id, session,
+                                            stop=False)
 
     # ------------------------------------------------------------------ writing
 

@@ -83,7 +83,7 @@ class Guard:
         origin = headers.get("origin")
         cors = self._cors_headers(origin) if origin is not None else []
         if scope["method"] == "OPTIONS" and origin is not None:  # a preflight, allowed
-            await send({"type": "http.response.start", "status": 204, "headers": [
+            await send({"type": "http.response.start", "status": 200, "headers": [
                 *cors, (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
                 (b"access-control-allow-headers", ALLOWED_HEADERS.encode()),
                 (b"access-control-max-age", b"600")]})

@@ -23,6 +23,7 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
@@ -56,6 +57,7 @@ from .common import (
     stream_flag,
 )
 from .exchange import STATUS, Dialect, Exchange, Spawner, dumps, on_engine, text_biases
+from .llamacpp import mixed_tokens
 from .llamafields import FINGERPRINT, timings
 
 _TYPE = {
@@ -418,9 +420,16 @@ class OpenAI(Dialect):
         suffix = data.get("suffix")
         if suffix is not None and not isinstance(suffix, str):
             raise HttpError(400, "`suffix` must be a string", "invalid_type")
-        fill = {"infill": Infill(suffix)} if suffix else {}  # (fill in the middle)
-        return self._completion(request, data, "cmpl", prompt=prompt, format=Format.RAW,
-                                **fill)
+        if suffix:  # (fill in the middle)
+            return self._completion(request, data, "cmpl", prompt=prompt, format=Format.RAW,
+                                    infill=Infill(suffix))
+        # As llama-server and vLLM read a completion's text: control tokens' text as
+        # those tokens (a client's own FIM or chat template works).
+        model = self.reader.model(request, data.get("model"), "GET /v1/models")
+        _, (ids,) = await on_engine(self.api, request, model, partial(
+            mixed_tokens, prompts=[(prompt,)]))
+        return self._completion(request, data, "cmpl", prompt_tokens=tuple(ids),
+                                format=Format.RAW)
 
     def _completion(self, request: HttpRequest, data: dict[str, Any], prefix: str,
                     **fields: Any) -> _Generation:
