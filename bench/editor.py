@@ -47,11 +47,14 @@ TYPED = ("import math\n\n\ndef area(r: float) -> float:\n    return math.pi * r 
 """What the user types, a few characters a request."""
 
 
-def requests(n: int) -> list[str]:
-    """``n`` prefixes, each the last one a few characters longer."""
-    start = len(TYPED) // 3
-    step = max(1, (len(TYPED) - start) // n)
-    return [TYPED[:start + i * step] for i in range(n)]
+def requests(n: int, round_: int) -> list[str]:
+    """``n`` prefixes, each the last one a few characters longer; a file of its own each
+    round (neither side has seen it: what a cache kept from the last round does not
+    count)."""
+    typed = f"# geometry, take {round_}\n" + TYPED
+    start = len(typed) // 3
+    step = max(1, (len(typed) - start) // n)
+    return [typed[:start + i * step] for i in range(n)]
 
 
 def fim_model(cache: Path) -> Path:
@@ -133,7 +136,6 @@ def main() -> None:
     cache = Path(tempfile.gettempdir()) / "everycycle-bench"
     cache.mkdir(exist_ok=True)
     model = args.model or fim_model(cache)
-    prefixes = requests(args.requests)
     ours: list[list[float]] = []
     theirs: list[list[float]] = []
     with daemon(model, args.ctx, args.threads) as our_port, llama_server(
@@ -144,7 +146,8 @@ def main() -> None:
             infill(their_port, "warm up\n", 1)
             a: list[float] = []
             b: list[float] = []
-            for i, prefix in enumerate(prefixes):
+            reused = [0, 0]
+            for i, prefix in enumerate(requests(args.requests, r)):
                 sides = [(our_port, a), (their_port, b)]
                 if (r + i) % 2:
                     sides.reverse()
@@ -162,6 +165,8 @@ def main() -> None:
                                      f"{mine['tokens_predicted']}, llama-server "
                                      f"{other['tokens_evaluated']} and "
                                      f"{other['tokens_predicted']}")
+                reused[0] += mine["timings"]["cache_n"]
+                reused[1] += other["timings"]["cache_n"]
                 if r == 0:
                     print(f"  request {i:2d}: prompt {mine['tokens_evaluated']:4d} tokens, "
                           f"reused ours {mine['timings']['cache_n']:4d} / llama-server "
@@ -169,6 +174,8 @@ def main() -> None:
                           f"{a[-1] * 1e3:6.1f} ms, llama-server {b[-1] * 1e3:6.1f} ms")
             ours.append(a)
             theirs.append(b)
+            print(f"round {r}: prompt tokens reused, all requests: ours {reused[0]}, "
+                  f"llama-server {reused[1]}")
     print(f"model {model.name}, {args.requests} requests x {args.rounds} rounds, "
           f"{args.n} tokens each, {args.threads} threads, one slot a side")
     ratios = []
