@@ -18,11 +18,29 @@ from everycycle import paths
 from everycycle.client import ClientConnection, SyncClient
 from everycycle.daemon.server import Daemon, DaemonConfig
 from everycycle.errors import DaemonUnavailableError
-from everycycle.protocol import Error, ServerEvent, Tokens, is_terminal
+from everycycle.protocol import Accepted, Error, ServerEvent, Tokens, is_terminal
 from everycycle.sockets import wake_reader
 
 TIMEOUT = 30
 EC = [sys.executable, "-m", "everycycle"]
+
+
+class accepted:
+    """Equal to an ``Accepted`` with this request id and queue position, whatever its
+    extensions say (``eta_ms``, and ``prompt_tokens``: set when the model was loaded at
+    admission, which depends on what ran before)."""
+
+    def __init__(self, request_id: str, queue_position: int) -> None:
+        self.request_id, self.queue_position = request_id, queue_position
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Accepted) and (other.request_id, other.queue_position) == (
+            self.request_id, self.queue_position)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"accepted({self.request_id!r}, {self.queue_position})"
 
 
 def readme_block(heading: str, lang: str) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from daemonhelp import Raw, running_daemon
+from daemonhelp import Raw, accepted, running_daemon
 from httphelp import audit
 from modelshelp import Entry, models_toml
 
@@ -17,7 +17,6 @@ from everycycle.daemon.supervisor import Limits
 from everycycle.engine.runner import Runner
 from everycycle.errors import ErrorKind, RequestFailedError
 from everycycle.protocol import (
-    Accepted,
     Error,
     Format,
     Generate,
@@ -49,7 +48,7 @@ async def test_messages_are_rendered_with_the_chat_template(models_file: Path,
     async with running_daemon(models_file, audit_prompts=True) as daemon, connect() as client:
         events = [e async for e in client.generate("tiny", messages=turns, max_tokens=4,
                                                    temperature=0.0)]
-        assert events[0] == Accepted(events[0].request_id, 0)  # type: ignore[union-attr]
+        assert events[0] == accepted(events[0].request_id, 0)  # type: ignore[union-attr]
         assert isinstance(events[-1], Tokens) and events[-1].finished
         assert daemon.supervisor.residency.models["tiny"].engine.pid is not None
     # the template, applied by hand to the same turns in this process

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from daemonhelp import Raw, running_daemon
+from daemonhelp import Raw, accepted, running_daemon
 from httphelp import audit
 
 from everycycle import paths
@@ -56,7 +56,7 @@ async def test_generate_streams_accepted_then_tokens_then_one_terminal(models_fi
     async with running_daemon(models_file), Raw.open() as c:
         await c.send(gen("r1", max_tokens=8))
         events = await c.until_terminal("r1")
-        assert events[0] == Accepted("r1", 0)
+        assert events[0] == accepted("r1", 0)
         assert all(isinstance(e, Tokens) for e in events[1:])
         assert [is_terminal(e) for e in events] == [False] * (len(events) - 1) + [True]
         # nothing after the terminal event: the next thing on the wire answers the next request
@@ -72,7 +72,7 @@ async def test_queue_positions_for_four_requests_on_one_slot(models_file: Path) 
         for i in range(1, 4):
             await c.send(long_gen(f"q{i}", max_tokens=30))
         firsts = {rid: await c.next_for(rid) for rid in ("q0", "q1", "q2", "q3")}
-        assert firsts == {f"q{i}": Accepted(f"q{i}", i) for i in range(4)}
+        assert firsts == {f"q{i}": accepted(f"q{i}", i) for i in range(4)}
         # (Accepted comes at admission, while the model may still load: wait until q0
         # runs and the three are in its queue before the queue moves)
         async with Raw.open() as probe:
@@ -100,7 +100,7 @@ async def test_queue_positions_for_four_requests_on_one_slot(models_file: Path) 
 async def test_cancel_a_running_request(models_file: Path) -> None:
     async with running_daemon(models_file), Raw.open() as c, Raw.open() as other:
         await c.send(long_gen("run"))
-        assert await c.next() == Accepted("run", 0)
+        assert await c.next() == accepted("run", 0)
         await other.send(b'{"Cancel":{"request_id":"c1","target":"run"}}')
         assert await other.next() == Done("c1")
         end = (await c.until_terminal("run"))[-1]
@@ -111,7 +111,7 @@ async def test_cancel_a_queued_request(models_file: Path) -> None:
     async with running_daemon(models_file), Raw.open() as c:
         await c.send(long_gen("a"))
         await c.send(long_gen("b"))
-        while await c.next() != Accepted("b", 1):
+        while await c.next() != accepted("b", 1):
             pass
         await c.send(b'{"Cancel":{"request_id":"c","target":"b"}}')
         b = await c.until_terminal("b")
@@ -142,14 +142,14 @@ async def test_disconnect_frees_the_slot(models_file: Path) -> None:
     async with running_daemon(models_file) as daemon:
         async with Raw.open() as c:
             await c.send(long_gen("gone"))
-            assert await c.next() == Accepted("gone", 0)
+            assert await c.next() == accepted("gone", 0)
             assert isinstance(await c.next(), Tokens)
         with anyio.fail_after(5):  # freed within a decode step of noticing the disconnect
             while daemon.supervisor.snapshot().active_requests:  # noqa: ASYNC110 - outside view
                 await anyio.sleep(0.01)
         async with Raw.open() as c:
             await c.send(gen("next", max_tokens=4))
-            assert await c.next() == Accepted("next", 0)
+            assert await c.next() == accepted("next", 0)
             await c.until_terminal("next")
         assert daemon.supervisor.snapshot().active_requests == 0
 
@@ -174,7 +174,7 @@ async def test_per_connection_inflight_limit(models_file: Path) -> None:
 async def test_duplicate_request_id_is_invalid(models_file: Path) -> None:
     async with running_daemon(models_file), Raw.open() as c:
         await c.send(long_gen("dup"))
-        assert await c.next() == Accepted("dup", 0)
+        assert await c.next() == accepted("dup", 0)
         await c.send(long_gen("dup"))
         while True:
             ev = await c.next()
@@ -192,7 +192,7 @@ async def test_malformed_line_keeps_the_connection_usable(models_file: Path) -> 
         ev = await c.next()
         assert isinstance(ev, Error) and ev.request_id == "m1"
         await c.send(gen("ok", max_tokens=2))
-        assert (await c.until_terminal("ok"))[0] == Accepted("ok", 0)
+        assert (await c.until_terminal("ok"))[0] == accepted("ok", 0)
 
 
 async def test_overlong_line_gets_invalid_and_closes(models_file: Path) -> None:
@@ -250,7 +250,7 @@ async def test_unload_cancels_active_requests(models_file: Path) -> None:
     async with running_daemon(models_file), Raw.open() as c:
         await c.send(long_gen("a"))
         await c.send(long_gen("b"))
-        assert await c.next_for("a") == Accepted("a", 0)
+        assert await c.next_for("a") == accepted("a", 0)
         assert isinstance(await c.next_for("a"), Tokens)  # running now: tiny is loaded
         await c.send(b'{"Unload":{"request_id":"u","model":"tiny"}}')
         ends = {rid: (await c.until_terminal(rid))[-1] for rid in ("a", "b")}
@@ -361,7 +361,7 @@ async def test_many_requests_interleave_on_one_connection(models_file: Path) -> 
             await c.send(gen(f"m{i}", model="tiny4", prompt=f"hello {i}", max_tokens=6))
         for i in range(4):
             evs = await c.until_terminal(f"m{i}")
-            assert evs[0] == Accepted(f"m{i}", 0) and is_terminal(evs[-1])
+            assert evs[0] == accepted(f"m{i}", 0) and is_terminal(evs[-1])
 
 
 async def test_prompt_and_max_tokens_bounds_are_invalid(models_file: Path) -> None:
@@ -374,14 +374,14 @@ async def test_prompt_and_max_tokens_bounds_are_invalid(models_file: Path) -> No
         ev = await c.next()
         assert isinstance(ev, Error) and ev.kind is ErrorKind.INVALID and "max_tokens" in ev.message
         await c.send(gen("fits", prompt="x" * 100, max_tokens=50))
-        assert (await c.until_terminal("fits"))[0] == Accepted("fits", 0)
+        assert (await c.until_terminal("fits"))[0] == accepted("fits", 0)
 
 
 async def test_prompt_longer_than_the_context_is_invalid(models_file: Path) -> None:
     async with running_daemon(models_file), Raw.open() as c:
         await c.send(gen("long", model="tiny4", prompt="hello " * 400))
         first, *rest = await c.until_terminal("long")
-        assert first == Accepted("long", 0)  # admitted while tiny4 loads
+        assert first == accepted("long", 0)  # admitted while tiny4 loads
         [ev] = rest
         assert isinstance(ev, Error) and ev.kind is ErrorKind.INVALID
         assert "context holds 512" in ev.message
@@ -412,7 +412,7 @@ async def test_model_paths_only_on_the_unix_socket_and_absolute(models_file: Pat
                                                                 tiny_gguf: Path) -> None:
     async with running_daemon(models_file, tcp=("127.0.0.1", 0)) as daemon, Raw.open() as c:
         await c.send(gen("p", model=str(tiny_gguf), max_tokens=2))
-        assert (await c.until_terminal("p"))[0] == Accepted("p", 0)
+        assert (await c.until_terminal("p"))[0] == accepted("p", 0)
         await c.send(gen("rel", model="models/tiny.gguf"))
         ev = await c.next()
         assert isinstance(ev, Error) and "absolute" in ev.message
@@ -435,14 +435,14 @@ async def test_slots_are_freed_on_every_path(models_file: Path) -> None:
             await c.send(gen("stop", max_tokens=50, stop=("e", "a", "o", "i", "t", " ")))
             await c.until_terminal("stop")
             await c.send(long_gen("cxl"))
-            assert await c.next() == Accepted("cxl", 0)
+            assert await c.next() == accepted("cxl", 0)
             await c.send(b'{"Cancel":{"request_id":"k","target":"cxl"}}')
             await c.until_terminal("cxl")
             await c.until_terminal("k")
             await c.send(long_gen("dl", deadline_ms=100))
             await c.until_terminal("dl")
             await c.send(long_gen("gone"))
-            assert await c.next() == Accepted("gone", 0)
+            assert await c.next() == accepted("gone", 0)
         with anyio.fail_after(5):
             while daemon.supervisor.snapshot().active_requests:  # noqa: ASYNC110 - outside view
                 await anyio.sleep(0.01)
@@ -450,7 +450,7 @@ async def test_slots_are_freed_on_every_path(models_file: Path) -> None:
         assert (model.busy, model.queued) == (0, 0)
         async with Raw.open() as c:
             await c.send(gen("after", max_tokens=2))
-            assert (await c.until_terminal("after"))[0] == Accepted("after", 0)
+            assert (await c.until_terminal("after"))[0] == accepted("after", 0)
 
 
 async def test_shutdown_through_the_async_client_returns_though_the_daemon_closes(

@@ -15,13 +15,13 @@ import numpy as np
 import openai
 import pytest
 from conftest import SpawnDaemon
-from daemonhelp import EC, Raw, running_daemon
+from daemonhelp import EC, Raw, accepted, running_daemon
 from httphelp import openai_client
 
 from everycycle.client import SyncClient, connect, embedded
 from everycycle.errors import ErrorKind
 from everycycle.models.registry import load_registry, local_file
-from everycycle.protocol import Accepted, Embed, Embeddings, Error, Generate, encode
+from everycycle.protocol import Embed, Embeddings, Error, Generate, encode
 
 pytestmark = pytest.mark.anyio
 
@@ -111,22 +111,22 @@ async def test_embeddings_queue_behind_a_busy_model_with_deadlines_and_cancel(
 ) -> None:
     async with running_daemon(models_file), Raw.open() as c:
         await c.send(encode(Generate("long", "tiny", "x", max_tokens=8000, temperature=1.0)))
-        assert await c.next() == Accepted("long", 0)
+        assert await c.next() == accepted("long", 0)
         await c.send(encode(Embed("late", "tiny", ("hello",), deadline_ms=50)))
         events = await c.until_terminal("late")
-        assert events[0] == Accepted("late", 1)  # the model's one slot is busy
+        assert events[0] == accepted("late", 1)  # the model's one slot is busy
         assert isinstance(events[-1], Error) and events[-1].kind is ErrorKind.CANCELLED
         assert events[-1].message == "deadline of 50 ms passed"
         await c.send(encode(Embed("e", "tiny", ("hello",))))
-        assert await c.next_for("e") == Accepted("e", 1)
+        assert await c.next_for("e") == accepted("e", 1)
         await c.send(b'{"Cancel":{"request_id":"c","target":"e"}}')
         events = await c.until_terminal("e")
         assert isinstance(events[-1], Error) and events[-1].kind is ErrorKind.CANCELLED
         await c.send(encode(Embed("e2", "tiny", ("hello",))))
-        assert await c.next_for("e2") == Accepted("e2", 1)
+        assert await c.next_for("e2") == accepted("e2", 1)
         await c.send(b'{"Cancel":{"request_id":"c2","target":"long"}}')
         events = await c.until_terminal("e2")
-        assert events[0] == Accepted("e2", 0) and isinstance(events[-1], Embeddings)
+        assert events[0] == accepted("e2", 0) and isinstance(events[-1], Embeddings)
 
 
 def test_cli_embed_prints_json_lines(models_file: Path) -> None:

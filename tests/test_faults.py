@@ -10,13 +10,13 @@ from pathlib import Path
 import anyio
 import pytest
 from conftest import SpawnDaemon
-from daemonhelp import EC, Raw, daemon_process, running_daemon, wait_until
+from daemonhelp import EC, Raw, accepted, daemon_process, running_daemon, wait_until
 from httphelp import audit
 
 from everycycle import paths
 from everycycle.client import SyncClient
 from everycycle.errors import ErrorKind
-from everycycle.protocol import Accepted, Error, Generate, Load, Tokens, encode, is_terminal
+from everycycle.protocol import Error, Generate, Load, Tokens, encode, is_terminal
 
 
 def bad_models(tmp_path: Path, tiny_gguf: Path) -> Path:
@@ -52,7 +52,7 @@ async def test_broken_model_files_give_clear_errors_and_the_daemon_serves_on(
             assert ev.message and name in ev.message, (name, ev.message)
         await c.send(encode(Generate("ok", "tiny", "hello", max_tokens=3, temperature=0.0)))
         events = await c.until_terminal("ok")
-        assert events[0] == Accepted("ok", 0) and is_terminal(events[-1])
+        assert events[0] == accepted("ok", 0) and is_terminal(events[-1])
 
 
 @pytest.mark.anyio
@@ -96,7 +96,7 @@ def test_a_killed_client_frees_its_slot(daemon_proc: subprocess.Popen[bytes],
     wait_until(lambda: active_requests() == 0, "the slot to be freed", timeout=5)
     with SyncClient() as c:
         first = next(iter(c.generate("tiny", "hi", max_tokens=2)))
-    assert first == Accepted(first.request_id, 0)  # type: ignore[union-attr]
+    assert first == accepted(first.request_id, 0)  # type: ignore[union-attr]
 
 
 def test_a_killed_daemon_leaves_clients_an_exit_code_and_restarts_cleanly(
@@ -123,7 +123,7 @@ def test_sigterm_gives_every_request_its_cancelled_event(
             for rid in ("t1", "t2", "t3"):
                 await c.send(encode(Generate(rid, "tiny", "x", max_tokens=8000,
                                              temperature=1.0, seed=2)))
-            assert await c.next() == Accepted("t1", 0)
+            assert await c.next() == accepted("t1", 0)
             daemon_proc.send_signal(signal.SIGTERM)
             return [await c.until_terminal(rid) for rid in ("t1", "t2", "t3")]
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemonhelp import daemon_process
+from daemonhelp import accepted, daemon_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +26,6 @@ from everycycle.client import SyncClient
 from everycycle.errors import ErrorKind, ProtocolError
 from everycycle.protocol import (
     MAX_LINE_BYTES,
-    Accepted,
     DescribeFleet,
     Error,
     FleetDescription,
@@ -223,7 +222,7 @@ def test_other_clients_are_unaffected_after_fuzzing(daemon: Path) -> None:
     events, closed = exchange(daemon, line)
     assert not closed
     calm = [e for e in events if getattr(e, "request_id", None) == "calm"]
-    assert calm[0] == Accepted("calm", 0)
+    assert calm[0] == accepted("calm", 0)
     assert isinstance(calm[-1], Tokens) and calm[-1].finished
 
 
