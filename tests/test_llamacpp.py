@@ -174,6 +174,21 @@ def test_ollama_and_openai_suffix_fill_in_the_middle(url: str, http: httpx.Clien
     assert c.usage is not None and c.usage.prompt_tokens < native["tokens_evaluated"]
 
 
+def test_ollama_show_says_a_fim_model_reads_suffix(url: str) -> None:
+    """Continue's Ollama provider sends `suffix` only to a model whose /api/show template
+    reads `.Suffix` (as Ollama's FIM models' templates do), and Ollama lists `insert`."""
+    with ollama_client(url) as ollama_api:
+        fim, keys, plain_model = (ollama_api.show(m) for m in ("fim", "fimkeys", "tiny"))
+    assert fim.template is not None and fim.template.startswith(
+        "{{- if .Suffix }}<|fim_prefix|>{{ .Prompt }}<|fim_suffix|>{{ .Suffix }}"
+        "<|fim_middle|>{{- else }}")
+    assert fim.template.endswith("{{- end }}") and ".Suffix" in (fim.modelfile or "")
+    assert keys.template is not None and ".Suffix" in keys.template
+    assert "insert" in (fim.capabilities or []) and "insert" in (keys.capabilities or [])
+    assert ".Suffix" not in (plain_model.template or "")
+    assert "insert" not in (plain_model.capabilities or [])
+
+
 def test_a_clients_own_fim_template_reads_as_control_tokens(url: str, http: httpx.Client
                                                             ) -> None:
     """Continue, Tabby and Twinny with an OpenAI provider send their own FIM template as a

@@ -18,8 +18,8 @@ left, their end kept. Pure: the tokenizer is passed in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 FIM_BATCH = 2048
 """The batch the prefix and suffix are cut to fit (llama-server's default ``-b``)."""
@@ -45,6 +45,41 @@ class FimTokens(NamedTuple):
         """The tokens a fill-in-the-middle prompt needs that the vocabulary lacks."""
         return [name for name, tok in (("prefix", self.pre), ("suffix", self.suf),
                                        ("middle", self.mid)) if tok is None]
+
+
+FIM_TEXTS = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
+            "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
+            "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+            "▁<MID>", "<|code_middle|>", "<|middle|>"),
+}
+"""The texts llama.cpp takes for a vocabulary's FIM prefix, suffix and middle tokens
+where its GGUF names none (``llama-vocab.cpp``)."""
+
+_FIM_KEYS = {"pre": ("fim_pre", "prefix"), "suf": ("fim_suf", "suffix"),
+             "mid": ("fim_mid", "middle")}
+"""Their GGUF keys (``tokenizer.ggml.{name}_token_id``; the second ones deprecated)."""
+
+
+def fim_texts(meta: Mapping[str, Any], tokens: Sequence[str]) -> tuple[str, str, str] | None:
+    """A GGUF's FIM prefix, suffix and middle tokens' texts, found as llama.cpp finds
+    them (its keys, else these texts), from its metadata alone (no model loaded);
+    None where one is missing. ``tokens``: its ``tokenizer.ggml.tokens``."""
+    found = []
+    for role, keys in _FIM_KEYS.items():
+        ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in keys]
+        tid = next((i for i in ids if isinstance(i, int) and 0 <= i < len(tokens)), None)
+        if tid is not None:
+            found.append(tokens[tid])
+            continue
+        texts = set(FIM_TEXTS[role])
+        text = next((t for t in tokens if t in texts), None)
+        if text is None:
+            return None
+        found.append(text)
+    return found[0], found[1], found[2]
 
 
 class Chunk(NamedTuple):

@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import BaseRoute, Route
 
 from ... import __version__
+from ...chatfmt.infill import fim_texts
 from ...errors import EverycycleError, UnavailableError, UnknownModelError
 from ...models import hub, manage
 from ...models.registry import ModelSpec, local_file
@@ -105,6 +106,7 @@ class OllamaMeta(Dialect):
     def __init__(self, api: Spawner, reader: Reader) -> None:
         super().__init__(api, reader)
         self._facts: dict[tuple[str, int, int], _Facts] = {}
+        self._fim_texts: dict[tuple[str, float], tuple[str, str, str] | None] = {}
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -191,6 +193,12 @@ class OllamaMeta(Dialect):
                             "(POST /api/pull downloads it)", "model_not_found")
         template = facts.meta.get("tokenizer.chat_template")
         template = template if isinstance(template, str) else ""
+        fim = await anyio.to_thread.run_sync(self._fim, facts.path, facts.mtime)
+        if fim is not None:  # (as Ollama's FIM models' templates begin: clients such as
+            # Continue send `suffix` only to a model whose template reads `.Suffix`)
+            pre, suf, mid = fim
+            template = (f"{{{{- if .Suffix }}}}{pre}{{{{ .Prompt }}}}{suf}{{{{ .Suffix }}}}"
+                        f"{mid}{{{{- else }}}}{template}{{{{- end }}}}")
         context = residency_context.of(self.api.supervisor.residency, name)
         params = {**sampling.to_json(spec.sampling),
                   **({"num_ctx": context} if context is not None else {})}
@@ -200,12 +208,30 @@ class OllamaMeta(Dialect):
         info = {k: v for k, v in facts.meta.items() if k != "tokenizer.chat_template"
                 and not (isinstance(v, float) and not math.isfinite(v))}
         capabilities = ["completion", *(["tools"] if "tools" in template else []),
+                        *(["insert"] if fim is not None else []),
                         *(["thinking"] if "think" in template else [])]
         return JSONResponse({
             "license": "", "modelfile": modelfile, "template": template,
             "parameters": "\n".join(f"{k} {v}" for k, v in params.items()),
             "details": facts.details(), "model_info": info, "capabilities": capabilities,
             "modified_at": rfc3339(facts.mtime)})
+
+    def _fim(self, path: Path, mtime: float) -> tuple[str, str, str] | None:
+        """The model's FIM tokens' texts, from its GGUF (None: it has none). (On a worker
+        thread; each file read once.)"""
+        key = (str(path), mtime)
+        if key not in self._fim_texts:
+            if len(self._fim_texts) > 256:
+                self._fim_texts.clear()
+            from ...hardware.gguf import read_metadata
+
+            try:
+                meta = read_metadata(path, ("tokenizer.ggml.tokens",))
+            except EverycycleError:
+                return None
+            tokens = meta.get("tokenizer.ggml.tokens")
+            self._fim_texts[key] = fim_texts(meta, tokens if isinstance(tokens, list) else [])
+        return self._fim_texts[key]
 
     # ------------------------------------------------------------------ pull and delete
 
