@@ -642,6 +642,13 @@ def test_a_stream_with_a_conversation_id_survives_its_client(url: str) -> None:
         assert c.delete("/v1/stream", params=qs).status_code == 204
         assert c.get("/v1/stream", params={**qs, "from": "0"}).status_code == 404
         assert c.get("/v1/stream").status_code == 400
+        # (any dialect's stream: Ollama's NDJSON comes back as NDJSON)
+        c.post("/api/generate", json={"model": "fim", "prompt": "hi", "stream": True,
+                                      "options": {"num_predict": 3}},
+               headers={"x-conversation-id": "o"})
+        again = c.get("/v1/stream", params={"conv_id": "o"})
+        assert again.headers["content-type"].startswith("application/x-ndjson")
+        assert json.loads(again.text.splitlines()[-1])["done"] is True
 
 
 def test_stopping_a_resumable_stream_cancels_it_and_keys_keep_their_own(url: str) -> None:

@@ -344,7 +344,8 @@ class Exchange:
                     tg.cancel_scope.cancel()
 
                 if conv_id is not None:  # (a resumable stream: its bytes kept)
-                    session = self.api.streams.open(self.principal, conv_id, stop)
+                    session = self.api.streams.open(self.principal, conv_id, stop,
+                                                    self.content_type)
                     send = session.tee(send)
 
                 async def watch() -> None:

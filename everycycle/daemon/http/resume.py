@@ -42,7 +42,7 @@ class Resume(Dialect):
         if int(given) < session.dropped:
             raise HttpError(400, "Stream offset lost, please restart", "invalid_request")
         return StreamingResponse(session.read_from(int(given)),
-                                 media_type="text/event-stream",
+                                 media_type=session.content_type,
                                  headers={"cache-control": "no-cache"})
 
     async def stop(self, request: HttpRequest) -> Response:

@@ -23,7 +23,7 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 HEADER = "x-conversation-id"
 TTL_S = 300.0
 MAX_BYTES = 4 * 1024 * 1024
-MAX_SESSIONS = 256
+MAX_SESSIONS = 64
 """Sessions kept at once; past it the oldest that ended goes first (then the oldest)."""
 
 
@@ -34,6 +34,8 @@ class Session:
     conv_id: str
     stop: Callable[[], None]
     """Stops the request (DELETE, or a newer request with the same id)."""
+    content_type: str = "text/event-stream"
+    """What the stream is (NDJSON for Ollama's)."""
     started: float = field(default_factory=time.time)
     completed: float = 0.0
     cancelled: bool = False
@@ -61,6 +63,7 @@ class Session:
     def finish(self) -> None:
         if not self.done:
             self.completed = time.time()
+            self.stop = _nothing  # (nothing left to stop; what it held is let go)
             self._wake()
 
     client_gone = False
@@ -109,13 +112,18 @@ class Session:
                 "completed_at": int(self.completed)}
 
 
+def _nothing() -> None:
+    pass
+
+
 class Sessions:
     """The live and recent sessions, by (key name, conversation id)."""
 
     def __init__(self) -> None:
         self._by: dict[tuple[str, str], Session] = {}
 
-    def open(self, principal: Principal, conv_id: str, stop: Callable[[], None]) -> Session:
+    def open(self, principal: Principal, conv_id: str, stop: Callable[[], None],
+             content_type: str) -> Session:
         """A new session for ``conv_id``, stopping the one it replaces."""
         self._prune()
         old = self._by.pop((principal.name, conv_id), None)
@@ -124,7 +132,7 @@ class Sessions:
         while len(self._by) >= MAX_SESSIONS:
             oldest = min(self._by, key=lambda k: (not self._by[k].done, self._by[k].started))
             del self._by[oldest]
-        session = self._by[(principal.name, conv_id)] = Session(conv_id, stop)
+        session = self._by[(principal.name, conv_id)] = Session(conv_id, stop, content_type)
         return session
 
     def get(self, principal: Principal, conv_id: str) -> Session | None:
