@@ -528,6 +528,34 @@ def test_post_sampling_probs_are_the_chains(http: httpx.Client, tiny_batches_exa
         assert [t["id"] for t in probs] == same["tokens"]
 
 
+def test_samplers_choose_the_chain_and_its_order(http: httpx.Client) -> None:
+    """llama-server's `samplers`: the chain is the samplers named, in that order (llama.vim
+    and llama.vscode send ["top_k", "top_p", "infill"])."""
+    def chain(samplers: object, **more: object) -> Any:
+        return post(http, "/completion", {
+            "prompt": "hello", "n_predict": 4, "n_probs": 40, "temperature": 1.0,
+            "top_k": 3, "top_p": 1.0, "min_p": 0.0, "seed": 3, "post_sampling_probs": True,
+            "samplers": samplers, **more})
+
+    def widest(got: Any) -> int:
+        return max(len(t["top_probs"]) for t in got["completion_probabilities"])
+
+    only_k = chain(["top_k"])
+    assert widest(only_k) <= 3
+    assert only_k["generation_settings"]["samplers"] == ["top_k"]
+    assert widest(chain(["top_p", "temperature"])) > 3  # (top_k is not in the chain)
+    assert widest(chain("k")) <= 3  # (llama-server's letters)
+    editor = post(http, "/infill", {"input_prefix": "def f(", "input_suffix": ")\n",
+                                    "n_predict": 4, "samplers": ["top_k", "top_p", "infill"],
+                                    "top_k": 40, "top_p": 0.99})
+    assert editor["generation_settings"]["samplers"] == ["top_k", "top_p", "infill"]
+    greedy = post(http, "/infill", {"input_prefix": "def f(", "input_suffix": ")\n",
+                                    "n_predict": 4, "temperature": 0, "samplers": "i"})
+    assert greedy["tokens_predicted"] >= 1
+    r = http.post("/completion", json={"prompt": "a", "samplers": ["top_k", "bogus"]})
+    assert r.status_code == 400 and "'bogus' is not one" in r.json()["error"]["message"]
+
+
 def test_ignore_eos_lists_the_end_tokens_it_bars(http: httpx.Client) -> None:
     got = post(http, "/completion", {"model": "ends", "prompt": "hi", "n_predict": 2,
                                      "ignore_eos": True})

@@ -55,7 +55,8 @@ def test_the_seeds_six_keep_their_wire_places_and_the_rest_are_extensions() -> N
 @pytest.mark.parametrize("param", sampling.PARAMS, ids=lambda p: p.name)
 def test_each_parameter_crosses_the_wire_and_is_range_checked(
         param: sampling.Param[object]) -> None:
-    value = SAMPLE[param.kind] if param.name != "mirostat" else 2
+    value = {"mirostat": 2, "samplers": ("top_k", "infill")}.get(param.name,
+                                                               SAMPLE[param.kind])
     g = Generate(request_id="r", model="m", prompt="x", **{param.name: value})
     assert getattr(decode_request(encode(g)), param.name) == value
     assert sampling.values_of(g) == {param.name: value}
@@ -74,7 +75,7 @@ def test_list_parameters_are_bounded() -> None:
 def test_each_dialect_takes_the_names_the_table_gives_it() -> None:
     body = {p.name: SAMPLE[p.kind] if p.kind not in ("biases", "strings") else None
             for p in sampling.PARAMS}
-    body.update(logit_bias={"7": -5}, dry_sequence_breakers=["x"])
+    body.update(logit_bias={"7": -5}, dry_sequence_breakers=["x"], samplers=["top_k"])
     for dialect in sampling.DIALECTS:
         taken = sampling.from_json(dialect, body)
         assert set(taken) == {p.name for p in sampling.PARAMS if dialect in p.dialects}
@@ -89,6 +90,20 @@ def test_each_dialect_takes_the_names_the_table_gives_it() -> None:
         sampling.from_json(sampling.OPENAI, {"presence_penalty": True})
     with pytest.raises(ProtocolError, match="'x' is not a token id"):
         sampling.from_json(sampling.OPENAI, {"logit_bias": {"x": 1}})
+
+
+def test_samplers_take_llama_servers_names_letters_and_aliases() -> None:
+    def read(value: object) -> object:
+        return sampling.checked(sampling.from_json(sampling.OPENAI, {"samplers": value}))
+
+    assert read(["top_k", "top_p", "infill"]) == {"samplers": ("top_k", "top_p", "infill")}
+    assert read("kpit") == {"samplers": ("top_k", "top_p", "infill", "temperature")}
+    assert read(["Top-K", "nucleus", "temp", "typ-p", "minp"]) == {
+        "samplers": ("top_k", "top_p", "temperature", "typ_p", "min_p")}
+    with pytest.raises(ProtocolError, match="samplers: 'bogus' is not one"):
+        read(["top_k", "bogus"])
+    with pytest.raises(ProtocolError, match="samplers: 'z' is not one"):
+        read("kz")
 
 
 def test_models_toml_takes_every_parameter_from_the_table(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,11 @@ from .constraint import Matcher
 from .jobs import Sampling
 
 DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
+
+
+GREEDY_STEPS = ("penalties", "dry", "xtc", "infill")
+"""The samplers that can change greedy decoding's choice (the others keep the likeliest
+token)."""
 
 
 class Samplers:
@@ -55,25 +61,44 @@ class Samplers:
         if pairs:
             array = (L.llama_logit_bias * len(pairs))(*pairs)
             add(L.llama_sampler_init_logit_bias(self._n_vocab, len(pairs), array))
-        last_n = s[P.REPEAT_LAST_N]
-        if any(s[p] != p.neutral for p in (P.REPEAT_PENALTY, P.FREQUENCY_PENALTY,
-                                           P.PRESENCE_PENALTY)):
-            add(L.llama_sampler_init_penalties(
+        last_n, dry_n = s[P.REPEAT_LAST_N], s[P.DRY_PENALTY_LAST_N]
+        breakers = [b.encode() for b in s[P.DRY_SEQUENCE_BREAKERS]]
+        # Each sampler llama-server's `samplers` names, where it changes anything.
+        steps: dict[str, Callable[[], Any] | None] = {
+            "penalties": (lambda: L.llama_sampler_init_penalties(
                 self._n_vocab, n_ctx if last_n < 0 else last_n, s[P.REPEAT_PENALTY],
-                s[P.FREQUENCY_PENALTY], s[P.PRESENCE_PENALTY]))
-        if s[P.DRY_MULTIPLIER] > 0.0:
-            breakers = [b.encode() for b in s[P.DRY_SEQUENCE_BREAKERS]]
-            dry_n = s[P.DRY_PENALTY_LAST_N]
-            add(L.llama_sampler_init_dry(
+                s[P.FREQUENCY_PENALTY], s[P.PRESENCE_PENALTY])) if any(
+                s[p] != p.neutral for p in (P.REPEAT_PENALTY, P.FREQUENCY_PENALTY,
+                                            P.PRESENCE_PENALTY)) else None,
+            "dry": (lambda: L.llama_sampler_init_dry(
                 self._vocab, s[P.DRY_MULTIPLIER], s[P.DRY_BASE], s[P.DRY_ALLOWED_LENGTH],
                 n_ctx if dry_n < 0 else dry_n, (ctypes.c_char_p * len(breakers))(*breakers),
-                len(breakers)))
-        if s.greedy:
-            if s[P.XTC_PROBABILITY] > 0.0:
-                add(L.llama_sampler_init_xtc(s[P.XTC_PROBABILITY], s[P.XTC_THRESHOLD], 1, seed))
+                len(breakers))) if s[P.DRY_MULTIPLIER] > 0.0 else None,
+            "top_n_sigma": (lambda: L.llama_sampler_init_top_n_sigma(s[P.TOP_N_SIGMA]))
+            if s[P.TOP_N_SIGMA] > 0.0 else None,
+            "top_k": (lambda: L.llama_sampler_init_top_k(s[P.TOP_K]))
+            if s[P.TOP_K] > 0 else None,
+            "typ_p": (lambda: L.llama_sampler_init_typical(s[P.TYPICAL_P], 1))
+            if s[P.TYPICAL_P] < 1.0 else None,
+            "top_p": lambda: L.llama_sampler_init_top_p(s[P.TOP_P], 1),
+            "min_p": lambda: L.llama_sampler_init_min_p(s[P.MIN_P], 1),
+            "xtc": (lambda: L.llama_sampler_init_xtc(
+                s[P.XTC_PROBABILITY], s[P.XTC_THRESHOLD], 1, seed))
+            if s[P.XTC_PROBABILITY] > 0.0 else None,
+            "temperature": lambda: L.llama_sampler_init_temp(s[P.TEMPERATURE]),
+            "infill": lambda: L.llama_sampler_init_infill(self._vocab),
+        }
+        order = s[P.SAMPLERS]
+        if s.greedy:  # (only what can change the likeliest token, then it)
+            for name in order:
+                if name in GREEDY_STEPS and (step := steps[name]) is not None:
+                    add(step())
             add(L.llama_sampler_init_greedy())
             return chain
-        if s[P.MIROSTAT]:
+        if s[P.MIROSTAT]:  # (its own chain, whatever the order: llama-server's)
+            for name in ("penalties", "dry"):
+                if name in order and (step := steps[name]) is not None:
+                    add(step())
             add(L.llama_sampler_init_temp(s[P.TEMPERATURE]))
             if s[P.MIROSTAT] == 1:
                 add(L.llama_sampler_init_mirostat(self._n_vocab, seed, s[P.MIROSTAT_TAU],
@@ -82,17 +107,9 @@ class Samplers:
                 add(L.llama_sampler_init_mirostat_v2(seed, s[P.MIROSTAT_TAU],
                                                      s[P.MIROSTAT_ETA]))
             return chain
-        if s[P.TOP_N_SIGMA] > 0.0:
-            add(L.llama_sampler_init_top_n_sigma(s[P.TOP_N_SIGMA]))
-        if s[P.TOP_K] > 0:
-            add(L.llama_sampler_init_top_k(s[P.TOP_K]))
-        if s[P.TYPICAL_P] < 1.0:
-            add(L.llama_sampler_init_typical(s[P.TYPICAL_P], 1))
-        add(L.llama_sampler_init_top_p(s[P.TOP_P], 1))
-        add(L.llama_sampler_init_min_p(s[P.MIN_P], 1))
-        if s[P.XTC_PROBABILITY] > 0.0:
-            add(L.llama_sampler_init_xtc(s[P.XTC_PROBABILITY], s[P.XTC_THRESHOLD], 1, seed))
-        add(L.llama_sampler_init_temp(s[P.TEMPERATURE]))
+        for name in order:
+            if (step := steps[name]) is not None:
+                add(step())
         add(L.llama_sampler_init_dist(seed))
         return chain
 

@@ -71,6 +71,8 @@ class Param(Generic[V]):
     negative_unset: bool = False
     """A negative value from a dialect means "unset" (Ollama's and llama-server's seed
     -1: random)."""
+    choices: frozenset[str] | None = None
+    """For ``strings``: the only strings it takes (none: any)."""
 
     @property
     def annotation(self) -> str:
@@ -94,6 +96,10 @@ class Param(Generic[V]):
             if any(not 1 <= len(s) <= MAX_BREAKER_CHARS for s in items):
                 raise ProtocolError(f"{self.name}: each string must be 1-{MAX_BREAKER_CHARS} "
                                     "characters")
+            if self.choices is not None and (odd := [s for s in items
+                                                     if s not in self.choices]):
+                raise ProtocolError(f"{self.name}: {odd[0]!r} is not one (one of "
+                                    f"{', '.join(sorted(self.choices))})")
         elif len(cast(tuple[Bias, ...], value)) > MAX_BIASES:
             raise ProtocolError(f"{self.name}: at most {MAX_BIASES} tokens")
 
@@ -179,11 +185,27 @@ TOP_N_SIGMA: Param[float] = _p(
     "top_n_sigma", "float", -1.0, "Keep tokens within N standard deviations of the top "
     "logit (-1: off).", "top_n_sigma", low=-1.0, high=100.0, dialects=frozenset({OPENAI}))
 
+ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
+         "temperature")
+"""llama-server's default order of its samplers (after the logit biases, before the
+draw)."""
+_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p",
+          "p": "top_p", "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill"}
+"""llama-server's one-letter names (``"samplers": "kpit"``)."""
+_ALIASES = {**{alt: n for n in _CHARS.values() if "_" in n
+               for alt in (n.replace("_", "-"), n.replace("_", ""))},
+            "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
+"""Other names llama-server takes for them (``top-k``, ``topk``, ``temp``, …)."""
+SAMPLERS: Param[tuple[str, ...]] = _p(
+    "samplers", "strings", ORDER, "The samplers in the order they run (llama-server's "
+    "names; `infill` favours ending a fill-in-the-middle where it fits).", "chain",
+    dialects=frozenset({OPENAI}), neutral=ORDER, choices=frozenset(_CHARS.values()))
+
 PARAMS: tuple[Param[Any], ...] = (
     TEMPERATURE, TOP_P, TOP_K, MIN_P, REPEAT_PENALTY, SEED, REPEAT_LAST_N,
     PRESENCE_PENALTY, FREQUENCY_PENALTY, LOGIT_BIAS, TYPICAL_P, MIROSTAT, MIROSTAT_TAU,
     MIROSTAT_ETA, DRY_MULTIPLIER, DRY_BASE, DRY_ALLOWED_LENGTH, DRY_PENALTY_LAST_N,
-    DRY_SEQUENCE_BREAKERS, XTC_PROBABILITY, XTC_THRESHOLD, TOP_N_SIGMA)
+    DRY_SEQUENCE_BREAKERS, XTC_PROBABILITY, XTC_THRESHOLD, TOP_N_SIGMA, SAMPLERS)
 BY_NAME: Mapping[str, Param[Any]] = {p.name: p for p in PARAMS}
 SEED_PARAMS = tuple(p for p in PARAMS if p.seed)
 EXTENSION_PARAMS = tuple(p for p in PARAMS if not p.seed)
@@ -266,8 +288,12 @@ def from_json(dialect: str | None, data: Mapping[str, Any], where: str = "") -> 
                     value = json.loads(value)
                 except ValueError:
                     pass
+            if p is SAMPLERS and isinstance(value, str):  # (llama-server's letters)
+                value = [_CHARS.get(c, c) for c in value]
             if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
                 raise ProtocolError(f"{name} must be a list of strings")
+            if p is SAMPLERS:
+                value = [_ALIASES.get(s.lower(), s.lower()) for s in value]
             out[p.name] = tuple(value)
             continue
         wanted = int if p.kind == "int" else int | float
@@ -306,7 +332,10 @@ def from_text(name: str, text: str) -> tuple[str, Any]:
         raise ProtocolError(f"{p.name} must be {'an integer' if p.kind == 'int' else 'a number'}"
                             f", not {text!r}") from None
     if p.kind == "strings":
-        return p.name, tuple(s for s in text.split(",") if s)
+        items = [s for s in text.split(",") if s]
+        if p is SAMPLERS:
+            items = [_ALIASES.get(s.lower(), s.lower()) for s in items]
+        return p.name, tuple(items)
     try:
         raw = json.loads(text)
     except ValueError:

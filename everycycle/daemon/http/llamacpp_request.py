@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 ACCEPTED = frozenset({
     "cache_prompt",  # a slot's cells are always reused where a prompt extends them
     "id_slot",  # the scheduler seats a request in the slot that holds most of its prompt
-    "samplers",  # the sampler chain is llama-server's default order
     "n_keep", "n_discard",  # the context is never shifted: a full context ends the answer
     "t_max_prompt_ms",  # a prompt is read whole
     "timings_per_token",  # the last object carries the timings
