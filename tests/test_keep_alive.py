@@ -15,7 +15,7 @@ from daemonhelp import EC, running_daemon
 from modelshelp import Entry, models_toml
 
 from everycycle.client import connect
-from everycycle.models.registry import parse_keep_alive
+from everycycle.models.keepalive import parse_keep_alive
 from everycycle.protocol import Error, LoadedModel, Tokens
 
 pytestmark = pytest.mark.anyio

@@ -65,7 +65,7 @@ def raw_first_logprobs(model_path: Path, adapter_path: Path, tokens: list[int],
 def first(outs: list[Output]) -> tuple[float, ...]:
     """The first token's top log-probabilities, as the engine reported them."""
     lp = next(o.logprobs for o in outs if o.logprobs)
-    return tuple(value for _, value in lp[0][2])
+    return tuple(value for _, value, _ in lp[0][2])
 
 
 def test_scales_change_the_logits_as_llama_cpp_computes_them(

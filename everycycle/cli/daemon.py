@@ -95,7 +95,7 @@ def daemon(
     if show_token:
         sys.stdout.write(load_or_create_token() + "\n")
         return
-    from ..models.registry import parse_keep_alive
+    from ..models.keepalive import parse_keep_alive
 
     try:
         keep_seconds = parse_keep_alive(keep_alive)

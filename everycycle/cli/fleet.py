@@ -206,7 +206,7 @@ def load(
     """
     keep_ms = None
     if keep_alive is not None:
-        from ..models.registry import parse_keep_alive
+        from ..models.keepalive import parse_keep_alive
 
         try:
             seconds = parse_keep_alive(keep_alive)

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import paths, statefile
-from ..errors import ConfigError, InvalidRequestError
+from ..errors import ConfigError, EverycycleError, InvalidRequestError
+from ..models.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,24 @@ LOCAL = Principal("local")
 ADMINS = frozenset({"local", "default"})
 """Principals that may cancel anyone's requests and read everyone's usage: the socket's
 own user and the daemon's token; any other key acts on its own requests only."""
+
+
+def check_may_use(principal: Principal, name: str, registry: Registry) -> None:
+    """Raises InvalidRequestError unless ``principal`` may use model ``name`` (an entry's
+    name or alias, read through ``registry``)."""
+    if principal.limits.models is None:
+        return
+
+    def canonical(name: str) -> str | None:
+        try:
+            return registry.get(name).name
+        except EverycycleError:
+            return None
+
+    wanted = canonical(name)
+    if wanted is None or wanted not in {canonical(m) for m in principal.limits.models}:
+        # The same words whether or not the model exists.
+        raise InvalidRequestError(f"model '{name}' is not available to key '{principal.name}'")
 
 
 def may_act_for(actor: Principal, owner: Principal) -> bool:

@@ -29,7 +29,8 @@ from .. import paths
 from ..errors import AlreadyRunningError, ConfigError, unwrap_groups
 from ..mailbox import Mailbox
 from ..models import manage
-from ..models.registry import DEFAULT_KEEP_ALIVE, load_registry
+from ..models.keepalive import DEFAULT_KEEP_ALIVE
+from ..models.registry import load_registry
 from ..protocol import Error, ServerEvent
 from ..sockets import wake_reader
 from .audit import AuditLog

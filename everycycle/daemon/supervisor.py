@@ -34,11 +34,11 @@ from ..errors import (
     InvalidRequestError,
     RejectedError,
     RequestCancelledError,
-    UnknownModelError,
 )
 from ..hardware import cpukernels, rpc
 from ..models import manage, stores
-from ..models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry
+from ..models.keepalive import DEFAULT_KEEP_ALIVE
+from ..models.registry import ModelSpec, Registry
 from ..protocol import (
     Cancel,
     DescribeFleet,
@@ -62,7 +62,7 @@ from .events import Bus, CancelCause, Cancelled, RequestEnded, RequestInput
 from .fleet import FleetView
 from .handoff import Handoff
 from .jobbuild import build_job
-from .keys import Principal, may_act_for
+from .keys import Principal, check_may_use, may_act_for
 from .lifecycle import Requests
 from .lorascales import LoraScales
 from .outcome import Limits, Outcome, Peer, prompt_bytes
@@ -171,22 +171,8 @@ class Supervisor:
         """Whether a request may name ``name``: a registry entry (read again if need be),
         a model in another tool's store, or a hub URL the daemon pulls."""
         self._know(name)
-        return self.registry.has(name) or self._in_store(name) or (
+        return self.registry.has(name) or stores.has(name) or (
             self._resolve is not None and manage.is_hub_url(name))
-
-    @staticmethod
-    def _in_store(name: str) -> bool:
-        """Whether another tool's store has ``name`` (one that will not load, a missing
-        blob, is there: its request hears why)."""
-        if not stores.is_ref(name):
-            return False
-        try:
-            stores.find(name)
-        except UnknownModelError:
-            return False
-        except EverycycleError:
-            pass
-        return True
 
     def _know(self, name: str) -> None:
         """Read the registry files again if they may name ``name`` now (a broken file
@@ -422,7 +408,7 @@ class Supervisor:
         unknown, ModelNotLoadedError, and what a load raises."""
         if self.closing:
             raise RejectedError("daemon shutting down")
-        self._check_models(principal, name)
+        check_may_use(principal, name, self.registry)
         self._know(name)
         spec = self.residency.spec_for(name, allow_paths=False)
         lane = self.requests.lane(spec.name)
@@ -435,26 +421,10 @@ class Supervisor:
                 return spec, model.engine
         raise AssertionError("unreachable")
 
-    def _check_models(self, principal: Principal, name: str) -> None:
-        """Raises InvalidRequestError unless ``principal`` may use model ``name``."""
-        limits = principal.limits
-        if limits.models is not None:
-            def canonical(name: str) -> str | None:
-                try:
-                    return self.registry.get(name).name
-                except EverycycleError:
-                    return None
-
-            wanted = canonical(name)
-            if wanted is None or wanted not in {canonical(m) for m in limits.models}:
-                # The same words whether or not the model exists.
-                raise InvalidRequestError(
-                    f"model '{name}' is not available to key '{principal.name}'")
-
     def _check_principal(self, peer: Peer, req: Generate | Embed) -> None:
         """The principal's own limits: which models, how many at once, how fast (a lane's)."""
         principal = peer.principal
-        self._check_models(principal, req.model)
+        check_may_use(principal, req.model, self.registry)
         lane = "background" if req.priority is Priority.BACKGROUND else "interactive"
         inflight = sum(1 for a in self.requests.active.values()
                        if a.peer.principal.name == principal.name and a.lane == lane)

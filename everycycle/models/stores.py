@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidRequestError, ProtocolError, UnknownModelError
+from ..errors import EverycycleError, InvalidRequestError, ProtocolError, UnknownModelError
 from ..protocol import sampling
 from . import hub, hubrepo
 from .adapters import LoraEntry
@@ -354,6 +354,20 @@ def find(ref: str) -> StoreModel:
     if several:
         raise InvalidRequestError(f"'{ref}' holds several models: {', '.join(several)}")
     raise UnknownModelError(f"model '{ref}' not found in {TOOLS[store]}'s store")
+
+
+def has(ref: str) -> bool:
+    """Whether another tool's store has ``ref`` (one that will not load, a missing blob,
+    is there: its request hears why)."""
+    if not is_ref(ref):
+        return False
+    try:
+        find(ref)
+    except UnknownModelError:
+        return False
+    except EverycycleError:
+        pass
+    return True
 
 
 def with_digest(m: StoreModel) -> StoreModel:

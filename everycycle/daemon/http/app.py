@@ -31,6 +31,7 @@ from . import (
     ollama,
     ollama_meta,
     openai,
+    openai_answer,
     rerank,
     responses,
     resume,
@@ -51,7 +52,7 @@ class Registered:
 
     dialect: type[Dialect]
     errors: tuple[str, ...] = ()
-    render: ErrorRenderer = openai.error_response
+    render: ErrorRenderer = openai_answer.error_response
 
 
 DIALECTS = (
@@ -123,7 +124,7 @@ class HttpApi:
 
     def _render(self, path: str) -> ErrorRenderer:
         return next((r for prefix, r in self.renderers if path.startswith(prefix)),
-                    openai.error_response)
+                    openai_answer.error_response)
 
     async def _http_error(self, request: HttpRequest, exc: HttpError) -> Response:
         headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None

@@ -16,7 +16,7 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 
 from ...chatfmt.constraint import JSON_OBJECT_SCHEMA
-from ...models.registry import parse_keep_alive
+from ...models.keepalive import parse_keep_alive
 from ...protocol import Message, ThinkEffort, sampling
 from ...protocol.validation import CONTEXT
 from . import openai_request

@@ -23,7 +23,7 @@ from ..outcome import Outcome
 from .answer import Answer
 from .common import HttpError, deadline, priority, protocol_errors, request_id
 from .exchange import Dialect, Exchange, Spawner
-from .openai import error_answer
+from .openai_answer import error_answer
 
 
 def documents(raw: object) -> list[str]:

@@ -45,7 +45,7 @@ from .answer import (
 from .common import protocol_errors, request_id, stream_flag
 from .exchange import Dialect, Exchange, Spawner, sse_event
 from .llamafields import timings
-from .openai import error_answer
+from .openai_answer import error_answer
 from .responses_request import CUSTOM_INPUT
 
 _PART = {"message": "output_text", "reasoning": "reasoning_text"}

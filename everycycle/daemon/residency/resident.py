@@ -34,7 +34,8 @@ from ...errors import (
 from ...hardware import executors as ex
 from ...hardware.memory import MemoryPlan, plan
 from ...models import lookup
-from ...models.registry import DEFAULT_KEEP_ALIVE, ModelSpec, Registry, local_file, side_files
+from ...models.keepalive import DEFAULT_KEEP_ALIVE
+from ...models.registry import ModelSpec, Registry, local_file, side_files
 from .. import events
 from ..eta import LoadTimes
 from ..lifecycle import Requests
