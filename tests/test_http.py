@@ -421,7 +421,7 @@ def test_penalties_logit_bias_and_llama_servers_samplers_reach_the_engine(
     assert text(extra_body={"dry_multiplier": 5.0, "dry_allowed_length": 1}) != plain
     assert text(extra_body={"xtc_probability": 1.0, "xtc_threshold": 0.01}) != plain
     for bad, says in (({"presence_penalty": 3}, "presence_penalty must be between -2 and 2"),
-                      ({"logit_bias": {"x": 1}}, "'x' is not a token id"),
+                      ({"logit_bias": {"7": "x"}}, r"logit_bias\[7\] must be a number"),
                       ({"logit_bias": {"999999": 1}}, "token 999999 is not in this model's")):
         with pytest.raises(openai.BadRequestError, match=says):
             client.completions.create(model="tiny", prompt="the", max_tokens=2,
