@@ -311,6 +311,13 @@ class Supervisor:
         peer.emit(Error(rid, exc.kind, exc.message), outcome)
         self._report(outcome, request)
 
+    async def _pulled(self, name: str, allow_load: bool) -> str:
+        """``name``, or a hub URL's registry name once pulled (where loads are allowed)."""
+        if self._resolve is None or not allow_load or not manage.is_hub_url(name):
+            return name
+        async with self._pulls.setdefault(name, anyio.Lock()):
+            return await self._pull(name, self._resolve)
+
     async def _pull(self, url: str, resolve: Callable[[str], str]) -> str:
         """Hub model ``url``'s registry name; pulled, and told on the bus, if new."""
         if (known := manage.recorded(url, self.registry)) is not None:
@@ -358,10 +365,7 @@ class Supervisor:
         active = Active(req=req, peer=peer, admitted=time.monotonic(), bus=self.bus)
         self.requests.track(active)
         allow_load = self.auto_load and req.auto_load is not False
-        name = req.model
-        if self._resolve is not None and allow_load and manage.is_hub_url(name):
-            async with self._pulls.setdefault(name, anyio.Lock()):
-                name = await self._pull(name, self._resolve)
+        name = await self._pulled(req.model, allow_load)
         self._know(name)
         spec = self.residency.spec_for(name, allow_paths=peer.allow_paths)
         active.model = spec.name
@@ -409,6 +413,7 @@ class Supervisor:
         if self.closing:
             raise RejectedError("daemon shutting down")
         check_may_use(principal, name, self.registry)
+        name = await self._pulled(name, self.auto_load)
         self._know(name)
         spec = self.residency.spec_for(name, allow_paths=False)
         lane = self.requests.lane(spec.name)
