@@ -42,6 +42,8 @@ class Session:
     dropped: int = 0
     """Bytes forgotten from the front (past MAX_BYTES)."""
     buffer: bytearray = field(default_factory=bytearray)
+    client_gone: bool = False
+    """The stream's own client left (the answer goes on, kept here)."""
     _grew: anyio.Event = field(default_factory=anyio.Event)
 
     @property
@@ -65,9 +67,6 @@ class Session:
             self.completed = time.time()
             self.stop = _nothing  # (nothing left to stop; what it held is let go)
             self._wake()
-
-    client_gone = False
-    """The stream's own client left (the answer goes on, kept here)."""
 
     def tee(self, send: Send) -> Send:
         """``send``, keeping what the stream writes; once its client is gone, only kept."""
@@ -164,7 +163,7 @@ class Sessions:
             del self._by[k]
 
 
-def conversation_id(scope: dict[str, Any] | Any) -> str | None:
+def conversation_id(scope: MutableMapping[str, Any]) -> str | None:
     """The request's ``X-Conversation-Id`` (None: absent or empty)."""
     for k, v in scope.get("headers", []):
         if k.decode("latin-1").lower() == HEADER:
