@@ -196,10 +196,11 @@ _ALIASES = {**{alt: n for n in _CHARS.values() if "_" in n
                for alt in (n.replace("_", "-"), n.replace("_", ""))},
             "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
 """Other names llama-server takes for them (``top-k``, ``topk``, ``temp``, …)."""
+_NAMES = frozenset(_CHARS.values())
 SAMPLERS: Param[tuple[str, ...]] = _p(
     "samplers", "strings", ORDER, "The samplers in the order they run (llama-server's "
     "names; `infill` favours ending a fill-in-the-middle where it fits).", "chain",
-    dialects=frozenset({OPENAI}), neutral=ORDER, choices=frozenset(_CHARS.values()))
+    dialects=frozenset({OPENAI}), neutral=ORDER, choices=_NAMES)
 
 PARAMS: tuple[Param[Any], ...] = (
     TEMPERATURE, TOP_P, TOP_K, MIN_P, REPEAT_PENALTY, SEED, REPEAT_LAST_N,
@@ -292,8 +293,10 @@ def from_json(dialect: str | None, data: Mapping[str, Any], where: str = "") -> 
                 value = [_CHARS.get(c, c) for c in value]
             if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
                 raise ProtocolError(f"{name} must be a list of strings")
-            if p is SAMPLERS:
-                value = [_ALIASES.get(s.lower(), s.lower()) for s in value]
+            if p is SAMPLERS:  # (names it does not know are left out, as llama-server
+                # leaves them: SillyTavern sends "tfs_z" and "typical_p")
+                value = [n for s in value if (n := _ALIASES.get(s.lower(), s.lower()))
+                         in _NAMES]
             out[p.name] = tuple(value)
             continue
         wanted = int if p.kind == "int" else int | float
@@ -333,7 +336,7 @@ def from_text(name: str, text: str) -> tuple[str, Any]:
                             f", not {text!r}") from None
     if p.kind == "strings":
         items = [s for s in text.split(",") if s]
-        if p is SAMPLERS:
+        if p is SAMPLERS:  # (an unknown name is refused by the check, naming them)
             items = [_ALIASES.get(s.lower(), s.lower()) for s in items]
         return p.name, tuple(items)
     try:
