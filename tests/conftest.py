@@ -101,7 +101,7 @@ def models_file(tmp_path: Path, tiny_gguf: Path) -> Path:
 @pytest.fixture
 def spawn_daemon(models_file: Path) -> Iterator[SpawnDaemon]:
     """Start ``everycycle daemon --models models_file ARGS`` processes (answering on their
-    socket before this returns); each is stopped with SIGTERM after the test."""
+    socket before this returns); each is stopped with SIGINT after the test."""
     with contextlib.ExitStack() as stack:
 
         def spawn(*args: str, models: Path | None = None,

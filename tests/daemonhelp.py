@@ -70,7 +70,8 @@ def answers(sock: Path | None = None) -> bool:
 @contextlib.contextmanager
 def daemon_process(*args: str, sock: Path | None = None, env: dict[str, str] | None = None,
                    stderr: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    """``everycycle daemon ARGS`` as a process, answering on its socket; SIGTERM at exit.
+    """``everycycle daemon ARGS`` as a process, answering on its socket; SIGINT at exit
+    (stop now, as Ctrl-C: SIGTERM would drain, letting a test's leftover requests run).
     With ``stderr``, what it (and its engine processes) write there goes to that file."""
     cmd = [*EC, "daemon", *args] + (["--socket", str(sock)] if sock else [])
     err = stderr.open("ab") if stderr is not None else subprocess.DEVNULL
@@ -86,7 +87,7 @@ def daemon_process(*args: str, sock: Path | None = None, env: dict[str, str] | N
         yield proc
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGINT)
             proc.wait(20)
 
 

@@ -79,6 +79,13 @@ def daemon(
         "x-priority: background) may wait with none of it moving, every slot kept by "
         "interactive work, before its oldest request is served as an interactive one.")]
     = 120.0,
+    load: Annotated[list[str] | None, typer.Option(
+        "--load", metavar="MODEL", help="Load MODEL at start (repeat); /health answers 503 "
+        "until one serves, as llama-server's does while it loads.")] = None,
+    drain_grace: Annotated[float, typer.Option(
+        "--drain-grace", min=0, help="Seconds SIGTERM lets running and queued requests "
+        "finish, admitting none (503 + Retry-After), before it cancels the rest and "
+        "stops (0: SIGTERM stops at once, as SIGINT does).")] = 30.0,
     show_token: Annotated[bool, typer.Option("--show-token", help="Print the TCP token.")]
     = False,
 ) -> None:
@@ -143,7 +150,8 @@ def daemon(
                           cors_origins=tuple(cors_origin or ()),
                           allowed_hosts=tuple(allow_host or ()),
                           http_heartbeat=http_heartbeat,
-                          tls=(tls_cert, tls_key) if tls_cert and tls_key else None)
+                          tls=(tls_cert, tls_key) if tls_cert and tls_key else None,
+                          load=tuple(load or ()), drain_grace=drain_grace)
     import anyio
 
     try:

@@ -132,15 +132,33 @@ async def _watch(socket: Path | None, live: Any, active: int) -> None:
             await anyio.sleep(0.05)  # (a burst of events is one redraw)
 
 
-def _fleets(hosts: list[str], token: str | None, as_json: bool) -> int:
-    """``fleet --host …``: each daemon's snapshot, then a total; exit 69 if any is down."""
+def _client(host: str, token: str | None, timeout: float | None) -> Any:
+    """A blocking client of the daemon at ``host`` (HOST:PORT over TCP with ``token``,
+    else a socket path); exits 2 for anything else."""
     from ..client.sync import SyncClient
 
-    if token is None:
+    is_path = "/" in host
+    address, _, port = host.rpartition(":")
+    if not is_path and (not address or not port.isdigit()):
+        fail(f"--host {host!r}: expected HOST:PORT or a socket path", 2)
+    return (SyncClient(Path(host), timeout=timeout) if is_path else
+            SyncClient(tcp=(address.strip("[]"), int(port)), token=token, timeout=timeout))
+
+
+def _own_token(token: str | None) -> str | None:
+    """``token``, else this user's daemon token where there is one."""
+    if token is None and paths.token_file().exists():
         from ..daemon.keys import load_or_create_token
 
-        token = load_or_create_token() if paths.token_file().exists() else None
+        return load_or_create_token()
+    return token
+
+
+def _fleets(hosts: list[str], token: str | None, as_json: bool) -> int:
+    """``fleet --host …``: each daemon's snapshot, then a total; exit 69 if any is down."""
+    token = _own_token(token)
     found: list[tuple[str, FleetSnapshot]] = []
+    unreachable: list[str] = []
     failed = 0
     for host in hosts:
         if host.startswith(("http://", "https://")):
@@ -151,19 +169,15 @@ def _fleets(hosts: list[str], token: str | None, as_json: bool) -> int:
             except EverycycleError as exc:
                 sys.stderr.write(f"everycycle: {exc.message}\n")
                 failed += 1
+                unreachable.append(host)
             continue
-        is_path = "/" in host
-        address, _, port = host.rpartition(":")
-        if not is_path and (not address or not port.isdigit()):
-            fail(f"--host {host!r}: expected HOST:PORT or a socket path", 2)
         try:
-            client = (SyncClient(Path(host), timeout=30) if is_path else
-                      SyncClient(tcp=(address.strip("[]"), int(port)), token=token, timeout=30))
-            with client:
+            with _client(host, token, 30) as client:
                 found.append((host, client.describe_fleet()))
         except EverycycleError as exc:
             sys.stderr.write(f"everycycle: {host}: {exc.message}\n")
             failed += 1
+            unreachable.append(host)
     if as_json:
         for _, snap in found:
             sys.stdout.buffer.write(encode(FleetDescription(snap)))
@@ -173,7 +187,7 @@ def _fleets(hosts: list[str], token: str | None, as_json: bool) -> int:
 
         from .render import fleets_view
 
-        Console(stderr=not sys.stdout.isatty()).print(fleets_view(found, failed))
+        Console(stderr=not sys.stdout.isatty()).print(fleets_view(found, unreachable))
     return EXIT_UNAVAILABLE if failed else 0
 
 
@@ -275,6 +289,47 @@ def ps(socket: SocketOpt = None) -> None:
       everycycle ps
     """
     fleet(as_json=False, watch=False, hosts=None, token=None, socket=socket)
+
+
+@app.command()
+def drain(
+    host: Annotated[str | None, typer.Option(
+        "--host", metavar="HOST:PORT|SOCKET", help="A daemon's TCP address (with its "
+        "token) or socket path (default: this user's daemon).")] = None,
+    grace: Annotated[float, typer.Option(
+        "--grace", min=0, help="Seconds the running and queued requests may take; then "
+        "what is left is cancelled.")] = 300.0,
+    token: Annotated[str | None, typer.Option(
+        "--token", envvar="EVERYCYCLE_TOKEN",
+        help="Key for a TCP daemon (default: this user's daemon token).")] = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Take a daemon out of service without cutting a request: it admits nothing new
+    (HTTP 503 with Retry-After, so a router sends the work elsewhere; /health 503),
+    lets what runs and waits finish, then stops. Returns once it has.
+
+    \b
+    Example:
+      everycycle drain
+      everycycle drain --host box2:7000 --grace 60
+    """
+    where = host or str(socket or paths.socket_path())
+    try:
+        with (_client(host, _own_token(token), grace + 60) if host else
+              _socket_client(socket, grace + 60)) as client:
+            active = client.describe_fleet().active_requests
+            sys.stderr.write(f"everycycle: draining {where}: {active} active request"
+                             f"{'' if active == 1 else 's'}, at most {grace:g} s\n")
+            client.shutdown(drain_ms=int(grace * 1000))
+    except EverycycleError as exc:
+        exit_for(exc)
+    sys.stderr.write(f"everycycle: {where} drained and stopped\n")
+
+
+def _socket_client(socket: Path | None, timeout: float) -> Any:
+    from ..client.sync import SyncClient
+
+    return SyncClient(socket, timeout=timeout)
 
 
 @app.command()

@@ -136,6 +136,10 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
         notes.append("executor: layers on its devices / layers")
     models.caption = "none" if not snapshot.loaded_models else "; ".join(notes) or None
     footer = f"active requests: {snapshot.active_requests}"
+    if snapshot.state not in (None, "ready"):
+        footer += f"; {snapshot.state}" + (
+            " (takes no new requests; stops once these end)" if snapshot.state == "draining"
+            else "")
     requests = None
     if snapshot.requests:
         requests = Table(title="active requests", title_justify="left", box=None,
@@ -276,22 +280,31 @@ def usage_view(rows: Sequence[Any], by: str) -> Table:
     return table
 
 
-def fleets_view(found: Sequence[tuple[str, FleetSnapshot]], failed: int) -> Group:
-    """``fleet --host …``: one section per daemon, then the total."""
+def fleets_view(found: Sequence[tuple[str, FleetSnapshot]], unreachable: Sequence[str]
+                ) -> Group:
+    """``fleet --host …``: each daemon's state, one section per daemon, then the total."""
     from rich.console import Group
     from rich.rule import Rule
+    from rich.table import Table
 
-    parts: list[Any] = []
+    states = Table(title="daemons", title_justify="left")
+    for col in ("host", "name", "state", "active"):
+        states.add_column(col, no_wrap=True)
     for host, snap in found:
-        parts.append(Rule(f"{host} ({snap.hostname})", align="left"))
+        states.add_row(host, snap.hostname, snap.state or "ready", str(snap.active_requests))
+    for host in unreachable:
+        states.add_row(host, "-", "unreachable", "-")
+    parts: list[Any] = [states]
+    for host, snap in found:
+        parts.append(Rule(f"{host} ({snap.hostname}, {snap.state or 'ready'})", align="left"))
         parts.append(fleet_view(snap))
     executors = sum(len(s.executors) for _, s in found)
     models = sum(len(s.loaded_models) for _, s in found)
     active = sum(s.active_requests for _, s in found)
     total = (f"total: {len(found)} daemons, {executors} executors, {models} loaded models, "
              f"{active} active requests")
-    if failed:
-        total += f"; {failed} unreachable"
+    if unreachable:
+        total += f"; {len(unreachable)} unreachable"
     parts.append(Rule())
     parts.append(total)
     return Group(*parts)

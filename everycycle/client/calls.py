@@ -125,9 +125,11 @@ def unload(model: str) -> Call[None]:
     return Call(Unload(new_request_id(), model), _nothing)
 
 
-def shutdown() -> Call[None]:
-    """Ask the daemon to stop gracefully. Raises RequestFailedError."""
-    return Call(Shutdown(new_request_id()), _nothing)
+def shutdown(drain_ms: int | None = None) -> Call[None]:
+    """Ask the daemon to stop gracefully; with ``drain_ms``, once its running and
+    queued requests end (at most that long), admitting none meanwhile. Raises
+    RequestFailedError."""
+    return Call(Shutdown(new_request_id(), drain_ms), _nothing)
 
 
 class _Runs(Protocol):

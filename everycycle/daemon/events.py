@@ -249,6 +249,16 @@ class KeyLimitHit(DaemonEvent):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DaemonDraining(DaemonEvent):
+    """The daemon stopped taking new work: it stops once its ``active`` requests end,
+    or when ``grace_s`` has passed (what is left then is cancelled)."""
+
+    TYPE: ClassVar[str] = "draining"
+    grace_s: float
+    active: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestEnded(DaemonEvent):
     """A Generate or Embed request ended (or was refused before admission): how."""
 
@@ -275,7 +285,8 @@ class CutOff(DaemonEvent):
 
 
 TYPES = {c.TYPE: c for c in (RequestStateChanged, ModelLoaded, ModelUnloaded, ModelEvicted,
-                             EngineDied, EngineRestarted, RoomWait, PullProgress, KeyLimitHit)}
+                             EngineDied, EngineRestarted, RoomWait, PullProgress, KeyLimitHit,
+                             DaemonDraining)}
 """What a subscriber may ask for by name (``cut_off`` always comes)."""
 
 

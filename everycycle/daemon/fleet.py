@@ -21,6 +21,7 @@ from .active import Active
 from .events import RequestState
 from .lifecycle import Requests
 from .lorascales import LoraScales
+from .readiness import Readiness
 from .residency import Residency, Resident
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,10 @@ class FleetView:
     """How long one hardware query answers for."""
 
     def __init__(self, residency: Residency, requests: Requests,
-                 lora_scales: LoraScales | None = None) -> None:
+                 lora_scales: LoraScales | None = None,
+                 readiness: Readiness | None = None) -> None:
         self.residency = residency
+        self.readiness = readiness
         self.requests = requests
         self.lora_scales = lora_scales or LoraScales()
         self.hostname = socket.gethostname()
@@ -108,6 +111,7 @@ class FleetView:
             cpu_kernels=self.cpu_kernels.note if self.cpu_kernels else None,
             last_eviction=(residency.last_eviction.describe()
                            if residency.last_eviction else None),
+            state=self.readiness.state() if self.readiness is not None else None,
         )
 
     def _requests(self) -> tuple[ActiveRequest, ...] | None:

@@ -8,6 +8,7 @@ Each daemon has its own CollectorRegistry (several daemons may share a process i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -21,9 +22,10 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .events import DaemonEvent, RequestEnded
+from .events import DaemonEvent, RequestEnded, RequestState
 
 if TYPE_CHECKING:
+    from .active import Active
     from .supervisor import Outcome, Supervisor
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -134,6 +136,68 @@ class _Fleet(Collector):
                     cache_bytes, cache_hits, cache_evictions)
 
 
+_WAITING = frozenset({RequestState.ADMITTING, RequestState.WAITING, RequestState.LOADING,
+                      RequestState.QUEUED, RequestState.PARKED})
+
+
+class _Vllm(Collector):
+    """vLLM's names for the load a router or endpoint picker reads (the Gateway API
+    Inference Extension's "model server protocol"): per model, requests waiting and
+    running, KV-cache use, and the LoRA adapters in use. Read at scrape time."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+
+    def collect(self) -> Iterator[Metric]:
+        sup = self._supervisor
+        label = ["model_name"]
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Requests waiting for a slot (admitting, queued, "
+            "parked, or waiting for their model to load), per model.", labels=label)
+        running = GaugeMetricFamily("vllm:num_requests_running",
+                                    "Requests in a slot, per model.", labels=label)
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV-cache usage, 1 being all of it: the cells the "
+            "running requests hold over the model's (context x slots).", labels=label)
+        lora = GaugeMetricFamily(
+            "vllm:lora_requests_info", "LoRA adapters of running and waiting requests "
+            "(the value: when this was read, as vLLM's).",
+            labels=["model_name", "max_lora", "running_lora_adapters",
+                    "waiting_lora_adapters"])
+        by_model: dict[str, list[Active]] = {}
+        for active in sup.requests.active.values():
+            by_model.setdefault(active.model or active.req.model, []).append(active)
+        now = time.time()
+        for name in sorted({*sup.residency.models, *by_model}):
+            actives = by_model.get(name, [])
+            runs = [a for a in actives if a.state is RequestState.RUNNING]
+            waiting.add_metric([name], sum(a.state in _WAITING for a in actives))
+            running.add_metric([name], len(runs))
+            model = sup.residency.models.get(name)
+            if model is None:
+                continue
+            cells = model.options.context * model.options.parallel
+            held = sum(min(a.n_prompt + a.n_out, model.options.context) for a in runs)
+            usage.add_metric([name], held / cells if cells else 0.0)
+            scales = sup.lora_scales.of(model.spec)
+            names = [a.name for a in model.spec.lora]
+            lora.add_metric([name, str(len(names)),
+                             _adapters(runs, names, scales),
+                             _adapters([a for a in actives if a.state in _WAITING], names,
+                                       scales)], now)
+        yield from (waiting, running, usage, lora)
+
+
+def _adapters(actives: list[Active], names: list[str], scales: list[float]) -> str:
+    """The adapters (comma-separated) that apply to any of ``actives``: a scale other
+    than 0, the request's own where it set one."""
+    used: set[int] = set()
+    for active in actives:
+        own = {s.id: s.scale for s in getattr(active.req, "lora", None) or ()}
+        used.update(i for i, scale in enumerate(scales) if own.get(i, scale) != 0)
+    return ",".join(names[i] for i in sorted(used))
+
+
 class Metrics:
     """The daemon's metrics; ``observe`` is a supervisor outcome observer."""
 
@@ -173,6 +237,7 @@ class Metrics:
             registry=self.registry)
         self._supervisor = supervisor
         self.registry.register(_Fleet(supervisor))
+        self.registry.register(_Vllm(supervisor))
         supervisor.bus.listen(self.on_event)
 
     def on_event(self, event: DaemonEvent) -> None:

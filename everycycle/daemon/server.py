@@ -17,6 +17,7 @@ import os
 import select
 import socket
 import typing
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,20 +28,24 @@ import anyio.abc
 
 from .. import paths
 from ..errors import AlreadyRunningError, ConfigError, unwrap_groups
-from ..mailbox import Mailbox
 from ..models import manage
 from ..models.keepalive import DEFAULT_KEEP_ALIVE
 from ..models.registry import load_registry
-from ..protocol import Error, ServerEvent
+from ..protocol import Error, Load, Shutdown
 from ..sockets import wake_reader
 from .audit import AuditLog
 from .connection import AuthFailed, ServerConnection
 from .events import AuthRefused
-from .keys import LOCAL, KeyStore, Principal, load_or_create_token
-from .supervisor import Limits, Outcome, Supervisor
+from .keys import LOCAL, KeyStore, load_or_create_token
+from .peers import SocketPeer, Told
+from .supervisor import Limits, Supervisor
 
 log = logging.getLogger(__name__)
 
+
+DRAIN_GRACE = 30.0
+"""SIGTERM's default grace: Kubernetes' default terminationGracePeriodSeconds (give the
+pod a few seconds more than the daemon's grace)."""
 
 HTTP_HEARTBEAT = 5.0
 """Seconds of silence after which an HTTP stream gets its dialect's heartbeat: well
@@ -76,6 +81,11 @@ class DaemonConfig:
     """Seconds of silence after which an HTTP stream gets a heartbeat (0: never)."""
     tls: tuple[Path, Path] | None = None
     """Serve HTTPS with this (certificate, key), both PEM files."""
+    load: tuple[str, ...] = ()
+    """Models to load at start; ``/health`` says 503 "Loading model" until one serves."""
+    drain_grace: float = DRAIN_GRACE
+    """Seconds SIGTERM lets running and queued requests finish before it cancels them
+    (0: SIGTERM stops at once, as SIGINT does)."""
 
 
 @contextlib.contextmanager
@@ -131,98 +141,6 @@ def read_pid(sock: Path) -> int | None:
         return None
 
 
-MAX_UNSENT_BYTES = 1 << 20
-"""Output queued for a connection beyond which the daemon stops reading its requests
-(backpressure: a client that does not read is not read)."""
-MAX_UNSENT_HARD_BYTES = 16 << 20
-"""Output queued beyond which the connection is closed and its requests cancelled (its
-streams produce faster than it reads)."""
-MAX_PENDING_REQUESTS = 64
-"""Requests of one connection being handled at once before the daemon stops reading."""
-
-
-class _Connection:
-    """One client connection: its outgoing lines and identity (a supervisor Peer)."""
-
-    def __init__(self, protocol: ServerConnection[Principal], *, allow_paths: bool,
-                 sock: socket.socket | None = None) -> None:
-        self.protocol = protocol
-        self.allow_paths = allow_paths
-        self.outgoing: Mailbox[bytes] = Mailbox()
-        """Encoded lines for the connection's writer; closed when the connection ends."""
-        self._sock = sock
-        """The connection's own (non-blocking) socket: a line is written straight to it
-        while nothing waits to be written before it (the per-token path: no wake-up of
-        the writer task); what does not fit goes to the writer."""
-        self.writing = False
-        """The writer holds lines taken from ``outgoing`` and not yet all sent."""
-        self.unsent = 0
-        """Bytes queued for the client and not yet written."""
-        self.pending = 0
-        """Requests being handled (admission, fleet, load...)."""
-        self._room: anyio.Event | None = None
-        self.overflowed = False
-
-    @property
-    def principal(self) -> Principal:
-        """The Unix socket's user is "local"; a TCP connection is whoever its Auth names."""
-        return self.protocol.principal or LOCAL
-
-    def emit(self, event: ServerEvent, outcome: Outcome | None = None) -> None:
-        """The socket protocol carries no usage report: the terminal event is all."""
-        if self.outgoing.closed:
-            return
-        line = self.protocol.send(event)
-        if self._sock is not None and not self.writing and not self.outgoing:
-            try:
-                n = self._sock.send(line)
-            except BlockingIOError:
-                n = 0
-            except OSError:  # the client is gone: the writer ends the connection
-                self.outgoing.close()
-                return
-            if n == len(line):
-                return
-            line = line[n:]
-        self.unsent += len(line)
-        if self.unsent > MAX_UNSENT_HARD_BYTES:
-            self.overflowed = True
-            self.outgoing.close()  # the writer ends, and with it the connection
-            return
-        self.outgoing.put(line)
-
-    def sent(self, n: int) -> None:
-        self.unsent -= n
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._room is not None and self.has_room():
-            self._room.set()
-            self._room = None
-
-    def has_room(self) -> bool:
-        return self.unsent <= MAX_UNSENT_BYTES and self.pending < MAX_PENDING_REQUESTS
-
-    async def wait_for_room(self) -> None:
-        """Return once the client has read enough, and few enough requests are pending."""
-        while not self.has_room() and not self.outgoing.closed:
-            self._room = room = anyio.Event()
-            await room.wait()
-
-    async def handle(self, supervisor: Supervisor, request: Any) -> None:
-        self.pending += 1
-        try:
-            await supervisor.handle(self, request)
-        finally:
-            self.pending -= 1
-            self._wake()
-
-    def close(self) -> None:
-        self.outgoing.close()
-        if self._room is not None:
-            self._room.set()
-
-
 def _hung_up(stream: anyio.abc.ByteStream) -> bool:
     """Whether the peer closed its socket altogether (not just its sending side, as
     ``socat`` and ``nc -N`` do once they have sent everything)."""
@@ -250,7 +168,7 @@ class Daemon:
             resolve=lambda name: manage.resolve(name, config.models_file),
         )
         self._stop = anyio.Event()
-        self._connections: set[_Connection] = set()
+        self._connections: set[SocketPeer] = set()
         self.keys = KeyStore()
         self.tcp_port: int | None = None
         self._idle: anyio.Event | None = None
@@ -284,6 +202,21 @@ class Daemon:
                                  cors_origins=config.cors_origins,
                                  heartbeat_s=config.http_heartbeat)
         self.keys.keys()  # a loose or broken key file stops start-up, naming it
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Take no new work, let what runs and waits finish (for up to ``grace_s``,
+        the config's by default; then cancel the rest), and stop: SIGTERM's way."""
+        grace = self.config.drain_grace if grace_s is None else grace_s
+        await self.supervisor.handle(Told("drain"), Shutdown(uuid.uuid4().hex,
+                                                              drain_ms=int(grace * 1000)))
+
+    async def _preload(self, name: str) -> None:
+        """``--load NAME``: load it as a Load request would (its failure is logged;
+        requests may still load it later)."""
+        try:
+            await self.supervisor.handle(Told(f"--load {name}"), Load(uuid.uuid4().hex, name))
+        finally:
+            self.supervisor.readiness.preloading -= 1
 
     def stop(self) -> None:
         """Begin a graceful shutdown (from the event loop)."""
@@ -345,6 +278,9 @@ class Daemon:
             http_sock = self._bind_http() if self._http is not None else None
             async with anyio.create_task_group() as tg:
                 await tg.start(self.supervisor.run)
+                self.supervisor.readiness.preloading = len(self.config.load)
+                for name in self.config.load:
+                    tg.start_soon(self._preload, name)
                 if http_sock is not None:
                     self._http.bind(tg)
                     tg.start_soon(self._serve_http, http_sock)
@@ -386,7 +322,7 @@ class Daemon:
 
     async def _serve_connection(self, stream: anyio.abc.ByteStream, is_tcp: bool) -> None:
         raw = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
-        conn = _Connection(ServerConnection(
+        conn = SocketPeer(ServerConnection(
             None if is_tcp else self.keys.principal(LOCAL.name), self.keys.authenticate),
             allow_paths=not is_tcp,
             # (a Unix socket's stream writes to it itself; a TCP one, through asyncio's
@@ -430,7 +366,7 @@ class Daemon:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
 
-    async def _read_loop(self, stream: anyio.abc.ByteStream, conn: _Connection,
+    async def _read_loop(self, stream: anyio.abc.ByteStream, conn: SocketPeer,
                          tg: anyio.abc.TaskGroup) -> None:
         protocol = conn.protocol
         while protocol.closed is None:
@@ -456,7 +392,7 @@ class Daemon:
 
     HALF_CLOSE_POLL_S = 0.02
 
-    async def _after_eof(self, stream: anyio.abc.ByteStream, conn: _Connection) -> None:
+    async def _after_eof(self, stream: anyio.abc.ByteStream, conn: SocketPeer) -> None:
         """Wait for the requests a half-closed client sent to end (their events still
         go out); return at once when it closed altogether, or when its output stops."""
         while (conn.pending or self.supervisor.inflight(conn)) and not conn.outgoing.closed:
@@ -477,6 +413,10 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = True) -> None:
     async def watch_signals() -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
+                if (signum == signal.SIGTERM and config.drain_grace > 0
+                        and not daemon.supervisor.readiness.draining):
+                    tg.start_soon(daemon.drain)  # (a second SIGTERM stops at once)
+                    continue
                 log.info("signal %d: shutting down", signum)
                 daemon.stop()
                 return

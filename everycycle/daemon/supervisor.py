@@ -36,7 +36,7 @@ from ..errors import (
     RequestCancelledError,
 )
 from ..hardware import cpukernels, rpc
-from ..models import manage, stores
+from ..models import stores
 from ..models.keepalive import DEFAULT_KEEP_ALIVE
 from ..models.registry import ModelSpec, Registry
 from ..protocol import (
@@ -62,11 +62,13 @@ from .events import Bus, CancelCause, Cancelled, RequestEnded, RequestInput
 from .fleet import FleetView
 from .handoff import Handoff
 from .jobbuild import build_job
-from .keys import Principal, check_may_use, may_act_for
+from .keys import ADMINS, Principal, check_may_use, may_act_for
 from .lifecycle import Requests
 from .lorascales import LoraScales
 from .outcome import Limits, Outcome, Peer, prompt_bytes
+from .pulls import Pulls
 from .quota import Quotas
+from .readiness import Readiness
 from .residency import EngineFactory, Residency, Resident, context, drafts, room
 from .residency.remote import RemoteHosts
 from .subscribe import Subscribers
@@ -102,9 +104,6 @@ class Supervisor:
         self._reload = reload
         """Reads the registry files again: a name the registry does not know may have
         been added since (``models add``, ``run -m hf://…``)."""
-        self._resolve = resolve
-        """A hub URL's registry name, pulled the first time (not with ``--models``)."""
-        self._pulls: dict[str, anyio.Lock] = {}  # one pull a URL at a time
         self.limits = limits or Limits()
         self.auto_load = auto_load
         self.audit = audit
@@ -126,12 +125,17 @@ class Supervisor:
             room_waits=room.RoomWaits(self.limits.swap_after, self.limits.min_residency))
         self.bus = Bus()
         """What happens, told as it happens (GET /v1/events, Subscribe)."""
+        self.pulls = Pulls(resolve, self.bus.publish)
+        """Hub URLs' registry names, pulled the first time (not with ``--models``)."""
         self.residency.publish = self.bus.publish
         self.residency.changed = self.bus.changed
         if audit is not None:
             self.bus.listen(audit.on_event)
         self.subscribers = Subscribers(self.bus)
-        self.fleet = FleetView(self.residency, self.requests, self.lora_scales)
+        self.readiness = Readiness(self.residency, self.requests, self.bus.publish)
+        """Ready, loading or draining: what /health and ``fleet`` say."""
+        self.fleet = FleetView(self.residency, self.requests, self.lora_scales,
+                               self.readiness)
         self._admission: dict[str, anyio.Lock] = {}
         self._deaths: deque[Engine] = deque()
         self._deaths_due: anyio.Event | None = None
@@ -172,7 +176,7 @@ class Supervisor:
         a model in another tool's store, or a hub URL the daemon pulls."""
         self._know(name)
         return self.registry.has(name) or stores.has(name) or (
-            self._resolve is not None and manage.is_hub_url(name))
+            self.pulls.may_pull(name))
 
     def _know(self, name: str) -> None:
         """Read the registry files again if they may name ``name`` now (a broken file
@@ -272,6 +276,11 @@ class Supervisor:
                                             f"model '{request.model}' unloaded")
                 peer.emit(Done(rid))
             elif isinstance(request, Shutdown):
+                if peer.principal.name not in ADMINS:
+                    raise InvalidRequestError("only the daemon's own user or its token may "
+                                              "stop it")
+                if request.drain_ms is not None:
+                    await self.readiness.drain(request.drain_ms / 1000)
                 await self.close()
                 peer.emit(Done(rid))
                 if self._on_shutdown is not None:
@@ -311,26 +320,6 @@ class Supervisor:
         peer.emit(Error(rid, exc.kind, exc.message), outcome)
         self._report(outcome, request)
 
-    async def _pulled(self, name: str, allow_load: bool) -> str:
-        """``name``, or a hub URL's registry name once pulled (where loads are allowed)."""
-        if self._resolve is None or not allow_load or not manage.is_hub_url(name):
-            return name
-        async with self._pulls.setdefault(name, anyio.Lock()):
-            return await self._pull(name, self._resolve)
-
-    async def _pull(self, url: str, resolve: Callable[[str], str]) -> str:
-        """Hub model ``url``'s registry name; pulled, and told on the bus, if new."""
-        if (known := manage.recorded(url, self.registry)) is not None:
-            return known
-        self.bus.publish(events.PullProgress(model=url, status="pulling"))
-        try:
-            name = await anyio.to_thread.run_sync(resolve, url)
-        except EverycycleError as exc:
-            self.bus.publish(events.PullProgress(model=url, status="failed", message=exc.message))
-            raise
-        self.bus.publish(events.PullProgress(model=url, status="done"))
-        return name
-
     def disconnect(self, peer: Peer) -> None:
         """The peer went away: cancel all of its requests, end its subscriptions."""
         self.subscribers.disconnect(peer)
@@ -349,6 +338,9 @@ class Supervisor:
             return
         if self.closing:
             raise RejectedError("daemon shutting down")
+        if self.readiness.draining:
+            raise RejectedError(self.readiness.refusal(),
+                                retry_after=self.readiness.retry_after())
         if self.inflight(peer) >= self.limits.max_inflight:
             raise RejectedError(
                 f"too many requests in flight on this connection ({self.limits.max_inflight})")
@@ -365,7 +357,7 @@ class Supervisor:
         active = Active(req=req, peer=peer, admitted=time.monotonic(), bus=self.bus)
         self.requests.track(active)
         allow_load = self.auto_load and req.auto_load is not False
-        name = await self._pulled(req.model, allow_load)
+        name = await self.pulls.pulled(req.model, allow_load, lambda: self.registry)
         self._know(name)
         spec = self.residency.spec_for(name, allow_paths=peer.allow_paths)
         active.model = spec.name
@@ -413,7 +405,7 @@ class Supervisor:
         if self.closing:
             raise RejectedError("daemon shutting down")
         check_may_use(principal, name, self.registry)
-        name = await self._pulled(name, self.auto_load)
+        name = await self.pulls.pulled(name, self.auto_load, lambda: self.registry)
         self._know(name)
         spec = self.residency.spec_for(name, allow_paths=False)
         lane = self.requests.lane(spec.name)

@@ -219,6 +219,9 @@ class FleetSnapshot:
     """Why the CPU's extra kernels (AMX, repacked weights) are off, when they are."""
     last_eviction: str | None = field(default=None, metadata=_EXT)
     """The last model unloaded to make room for another, in a line."""
+    state: str | None = field(default=None, metadata=_EXT)
+    """Whether it takes new work: ``ready``, ``loading`` (its only model, as llama-server
+    says while it loads) or ``draining`` (finishing its work before it stops)."""
 
 
 @dataclass(frozen=True, slots=True)

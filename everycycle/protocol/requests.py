@@ -33,6 +33,7 @@ from .validation import (
 
 _EXT = {"skip_none": True}
 MAX_INFILL_CHUNKS = 256
+MAX_DRAIN_MS = 86_400_000
 MAX_PROMPT_TOKENS = 1 << 20
 
 
@@ -410,11 +411,17 @@ class Unload:
     model: str
 
 
-@message()
+@message(ranges={"drain_ms": (0, MAX_DRAIN_MS)})
 class Shutdown:
-    """Stop the daemon gracefully."""
+    """Stop the daemon gracefully.
+
+    With ``drain_ms`` (an extension) it drains first: no new Generate or Embed is
+    admitted (``Error{Rejected}``; HTTP 503 with Retry-After), running and queued work
+    may finish for up to that many milliseconds, then what is left is cancelled and the
+    daemon stops. ``Done`` comes once it has drained."""
 
     request_id: str
+    drain_ms: int | None = field(default=None, metadata=_EXT)
 
 
 @message()

@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from ..keys import KeyStore
 from ..metrics import CONTENT_TYPE, Metrics
+from ..readiness import DRAINING, LOADING, READY
 from ..supervisor import Supervisor
 from . import (
     adapters,
@@ -37,7 +38,7 @@ from . import (
     resume,
 )
 from .common import HttpError, Reader
-from .exchange import Dialect
+from .exchange import Dialect, Receive, Scope, Send
 from .guard import Guard
 from .streams import Sessions
 
@@ -71,6 +72,16 @@ DIALECTS = (
 
 log = logging.getLogger(__name__)
 
+OPEN_WHILE_DRAINING = frozenset({
+    "/api/show", "/apply-template", "/tokenize", "/detokenize", "/v1/streams/lookup",
+    "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
+    "/v1/messages/count_tokens"})
+"""POST routes that start no work: answered while the daemon drains."""
+
+
+def _open_while_draining(path: str) -> bool:
+    return path in OPEN_WHILE_DRAINING or path.endswith(("/cancel", "/unload"))
+
 
 class HttpApi:
     """The Starlette app over a Supervisor; ``spawn`` starts request tasks in the daemon's
@@ -94,16 +105,30 @@ class HttpApi:
             *(route for d in DIALECTS for route in d.dialect(self, self.reader).routes()),
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/health", self.health, methods=["GET"]),
+            Route("/readyz", self.health, methods=["GET"]),
+            Route("/livez", self.alive, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])
         self.app.add_exception_handler(HttpError, self._http_error)  # type: ignore[arg-type]
         self.app.add_exception_handler(404, self._not_found)
         self.app.add_exception_handler(405, self._not_allowed)
         self.app.add_exception_handler(Exception, self._internal)
-        self.asgi = Guard(self.app, loopback=loopback, allowed_hosts=allowed_hosts,
+        self.asgi = Guard(self._admit, loopback=loopback, allowed_hosts=allowed_hosts,
                           cors_origins=cors_origins, error_body=self._error_body,
                           lenient=("/api/", *llamacpp.PATHS))
         """What the server serves: the app behind the browser guard (guard.py)."""
+
+    async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app, or while the daemon drains, a 503 with Retry-After for a request
+        that would start new work (a router sends it to another daemon)."""
+        readiness = self.supervisor.readiness
+        if (readiness.draining and scope["type"] == "http" and scope["method"] == "POST"
+                and not _open_while_draining(scope["path"])):
+            response = self._error(HttpRequest(scope), 503, readiness.refusal(),
+                                   "unavailable", {"retry-after": str(readiness.retry_after())})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
     def _error_body(self, path: str, status: int, message: str) -> bytes:
         """An error body for ``path``'s dialect (the browser guard's refusals)."""
@@ -146,7 +171,21 @@ class HttpApi:
                            "method_not_allowed")
 
     async def health(self, request: HttpRequest) -> Response:
-        return JSONResponse({"status": "ok"})
+        """Readiness, as llama-server answers it (routers probe it): 200 while the daemon
+        takes work, 503 while it loads its only model or drains."""
+        readiness = self.supervisor.readiness
+        state = readiness.state()
+        if state == READY:
+            return JSONResponse({"status": "ok"})
+        message = "Loading model" if state == LOADING else "Draining"
+        headers = {"retry-after": str(readiness.retry_after())} if state == DRAINING else None
+        return JSONResponse({"status": state, "error": {
+            "code": 503, "message": message, "type": "unavailable_error"}},
+            status_code=503, headers=headers)
+
+    async def alive(self, request: HttpRequest) -> Response:
+        """Liveness: the process answers (loading and draining included)."""
+        return JSONResponse({"status": "alive"})
 
     async def prometheus(self, request: HttpRequest) -> Response:
         self.reader.auth(request)
