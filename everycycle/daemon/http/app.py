@@ -75,7 +75,8 @@ log = logging.getLogger(__name__)
 OPEN_WHILE_DRAINING = frozenset({
     "/api/show", "/apply-template", "/tokenize", "/detokenize", "/v1/streams/lookup",
     "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
-    "/v1/messages/count_tokens"})
+    "/v1/messages/count_tokens", "/v1/chat/completions/render", "/chat/completions/render",
+    "/v1/completions/render"})
 """POST routes that start no work: answered while the daemon drains."""
 
 
@@ -107,6 +108,7 @@ class HttpApi:
             Route("/v1/health", self.health, methods=["GET"]),
             Route("/readyz", self.health, methods=["GET"]),
             Route("/livez", self.alive, methods=["GET"]),
+            Route("/get_load", self.load, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])
         self.app.add_exception_handler(HttpError, self._http_error)  # type: ignore[arg-type]
@@ -182,6 +184,11 @@ class HttpApi:
         return JSONResponse({"status": state, "error": {
             "code": 503, "message": message, "type": "unavailable_error"}},
             status_code=503, headers=headers)
+
+    async def load(self, request: HttpRequest) -> Response:
+        """vllm-router's load probe (its ``power_of_two`` policy): requests running or
+        waiting here. Open, as ``/health`` is: routers send no key."""
+        return JSONResponse({"load": len(self.supervisor.requests.active)})
 
     async def alive(self, request: HttpRequest) -> Response:
         """Liveness: the process answers (loading and draining included)."""

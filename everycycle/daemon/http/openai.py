@@ -50,6 +50,9 @@ class OpenAI(Dialect):
             Route("/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/chat/completions/input_tokens", self.input_tokens, methods=["POST"]),
             Route("/chat/completions/input_tokens", self.input_tokens, methods=["POST"]),
+            Route("/v1/chat/completions/render", self.render_chat, methods=["POST"]),
+            Route("/chat/completions/render", self.render_chat, methods=["POST"]),
+            Route("/v1/completions/render", self.render_completion, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/embeddings", self.embeddings, methods=["POST"]),
@@ -121,15 +124,46 @@ class OpenAI(Dialect):
         """The tokens a chat completion's prompt would read (llama-server's
         ``/chat/completions/input_tokens``): its messages and tools through the model's
         chat template, nothing generated."""
+        return JSONResponse({"input_tokens": len(await self._chat_tokens(request))})
+
+    async def render_chat(self, request: HttpRequest) -> Response:
+        """vLLM's ``/v1/chat/completions/render``: the token ids a chat completion's
+        prompt would be, which vllm-router's cache-aware and KV-aware policies key on
+        (asked of every daemon behind it, each request)."""
+        return JSONResponse({"token_ids": await self._chat_tokens(request)})
+
+    async def _chat_tokens(self, request: HttpRequest) -> list[int]:
         data = await self.reader.json(request)
         model = self.reader.model(request, data.get("model"), "GET /v1/models")
         messages = parse.messages(data.get("messages"))
         tools = parse.tools(data).get("tools")
         listed = json.loads(tools) if tools is not None else None
         think = parse.thinking(data).get("think")
-        _, count = await on_engine(self.api, request, model, lambda engine: len(
+        _, ids = await on_engine(self.api, request, model, lambda engine: list(
             engine.chat_prompt(messages, listed, think)[0]))
-        return JSONResponse({"input_tokens": count})
+        return ids
+
+    async def render_completion(self, request: HttpRequest) -> Response:
+        """vLLM's ``/v1/completions/render``: a text completion's prompt as the token
+        ids it would read (a list of prompts: a list of answers)."""
+        data = await self.reader.json(request)
+        prompt = data.get("prompt")
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return JSONResponse({"token_ids": prompt})
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(texts, list) or not texts or not all(
+                isinstance(t, str) for t in texts):
+            raise HttpError(400, "`prompt` must be a string, a list of strings or a list "
+                            "of token ids", "invalid_prompt")
+        if data.get("suffix"):
+            raise HttpError(501, "a fill-in-the-middle prompt is not rendered",
+                            "not_implemented")
+        model = self.reader.model(request, data.get("model"), "GET /v1/models")
+        _, groups = await on_engine(self.api, request, model, partial(
+            mixed_tokens, prompts=[(t,) for t in texts]))
+        answers = [{"token_ids": list(ids)} for ids in groups]
+        return JSONResponse(answers[0] if isinstance(prompt, str) else answers)
 
     async def completions(self, request: HttpRequest) -> Any:
         data = await self.reader.json(request)

@@ -1,0 +1,224 @@
+"""Three daemons behind a real router from PyPI (vllm-router, pinned; .ci/vllm-router),
+on one machine, each with its own state directory: every dialect answers through it;
+the cache-aware policy keeps a conversation on the daemon that holds its prefix (our
+``/v1/chat/completions/render`` is what it keys on); a drained daemon loses no
+request; a SIGKILLed one's streams end at once, its new requests are answered by the
+others, and it is sent work again once it is back."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from httphelp import anthropic_client, ollama_client, openai_client
+from modelshelp import Entry, models_toml
+from routerhelp import EC, Router, routed, router_binary, wait_for
+
+NO_EOS = {"2": -100}
+
+
+@pytest.fixture(scope="module")
+def binary() -> str:
+    found = router_binary()
+    if found is None:
+        if os.environ.get("EVERYCYCLE_REQUIRE_ROUTER"):
+            pytest.fail("vllm-router is required here: eval \"$(.ci/vllm-router)\"")
+        pytest.skip("vllm-router is not installed (eval \"$(.ci/vllm-router)\")")
+    return found
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Path:
+    return models_toml(tmp_path_factory.mktemp("router") / "models.toml",
+                       Entry("tiny", tiny_gguf, context=4096, parallel=2), default="tiny")
+
+
+@pytest.fixture(scope="module")
+def router(binary: str, models: Path) -> Iterator[Router]:
+    with routed(binary, models, "tiny", "cache_aware") as r:
+        yield r
+
+
+def test_every_dialect_answers_through_the_router(router: Router) -> None:
+    url = router.url
+    with openai_client(url) as client:
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage
+        streamed = list(client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            stream=True))
+        assert streamed[-1].choices[0].finish_reason in ("length", "stop")
+        text = client.completions.create(model="tiny", prompt="once", max_tokens=4)
+        assert text.choices[0].finish_reason in ("length", "stop")
+        answer = client.responses.create(model="tiny", input="hi", max_output_tokens=4)
+        assert answer.status in ("completed", "incomplete")
+    with anthropic_client(url) as claude:
+        message = claude.messages.create(model="tiny", max_tokens=4,
+                                         messages=[{"role": "user", "content": "hi"}])
+        assert message.stop_reason in ("max_tokens", "end_turn")
+    with ollama_client(url) as ollama_api:
+        reply = ollama_api.chat(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                options={"num_predict": 4})
+    assert reply.done
+    native = httpx.post(f"{url}/completion", json={"prompt": "once", "n_predict": 4},
+                        timeout=60)
+    assert native.status_code == 200 and native.json()["stop"] is True, native.text
+
+
+def _conversation(url: str, n: int, turns: list[dict[str, int]]) -> None:
+    """Five turns of one conversation, each the last one's messages and answer plus a
+    new question; each turn's prompt and cached tokens."""
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": f"You are assistant number {n} of four. " * 8}]
+    with openai_client(url, timeout=120) as client:
+        for turn in range(5):
+            messages.append({"role": "user", "content": f"Question {turn} of "
+                             f"conversation {n}: " + "tell me more. " * 6})
+            answer = client.chat.completions.create(model="tiny", messages=messages,  # type: ignore[arg-type]
+                                                    max_tokens=12, temperature=0.0)
+            usage = answer.usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            turns.append({"prompt": usage.prompt_tokens,
+                          "cached": usage.prompt_tokens_details.cached_tokens or 0})
+            messages.append({"role": "assistant",
+                             "content": answer.choices[0].message.content or ""})
+
+
+def test_cache_aware_routing_keeps_each_conversation_on_its_cache(router: Router) -> None:
+    """Four conversations at once, five turns each: every later turn finds at least
+    the whole previous prompt cached on the daemon it was sent to."""
+    turns: list[list[dict[str, int]]] = [[] for _ in range(4)]
+    threads = [threading.Thread(target=_conversation, args=(router.url, n, turns[n]))
+               for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    reused = [later["cached"] >= earlier["prompt"] for conv in turns
+              for earlier, later in itertools.pairwise(conv)]
+    assert len(reused) == 16 and all(reused), turns
+    # (the router asked each daemon for the tokens; the render it keys on is ours)
+    probe = httpx.post(f"{router.members[0].url}/v1/chat/completions/render", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    counted = httpx.post(f"{router.members[0].url}/v1/chat/completions/input_tokens", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert len(probe.json()["token_ids"]) == counted.json()["input_tokens"] > 0
+
+
+def _long_stream(url: str, n: int, out: dict[str, Any], tokens: int = 1500) -> None:
+    """A long streamed answer through ``url``; how it ended and when."""
+    try:
+        with openai_client(url, timeout=120) as client:
+            got = 0
+            for chunk in client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": f"stream {n}"}],
+                    max_tokens=tokens, temperature=1.0, logit_bias=NO_EOS, stream=True):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    got += 1
+                    out["started"] = True
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    out["finish"] = chunk.choices[0].finish_reason
+            out["chunks"] = got
+    except (openai.APIError, httpx.HTTPError) as exc:  # (a dead daemon's stream, cut)
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["ended"] = time.monotonic()
+
+
+def _short(url: str, n: int) -> str:
+    with openai_client(url, timeout=120) as client:
+        answer = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"new request {n}"}],
+            max_tokens=4)
+    return answer.choices[0].finish_reason or ""
+
+
+def _running(router: Router) -> list[int]:
+    counts = []
+    for m in router.members:
+        text = httpx.get(f"{m.url}/metrics", timeout=10).text
+        counts.append(int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                              if line.startswith("vllm:num_requests_running"))))
+    return counts
+
+
+def _spread_streams(router: Router, tokens: int) -> tuple[list[dict[str, Any]],
+                                                          list[threading.Thread]]:
+    results: list[dict[str, Any]] = [{} for _ in range(3)]
+    threads = [threading.Thread(target=_long_stream, args=(router.url, n, results[n], tokens))
+               for n in range(3)]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)  # (least loaded first: one on each daemon)
+    wait_for(lambda: all(r.get("started") for r in results), "the streams to start")
+    return results, threads
+
+
+def test_a_drained_daemon_loses_no_request(binary: str, models: Path) -> None:
+    with routed(binary, models, "tiny", "cache_aware") as router:
+        results, threads = _spread_streams(router, 3000)
+        busy = next(i for i, n in enumerate(_running(router)) if n)
+        member = router.members[busy]
+        drain = subprocess.Popen([*EC, "drain", "--socket", str(member.sock), "--grace",
+                                  "120"], env=member.env(), stderr=subprocess.PIPE)
+        wait_for(lambda: httpx.get(f"{member.url}/health", timeout=5).status_code == 503,
+                 "the daemon to drain")
+        # New work while it drains: the router takes it elsewhere; nothing is lost.
+        answered = [_short(router.url, n) for n in range(8)]
+        assert all(reason in ("length", "stop") for reason in answered), answered
+        for t in threads:
+            t.join(120)
+        assert all(r.get("finish") == "length" and "error" not in r for r in results), results
+        _, err = drain.communicate(timeout=120)
+        assert drain.returncode == 0 and b"drained and stopped" in err, err
+        assert member.proc is not None and member.proc.wait(30) == 0
+
+
+def test_a_killed_daemon_costs_only_its_own_streams(binary: str, models: Path) -> None:
+    with routed(binary, models, "tiny", "cache_aware") as router:
+        results, threads = _spread_streams(router, 6000)
+        running = _running(router)
+        victim_index = next(i for i, n in enumerate(running) if n)
+        victim = router.members[victim_index]
+        assert victim.proc is not None
+        killed = time.monotonic()
+        victim.proc.kill()
+        victim.proc.wait()
+        # Requests that had not started anywhere are answered by the others.
+        answered = [_short(router.url, n) for n in range(6)]
+        assert all(reason in ("length", "stop") for reason in answered), answered
+        for t in threads:
+            t.join(120)
+        cut = [r for r in results if "error" in r or r.get("finish") != "length"]
+        # The streams that were on it, and only those, end (cut by the router) at once.
+        assert len(cut) == running[victim_index], (running, results)
+        assert all(r["ended"] - killed < 10 for r in cut), cut
+        # Back on its port, it is sent work again.
+        victim.start()
+        before = victim.requests_served()
+
+        def sent_again() -> bool:
+            _, runs = _spread_streams(router, 1500)
+            for t in runs:
+                t.join(60)
+            return victim.requests_served() > before
+
+        wait_for(sent_again, "the router to send to the daemon again", timeout=60)
+
+
+def test_health_and_load_probes_answer_without_a_key(router: Router) -> None:
+    member = router.members[0]
+    assert httpx.get(f"{member.url}/health", timeout=5).json() == {"status": "ok"}
+    assert httpx.get(f"{member.url}/get_load", timeout=5).json() == {"load": 0}
+    listed = json.loads(httpx.get(f"{router.url}/v1/models", timeout=10).text)
+    assert any(m["id"] == "tiny" for m in listed["data"])
