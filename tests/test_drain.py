@@ -222,3 +222,21 @@ async def test_health_says_503_while_the_only_model_loads(models_file: Path) -> 
 def test_a_shutdown_line_without_drain_is_the_seeds() -> None:
     assert encode(Shutdown("s1")) == b'{"Shutdown":{"request_id":"s1"}}\n'
     assert encode(Shutdown("s1", 500)) == b'{"Shutdown":{"request_id":"s1","drain_ms":500}}\n'
+
+
+def test_http_connections_send_without_nagle() -> None:
+    """Every connection the HTTP listener accepts has Nagle off (TCP_NODELAY, inherited
+    from the listening socket): with it on, a keep-alive request's body waited for the
+    client's delayed ACK of its head, 40 ms a request."""
+    from everycycle.daemon.httpserver import bind
+
+    listener = bind("127.0.0.1", 0)
+    try:
+        with socket.create_connection(listener.getsockname()) as client:
+            listener.setblocking(True)
+            accepted, _ = listener.accept()
+            with accepted:
+                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            del client
+    finally:
+        listener.close()
