@@ -52,8 +52,11 @@ TOOL_RESULT = ("Output of run(pytest -q):\n" + "F..........E...\nFAILED tests/te
                "test_case - AssertionError: expected 3, got 4\n" * 4)
 
 
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+def client(url: str, session: str | None = None) -> openai.OpenAI:
+    """The openai client; with ``session``, the X-Session-ID header `launch` gives agents
+    (what vllm-router's consistent_hash and sticky_least_loaded policies key on)."""
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600,
+                         default_headers={"X-Session-ID": session} if session else None)
 
 
 def turn(c: openai.OpenAI, model: str, messages: list[dict[str, str]]
@@ -76,9 +79,10 @@ def turn(c: openai.OpenAI, model: str, messages: list[dict[str, str]]
     return usage, first or time.perf_counter() - start, "".join(text)
 
 
-def conversation(url: str, model: str, task: str, out: list[dict[str, Any]]) -> None:
+def conversation(url: str, model: str, task: str, out: list[dict[str, Any]],
+                 session: str | None = None) -> None:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
-    c = client(url)
+    c = client(url, session)
     for i in range(5):
         usage, ttft, answer = turn(c, model, messages)
         out.append({**usage, "ttft": ttft})
@@ -86,12 +90,13 @@ def conversation(url: str, model: str, task: str, out: list[dict[str, Any]]) -> 
                      {"role": "user", "content": f"(turn {i + 2}) {TOOL_RESULT}"}]
 
 
-def reuse(binary: str, models: Path, model: str, policy: str) -> dict[str, Any]:
+def reuse(binary: str, models: Path, model: str, policy: str, sessions: bool
+          ) -> dict[str, Any]:
     with routed(binary, models, model, policy) as router:
         before = [m.requests_served() for m in router.members]
         turns: list[list[dict[str, Any]]] = [[] for _ in TASKS]
-        threads = [threading.Thread(target=conversation, args=(router.url, model,
-                                                               f"[{n}] {task}", turns[n]))
+        threads = [threading.Thread(target=conversation, args=(
+            router.url, model, f"[{n}] {task}", turns[n], f"session-{n}" if sessions else None))
                    for n, task in enumerate(TASKS)]
         for t in threads:
             t.start()
@@ -130,7 +135,8 @@ def stream(url: str, model: str, n: int, out: dict[str, Any], tokens: int) -> No
         c = client(url)
         for chunk in c.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": f"Count to {n}000."}],
-                max_tokens=tokens, temperature=1.0, stream=True):
+                max_tokens=tokens, temperature=1.0, stream=True,
+                extra_body={"ignore_eos": True}):
             if chunk.choices and chunk.choices[0].delta.content:
                 out["started"] = True
             if chunk.choices and chunk.choices[0].finish_reason:
@@ -229,9 +235,10 @@ def main() -> None:
         models = Path(d) / "models.toml"
         models.write_text(f'default = "{args.model}"\n[models."{args.model}"]\n'
                           f'path = "{gguf}"\ncontext = 4096\nparallel = 2\n')
-        for policy in ("cache_aware", "round_robin"):
-            got = reuse(args.router, models, args.model, policy)
-            print(f"{policy}: turns 2-5 reusing their prefix {got['reused']}/{got['turns']} "
+        for policy, sessions in (("cache_aware", False), ("round_robin", False),
+                                 ("sticky_least_loaded", True)):
+            got = reuse(args.router, models, args.model, policy, sessions)
+            print(f"{policy}{' + X-Session-ID' if sessions else ''}: turns 2-5 reusing their prefix {got['reused']}/{got['turns']} "
                   f"({100 * got['reused'] / got['turns']:.0f}%), prompt tokens reused "
                   f"{100 * got['tokens']:.1f}%, requests per daemon {got['spread']}")
         ttft_side_by_side(args.router, models, args.model, args.rounds)

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,30 @@ def test_drain_finishes_running_and_queued_work_refuses_new_and_stops(
     assert drain.returncode == 0, err
     assert b"draining" in err and b"drained and stopped" in err and out == b""
     assert proc.wait(30) == 0
+
+
+def test_a_drain_notice_admits_work_while_health_says_503_then_refuses(
+    spawn_daemon: SpawnDaemon,
+) -> None:
+    """``--drain-notice``: for that long a draining daemon still admits new requests
+    while /health answers 503 (a router's checks take it out of rotation meanwhile),
+    then refuses them, and stops once they are done."""
+    proc = spawn_daemon("--http", "127.0.0.1:0", "--drain-notice", "10")
+    url = fleet_http()
+    body = json.dumps({"model": "tiny", "max_tokens": 4,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    headers = {"content-type": "application/json"}
+    assert raw(url, "POST", "/v1/chat/completions", body, headers)[0] == 200
+    started = time.monotonic()
+    drain = subprocess.Popen([*EC, "drain", "--grace", "60"], stderr=subprocess.DEVNULL)
+    wait_until(lambda: _health(url)[0] == 503, "/health to say 503")
+    status, _, answer = raw(url, "POST", "/v1/chat/completions", body, headers)
+    assert time.monotonic() - started < 10  # (still within the notice)
+    assert status == 200, answer
+    wait_until(lambda: raw(url, "POST", "/v1/chat/completions", body, headers)[0] == 503,
+               "the notice to end")
+    assert time.monotonic() - started >= 10
+    assert drain.wait(60) == 0 and proc.wait(30) == 0
 
 
 def test_sigterm_drains_then_stops(models_file: Path) -> None:

@@ -86,6 +86,10 @@ def daemon(
         "--drain-grace", min=0, help="Seconds SIGTERM lets running and queued requests "
         "finish, admitting none (503 + Retry-After), before it cancels the rest and "
         "stops (0: SIGTERM stops at once, as SIGINT does).")] = 30.0,
+    drain_notice: Annotated[float, typer.Option(
+        "--drain-notice", min=0, help="Seconds a drain (SIGTERM, `everycycle drain`) still "
+        "admits new requests while /health answers 503, so that a router's health checks "
+        "take this daemon out of rotation before it refuses anything.")] = 0.0,
     show_token: Annotated[bool, typer.Option("--show-token", help="Print the TCP token.")]
     = False,
 ) -> None:
@@ -151,7 +155,8 @@ def daemon(
                           allowed_hosts=tuple(allow_host or ()),
                           http_heartbeat=http_heartbeat,
                           tls=(tls_cert, tls_key) if tls_cert and tls_key else None,
-                          load=tuple(load or ()), drain_grace=drain_grace)
+                          load=tuple(load or ()), drain_grace=drain_grace,
+                          drain_notice=drain_notice)
     import anyio
 
     try:

@@ -1,8 +1,9 @@
 """Whether the daemon takes new work, as routers, load balancers and ``fleet`` ask:
 ``ready``; ``loading`` while no model serves and one loads (llama-server's 503 "Loading
 model"); ``draining`` once a Shutdown with ``drain_ms`` (``everycycle drain``, SIGTERM)
-came: nothing new is admitted, running and queued requests finish within the grace,
-then the daemon stops."""
+came: after the notice (``--drain-notice``: seconds it still admits work while its
+503s tell routers to stop sending it any) nothing new is admitted, running and queued
+requests finish within the grace, then the daemon stops."""
 
 from __future__ import annotations
 
@@ -36,12 +37,22 @@ class Readiness:
         self._publish = publish
         self.drain_ends: float | None = None
         """When the drain's grace ends (monotonic); None: not draining."""
+        self.notice_s = 0.0
+        """Seconds a drain still admits work, while /health says 503 (a router's health
+        checks take it out of rotation meanwhile; routes it does not retry lose nothing)."""
+        self.refuse_from: float | None = None
+        """When a drain starts refusing work (monotonic); None: not draining."""
         self.preloading = 0
         """``--load`` models not yet loaded (or failed): ``loading`` until one serves."""
 
     @property
     def draining(self) -> bool:
         return self.drain_ends is not None
+
+    @property
+    def refusing(self) -> bool:
+        """Draining and past the notice: new work is refused."""
+        return self.refuse_from is not None and time.monotonic() >= self.refuse_from
 
     def state(self) -> str:
         if self.draining:
@@ -64,14 +75,21 @@ class Readiness:
         """Stop admitting, and return once every active request has ended (True) or the
         grace has passed (False: the caller cancels what is left). A second drain keeps
         the earlier end."""
-        ends = time.monotonic() + grace_s
-        self.drain_ends = ends if self.drain_ends is None else min(self.drain_ends, ends)
+        now = time.monotonic()
+        first = self.drain_ends is None
+        ends = now + self.notice_s + grace_s
+        self.drain_ends = ends if first else min(self.drain_ends or ends, ends)
+        if first:
+            self.refuse_from = now + self.notice_s
         requests = self._requests
-        log.info("draining: no new requests; stopping once the %d active end (at most "
-                 "%g s)", len(requests.active), grace_s)
+        log.info("draining: new requests %s; stopping once the active end (at most %g s)",
+                 f"admitted for {self.notice_s:g} s more" if self.notice_s and first else
+                 "refused", self.notice_s + grace_s)
         self._publish(DaemonDraining(grace_s=grace_s, active=len(requests.active)))
+        if self.refuse_from is not None and self.refuse_from > now:
+            await anyio.sleep(self.refuse_from - now)
         while requests.active:
-            left = self.drain_ends - time.monotonic()
+            left = (self.drain_ends or 0.0) - time.monotonic()
             if left <= 0:
                 return False
             requests.all_ended = ended = anyio.Event()

@@ -86,6 +86,9 @@ class DaemonConfig:
     drain_grace: float = DRAIN_GRACE
     """Seconds SIGTERM lets running and queued requests finish before it cancels them
     (0: SIGTERM stops at once, as SIGINT does)."""
+    drain_notice: float = 0.0
+    """Seconds a drain still admits new work while /health says 503, so a router's
+    health checks take the daemon out of rotation before it refuses anything."""
 
 
 @contextlib.contextmanager
@@ -279,6 +282,7 @@ class Daemon:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.supervisor.run)
                 self.supervisor.readiness.preloading = len(self.config.load)
+                self.supervisor.readiness.notice_s = self.config.drain_notice
                 for name in self.config.load:
                     tg.start_soon(self._preload, name)
                 if http_sock is not None:

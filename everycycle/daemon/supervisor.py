@@ -338,7 +338,7 @@ class Supervisor:
             return
         if self.closing:
             raise RejectedError("daemon shutting down")
-        if self.readiness.draining:
+        if self.readiness.refusing:
             raise RejectedError(self.readiness.refusal(),
                                 retry_after=self.readiness.retry_after())
         if self.inflight(peer) >= self.limits.max_inflight:

@@ -124,7 +124,7 @@ class HttpApi:
         """The app, or while the daemon drains, a 503 with Retry-After for a request
         that would start new work (a router sends it to another daemon)."""
         readiness = self.supervisor.readiness
-        if (readiness.draining and scope["type"] == "http" and scope["method"] == "POST"
+        if (readiness.refusing and scope["type"] == "http" and scope["method"] == "POST"
                 and not _open_while_draining(scope["path"])):
             response = self._error(HttpRequest(scope), 503, readiness.refusal(),
                                    "unavailable", {"retry-after": str(readiness.retry_after())})
