@@ -122,7 +122,9 @@ def _long_stream(url: str, n: int, out: dict[str, Any], tokens: int = 1500) -> N
         with openai_client(url, timeout=120) as client:
             got = 0
             for chunk in client.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": f"stream {n}"}],
+                    # (no prefix in common: the cache-aware policy sends each to the
+                    # least loaded daemon)
+                    model="tiny", messages=[{"role": "user", "content": chr(97 + n) * 300}],
                     max_tokens=tokens, temperature=1.0, logit_bias=NO_EOS, stream=True):
                 if chunk.choices and chunk.choices[0].delta.content:
                     got += 1
@@ -152,11 +154,13 @@ def _running(router: Router) -> list[int]:
     return counts
 
 
-def _spread_streams(router: Router, tokens: int) -> tuple[list[dict[str, Any]],
-                                                          list[threading.Thread]]:
-    results: list[dict[str, Any]] = [{} for _ in range(3)]
-    threads = [threading.Thread(target=_long_stream, args=(router.url, n, results[n], tokens))
-               for n in range(3)]
+def _spread_streams(router: Router, tokens: int, n: int = 3
+                    ) -> tuple[list[dict[str, Any]], list[threading.Thread]]:
+    """``n`` long streams through the router, started a moment apart (each goes to the
+    least loaded daemon); once all have begun."""
+    results: list[dict[str, Any]] = [{} for _ in range(n)]
+    threads = [threading.Thread(target=_long_stream, args=(router.url, i, results[i], tokens))
+               for i in range(n)]
     for t in threads:
         t.start()
         time.sleep(0.3)  # (least loaded first: one on each daemon)
@@ -164,24 +168,43 @@ def _spread_streams(router: Router, tokens: int) -> tuple[list[dict[str, Any]],
     return results, threads
 
 
+def _claude(url: str, n: int) -> str:
+    with anthropic_client(url, timeout=120) as claude:
+        message = claude.messages.create(model="tiny", max_tokens=4, messages=[
+            {"role": "user", "content": f"new message {n}"}])
+    return message.stop_reason or ""
+
+
 def test_a_drained_daemon_loses_no_request(binary: str, models: Path) -> None:
-    with routed(binary, models, "tiny", "cache_aware") as router:
-        results, threads = _spread_streams(router, 3000)
-        busy = next(i for i, n in enumerate(_running(router)) if n)
-        member = router.members[busy]
-        drain = subprocess.Popen([*EC, "drain", "--socket", str(member.sock), "--grace",
-                                  "120"], env=member.env(), stderr=subprocess.PIPE)
-        wait_for(lambda: httpx.get(f"{member.url}/health", timeout=5).status_code == 503,
-                 "the daemon to drain")
-        # New work while it drains: the router takes it elsewhere; nothing is lost.
-        answered = [_short(router.url, n) for n in range(8)]
-        assert all(reason in ("length", "stop") for reason in answered), answered
+    """Two daemons drained, one with a stream on it and one idle (the one the router
+    would pick next), while requests keep coming in the dialect the router retries
+    (chat completions) and in one it passes through once (Anthropic's): none is lost,
+    with the daemons and router set as docs/many-machines.md says (``--drain-notice``),
+    and the stream finishes whole."""
+    with routed(binary, models, "tiny", "cache_aware", extra=("--drain-notice", "5")
+                ) as router:
+        results, threads = _spread_streams(router, 3000, n=2)
+        running = _running(router)
+        busy, idle = running.index(1), running.index(0)
+        drains = [subprocess.Popen([*EC, "drain", "--socket", str(m.sock), "--grace", "120"],
+                                   env=m.env(), stderr=subprocess.PIPE)
+                  for m in (router.members[busy], router.members[idle])]
+        for m in (router.members[busy], router.members[idle]):
+            wait_for(lambda m=m: httpx.get(f"{m.url}/health", timeout=5).status_code == 503,
+                     "the daemons to drain")  # (each admits work for 5 s more)
+        answered = []
+        for n in range(6):
+            answered += [_claude(router.url, n), _short(router.url, n)]
+            time.sleep(1)  # (through the notice and past it)
+        assert all(reason in ("length", "stop", "max_tokens", "end_turn")
+                   for reason in answered), answered
         for t in threads:
             t.join(120)
         assert all(r.get("finish") == "length" and "error" not in r for r in results), results
-        _, err = drain.communicate(timeout=120)
-        assert drain.returncode == 0 and b"drained and stopped" in err, err
-        assert member.proc is not None and member.proc.wait(30) == 0
+        for drain, m in zip(drains, (router.members[busy], router.members[idle]), strict=True):
+            _, err = drain.communicate(timeout=120)
+            assert drain.returncode == 0 and b"drained and stopped" in err, err
+            assert m.proc is not None and m.proc.wait(30) == 0
 
 
 def test_a_killed_daemon_costs_only_its_own_streams(binary: str, models: Path) -> None:
