@@ -153,6 +153,48 @@ def test_launch_over_https_with_a_private_ca(agent: str, agent_models: Path,
     assert OK in out and "done" in out, out[-3000:]
 
 
+@pytest.mark.parametrize("agent", sorted(AGENTS))
+def test_launch_at_a_url_sends_one_session_id_on_every_request(
+        agent: str, agent_models: Path, tmp_path: Path) -> None:
+    """``launch --url`` (a router in front of several daemons, or a daemon elsewhere):
+    the agent goes there, and every request it sends carries one ``X-Session-ID``, the
+    key vllm-router's session policies keep a conversation where its cache is by.
+    Recorded between the agent and the daemon by a proxy (tests/recordproxy.py)."""
+    import threading
+
+    from recordproxy import serve
+    from routerhelp import free_port
+
+    folder = _need(agent).parent
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    env = {**os.environ, "HOME": str(home), "PATH": f"{folder}:{os.environ['PATH']}",
+           "NO_COLOR": "1"}
+    recorded = tmp_path / "requests.jsonl"
+    with daemon_process("--models", str(agent_models), "--http", "127.0.0.1:0"):
+        port = free_port()
+        proxy = serve(fleet_http(), recorded, port)
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        try:
+            child = pexpect.spawn(EC[0], [*EC[1:], "launch", agent, "-m", f"agent-{agent}",
+                                          "--url", f"http://127.0.0.1:{port}", "--",
+                                          *AGENTS[agent][1]],
+                                  cwd=str(work), env=env, timeout=240, encoding="utf-8",
+                                  codec_errors="replace", dimensions=(50, 200))
+            child.expect(pexpect.EOF)
+            child.close()
+        finally:
+            proxy.shutdown()
+            proxy.server_close()
+    out = child.before or ""
+    assert child.exitstatus == 0, out[-3000:]
+    assert f"{agent} on http://127.0.0.1:{port}" in out and OK in out, out[-3000:]
+    requests = [json.loads(line) for line in recorded.read_text().splitlines()]
+    sessions = {r["headers"].get("x-session-id") for r in requests}
+    assert len(requests) >= 2 and len(sessions) == 1 and None not in sessions, sessions
+
+
 @pytest.fixture
 def plain_models(tmp_path: Path, bpe_gguf: Path) -> Path:
     """An entry as a user writes it: no grammar keys, a context that holds an agent's

@@ -13,8 +13,9 @@ import json
 import os
 import shutil
 import sys
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from ..models.registry import ModelSpec
 
 PROVIDER = "everycycle"
+SESSION_HEADER = "X-Session-ID"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,10 @@ class Endpoint:
     """The context the model was trained for (0: unknown)."""
     chosen: bool = False
     """Whether the daemon chose the context (models.toml names none)."""
+    session: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Sent as ``X-Session-ID`` on each of the agent's requests: a router in front of
+    several daemons (vllm-router's consistent_hash and sticky_least_loaded policies)
+    keeps the session on the daemon that holds its cache."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +110,15 @@ def _claude_env(e: Endpoint) -> dict[str, str | None]:
             "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
             # Its stream watchdog credits keep-alive pings for about five minutes, then
             # waits this long for a real event: a long prompt's prefill on a CPU fits.
-            "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000"}
+            "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000",
+            "ANTHROPIC_CUSTOM_HEADERS": f"{SESSION_HEADER}: {e.session}"}
 
 
 def _codex_args(e: Endpoint) -> list[str]:
     provider = f"model_providers.{PROVIDER}"
     return ["-c", f"model_provider={PROVIDER}", "-c", f"{provider}.name={PROVIDER}",
             "-c", f"{provider}.base_url={e.base}/v1", "-c", f"{provider}.wire_api=responses",
+            "-c", f'{provider}.http_headers={{"{SESSION_HEADER}"="{e.session}"}}',
             "-c", f"{provider}.env_key=EVERYCYCLE_API_KEY", "-m", e.model,
             "-c", f"model_context_window={e.context}",
             # no calls to OpenAI's analytics or GitHub's plugin index
@@ -122,7 +130,8 @@ def opencode_config(e: Endpoint) -> Path:
     path = paths.state_dir() / "launch" / "opencode.json"
     config = {"$schema": "https://opencode.ai/config.json", "model": f"{PROVIDER}/{e.model}",
               "provider": {PROVIDER: {"npm": "@ai-sdk/openai-compatible", "name": PROVIDER,
-                                      "options": {"baseURL": f"{e.base}/v1", "apiKey": e.key},
+                                      "options": {"baseURL": f"{e.base}/v1", "apiKey": e.key,
+                                                  "headers": {SESSION_HEADER: e.session}},
                                       "models": {e.model: {"name": e.model,
                                                    "limit": {"context": e.context,
                                                              "output": e.context // 4}}}}},
@@ -196,6 +205,37 @@ def endpoint(model: str | None, models: Path | None, socket: Path | None,
                     trained=trained, chosen=spec.context is None or short_of_memory)
 
 
+def remote(url: str, token: str | None, model: str | None, models: Path | None,
+           need: int) -> Endpoint:
+    """``--url``: a daemon, or a router in front of several, that this user does not
+    run; the model's context as it lists it (``GET /v1/models``), else ``need`` (a
+    model not loaded yet gets the context it was trained for, as memory allows, when
+    the agent's first request loads it). Raises EverycycleError subclasses."""
+    import httpx
+
+    from ..daemon.keys import load_or_create_token
+    from ..errors import UnavailableError
+    from ..models.registry import load_registry
+
+    base = url.rstrip("/").removesuffix("/v1")
+    if token is None:
+        token = load_or_create_token() if paths.token_file().exists() else "unused"
+    name = model or load_registry(models).default_name()
+    try:
+        answer = httpx.get(f"{base}/v1/models", headers={"authorization": f"Bearer {token}"},
+                           timeout=30)
+        answer.raise_for_status()
+        listed = {m.get("id"): m for m in answer.json().get("data", [])}
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        raise UnavailableError(f"{base}/v1/models did not answer with a model list: "
+                               f"{exc}") from None
+    if name not in listed:
+        raise UnavailableError(f"{base} has no model '{name}' (it lists "
+                               f"{', '.join(sorted(map(str, listed))) or 'none'})")
+    context = listed[name].get("context_length") or need
+    return Endpoint(base, token, name, int(context))
+
+
 def _trained(spec: ModelSpec) -> int:
     """The context ``spec``'s model was trained for (0: its file cannot be read)."""
     from ..hardware.memory import trained_context
@@ -222,6 +262,12 @@ def launch(
     http: Annotated[str | None, typer.Option(
         "--http", metavar="ADDR", help="Where a daemon that launch starts listens "
         "(default 127.0.0.1:11777).")] = None,
+    url: Annotated[str | None, typer.Option(
+        "--url", metavar="URL", help="Use the daemon (or router in front of several) "
+        "at this base URL instead of this user's daemon.")] = None,
+    token: Annotated[str | None, typer.Option(
+        "--token", envvar="EVERYCYCLE_TOKEN", help="The key for --url (default: this "
+        "user's daemon token).")] = None,
 ) -> None:
     row = AGENTS.get(agent)
     if row is None:
@@ -231,7 +277,8 @@ def launch(
         fail(f"{row.command} is not installed: npm install -g {row.package}", 69)
     env = dict(os.environ)
     try:
-        where = endpoint(model, models, socket, http, need=row.prompt + ROOM)
+        where = (remote(url, token, model, models, row.prompt + ROOM) if url else
+                 endpoint(model, models, socket, http, need=row.prompt + ROOM))
         changes = row.env(where)
     except EverycycleError as exc:
         exit_for(exc)
