@@ -22,7 +22,7 @@ import openai
 import pytest
 from httphelp import anthropic_client, ollama_client, openai_client
 from modelshelp import Entry, models_toml
-from routerhelp import EC, Router, routed, router_binary, wait_for
+from routerhelp import EC, Member, Router, free_port, routed, router_binary, wait_for
 
 NO_EOS = {"2": -100}
 
@@ -245,3 +245,37 @@ def test_health_and_load_probes_answer_without_a_key(router: Router) -> None:
     assert httpx.get(f"{member.url}/get_load", timeout=5).json() == {"load": 0}
     listed = json.loads(httpx.get(f"{router.url}/v1/models", timeout=10).text)
     assert any(m["id"] == "tiny" for m in listed["data"])
+
+
+def test_one_key_opens_every_daemon_behind_the_router(tmp_path: Path, models: Path) -> None:
+    """``keys add NAME --secret-stdin``: the secret one daemon's ``keys add`` printed,
+    added on another, so that clients of the router hold one key for all of them."""
+    homes = [tmp_path / "a", tmp_path / "b"]
+    for home in homes:
+        home.mkdir()
+    envs = [{**os.environ, "EVERYCYCLE_HOME": str(h)} for h in homes]
+    made = subprocess.run([*EC, "keys", "add", "team"], env=envs[0], capture_output=True,
+                          text=True, timeout=60, check=True)
+    secret = made.stdout.strip()
+    copied = subprocess.run([*EC, "keys", "add", "team", "--secret-stdin"], env=envs[1],
+                            input=made.stdout, capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert copied.returncode == 0 and copied.stdout.strip() == secret, copied.stderr
+    bad = subprocess.run([*EC, "keys", "add", "other", "--secret-stdin"], env=envs[1],
+                         input="hunter2\n", capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not a key" in bad.stderr
+    members = [Member(h, free_port(), models, "tiny", ("--http-auth",)) for h in homes]
+    try:
+        for m in members:
+            m.start()
+            with openai_client(m.url, key=secret) as client:
+                client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            refused = httpx.post(f"{m.url}/v1/chat/completions", timeout=30, json={
+                "model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+                headers={"authorization": "Bearer ec-" + "x" * 43})
+            assert refused.status_code == 401
+    finally:
+        for m in members:
+            m.stop()

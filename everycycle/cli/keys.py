@@ -66,18 +66,24 @@ def _warn_unknown_models(names: list[str]) -> None:
 @keys_app.command("add")
 def keys_add(name: KeyNameArg, concurrent: ConcurrentOpt = None, rpm: RpmOpt = None,
              tpm: TpmOpt = None, prompt_bytes: PromptBytesOpt = None,
-             model: ModelsAllowedOpt = None, background: BackgroundOpt = False) -> None:
+             model: ModelsAllowedOpt = None, background: BackgroundOpt = False,
+             secret_stdin: Annotated[bool, typer.Option(
+                 "--secret-stdin", help="Take the secret from stdin (one `keys add` made "
+                 "on another daemon) instead of making one: one key for every daemon "
+                 "behind a router.")] = False) -> None:
     """Make a key; prints its secret once (only a hash is kept).
 
     \b
     Example:
       everycycle keys add ci --rpm 60 --tpm 20000 -m smollm2-135m
+      everycycle keys add team | ssh box2 everycycle keys add team --secret-stdin
     """
     from ..daemon.keys import KeyStore
 
     limits = _limits(concurrent, rpm, tpm, prompt_bytes, model, background)
+    given = sys.stdin.readline().strip() if secret_stdin else None
     try:
-        secret = KeyStore().add(name, limits)
+        secret = KeyStore().add(name, limits, given)
     except EverycycleError as exc:
         exit_for(exc)
     sys.stdout.write(secret + "\n")

@@ -34,6 +34,8 @@ from ..models.registry import Registry
 log = logging.getLogger(__name__)
 
 SECRET_PREFIX = "ec-"
+MIN_SECRET_CHARS = 32
+"""A given secret's characters past the prefix, at least (ours have 43)."""
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 RESERVED = ("local", "default")
 
@@ -325,14 +327,22 @@ class KeyStore:
                          for k in keys.values()}}
         statefile.replace(self.path, json.dumps(body, indent=2) + "\n")
 
-    def add(self, name: str, limits: KeyLimits) -> str:
-        """Make key ``name``; returns its secret (shown once, never stored)."""
+    def add(self, name: str, limits: KeyLimits, secret: str | None = None) -> str:
+        """Make key ``name``; returns its secret (shown once, never stored). With
+        ``secret``, that one: a key another daemon made, so that one key opens several
+        (the daemons behind one router). Raises InvalidRequestError for a secret that
+        is not one of ours."""
         check_name(name)
+        if secret is not None and (not secret.startswith(SECRET_PREFIX) or len(secret) < len(
+                SECRET_PREFIX) + MIN_SECRET_CHARS or not secret.isprintable() or " " in secret):
+            raise InvalidRequestError(
+                f"not a key secret: one is '{SECRET_PREFIX}' and at least {MIN_SECRET_CHARS} "
+                "more characters, as `everycycle keys add` prints it")
         with self._changing() as keys:
             if name in keys:
                 raise InvalidRequestError(f"key '{name}' exists; remove it first "
                                           f"(keys rm {name})")
-            secret = SECRET_PREFIX + secrets.token_urlsafe(32)
+            secret = secret or SECRET_PREFIX + secrets.token_urlsafe(32)
             keys[name] = Key(name, hash_secret(secret), round(time.time(), 3), limits)
         return secret
 
