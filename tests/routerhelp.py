@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,8 @@ class Member:
     models: Path
     load: str
     extra: Sequence[str] = ()
+    ca: Path | None = None
+    """With TLS (``--tls-cert`` in ``extra``): the CA that signed its certificate."""
     proc: subprocess.Popen[bytes] | None = None
     log: Path = field(init=False)
 
@@ -69,7 +72,11 @@ class Member:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.ca else 'http'}://127.0.0.1:{self.port}"
+
+    def get(self, path: str) -> httpx.Response:
+        verify = ssl.create_default_context(cafile=str(self.ca)) if self.ca else True
+        return httpx.get(f"{self.url}{path}", timeout=10, verify=verify)
 
     @property
     def sock(self) -> Path:
@@ -89,11 +96,11 @@ class Member:
     def ready(self) -> bool:
         assert self.proc is not None and self.proc.poll() is None, \
             f"the daemon on port {self.port} exited: {self.log.read_text()[-2000:]}"
-        return httpx.get(f"{self.url}/health", timeout=5).status_code == 200
+        return self.get("/health").status_code == 200
 
     def requests_served(self) -> int:
         """Generate requests this daemon has ended, from its own /metrics."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = self.get("/metrics").text
         return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith("everycycle_requests_total{")))
 
@@ -122,12 +129,14 @@ class Router:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, log: Path) -> None:
+        cas = {str(m.ca) for m in self.members if m.ca}
+        env = {**os.environ, **({"SSL_CERT_FILE": cas.pop()} if cas else {})}
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [self.binary, "--host", "127.0.0.1", "--port", str(self.port),
                  "--worker-urls", *(m.url for m in self.members), "--policy", self.policy,
                  "--prometheus-port", str(free_port()), "--log-level", "warning",
-                 *ROUTER_FLAGS], stdout=out, stderr=out)
+                 *ROUTER_FLAGS], stdout=out, stderr=out, env=env)
 
         def up() -> bool:
             assert self.proc is not None and self.proc.poll() is None, log.read_text()[-3000:]
@@ -147,15 +156,21 @@ class Router:
 
 @contextlib.contextmanager
 def routed(binary: str, models: Path, load: str, policy: str, n: int = 3,
-           extra: Sequence[str] = ()) -> Iterator[Router]:
-    """``n`` daemons serving ``load`` (each its own state directory) behind a router."""
+           extra: Sequence[str] = (), tls: tuple[Path, Path, Path] | None = None
+           ) -> Iterator[Router]:
+    """``n`` daemons serving ``load`` (each its own state directory) behind a router;
+    with ``tls`` (CA, certificate, key), over HTTPS, the router trusting the CA as
+    docs/many-machines.md says (SSL_CERT_FILE)."""
+    if tls is not None:
+        extra = (*extra, "--tls-cert", str(tls[1]), "--tls-key", str(tls[2]))
     with tempfile.TemporaryDirectory(prefix="rt", dir="/tmp") as d:
         root = Path(d)
         members = []
         for i in range(n):
             home = root / f"d{i}"
             home.mkdir()
-            members.append(Member(home, free_port(), models, load, extra))
+            members.append(Member(home, free_port(), models, load, extra,
+                                  tls[0] if tls else None))
         router = Router(binary, members, policy)
         try:
             for m in members:

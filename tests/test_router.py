@@ -23,6 +23,7 @@ import pytest
 from httphelp import anthropic_client, ollama_client, openai_client
 from modelshelp import Entry, models_toml
 from routerhelp import EC, Member, Router, free_port, routed, router_binary, wait_for
+from tlshelp import make_pki
 
 NO_EOS = {"2": -100}
 
@@ -237,6 +238,17 @@ def test_a_killed_daemon_costs_only_its_own_streams(binary: str, models: Path) -
             return victim.requests_served() > before
 
         wait_for(sent_again, "the router to send to the daemon again", timeout=60)
+
+
+def test_https_daemons_behind_the_router_with_a_private_ca(binary: str, models: Path,
+                                                           tmp_path: Path) -> None:
+    pki = make_pki(tmp_path)
+    with routed(binary, models, "tiny", "round_robin", n=2,
+                tls=(pki.ca, pki.cert, pki.key)) as router:
+        assert all(m.url.startswith("https://") for m in router.members)
+        answered = [_short(router.url, n) for n in range(4)]
+        assert all(reason in ("length", "stop") for reason in answered)
+        assert all(m.requests_served() == 2 for m in router.members)
 
 
 def test_health_and_load_probes_answer_without_a_key(router: Router) -> None:
