@@ -313,6 +313,9 @@ def drain(
       everycycle drain
       everycycle drain --host box2:7000 --grace 60
     """
+    if host is not None and host.startswith(("http://", "https://")):
+        fail(f"--host {host}: a drain goes over a daemon's socket or --tcp address, not "
+             "HTTP: run `everycycle drain` on its machine, or send it SIGTERM", 2)
     where = host or str(socket or paths.socket_path())
     try:
         with (_client(host, _own_token(token), grace + 60) if host else
