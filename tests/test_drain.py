@@ -6,6 +6,7 @@ model loads, as llama-server's does; ``/livez`` is liveness alone."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -265,3 +266,31 @@ def test_http_connections_send_without_nagle() -> None:
             del client
     finally:
         listener.close()
+
+
+def test_fleet_over_several_daemons_shows_each_ones_state(
+    spawn_daemon: SpawnDaemon, tmp_path: Path,
+) -> None:
+    """``fleet --host …``: a table of each daemon's state — ready, draining (a drain
+    in its notice), unreachable — before their sections; exit 69 for the one down."""
+    draining, ready = tmp_path / "a.sock", tmp_path / "b.sock"
+    spawn_daemon("--drain-notice", "60", sock=draining)
+    spawn_daemon(sock=ready)
+    drain = subprocess.Popen([*EC, "drain", "--socket", str(draining)],
+                             stderr=subprocess.DEVNULL)
+    try:
+        with SyncClient(draining) as c:
+            wait_until(lambda: c.describe_fleet().state == "draining", "the drain")
+        shown = subprocess.run([*EC, "fleet", "--host", str(draining), "--host", str(ready),
+                                "--host", str(tmp_path / "gone.sock")], capture_output=True,
+                               text=True, timeout=60, check=False, env={
+                                   **os.environ, "COLUMNS": "200"})
+    finally:
+        drain.kill()
+        drain.wait()
+    assert shown.returncode == 69, shown.stderr
+    table = shown.stderr.split(f" ({socket.gethostname()}, ")[0]  # (before the sections)
+    rows = {line.split("│")[1].strip(): line.split("│")[3].strip()
+            for line in table.splitlines() if line.startswith("│")}
+    assert rows == {str(draining): "draining", str(ready): "ready",
+                    str(tmp_path / "gone.sock"): "unreachable"}, shown.stderr

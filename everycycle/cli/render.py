@@ -294,7 +294,7 @@ def fleets_view(found: Sequence[tuple[str, FleetSnapshot]], unreachable: Sequenc
         states.add_row(host, snap.hostname, snap.state or "ready", str(snap.active_requests))
     for host in unreachable:
         states.add_row(host, "-", "unreachable", "-")
-    parts: list[Any] = [states]
+    parts: list[Any] = [states] if found else []  # (none reached: the errors said why)
     for host, snap in found:
         parts.append(Rule(f"{host} ({snap.hostname}, {snap.state or 'ready'})", align="left"))
         parts.append(fleet_view(snap))
