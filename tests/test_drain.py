@@ -125,7 +125,7 @@ def test_a_drain_notice_admits_work_while_health_says_503_then_refuses(
     """``--drain-notice``: for that long a draining daemon still admits new requests
     while /health answers 503 (a router's checks take it out of rotation meanwhile),
     then refuses them, and stops once they are done."""
-    proc = spawn_daemon("--http", "127.0.0.1:0", "--drain-notice", "10")
+    proc = spawn_daemon("--http", "127.0.0.1:0", "--drain-notice", "20")
     url = fleet_http()
     body = json.dumps({"model": "tiny", "max_tokens": 4,
                        "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -135,11 +135,10 @@ def test_a_drain_notice_admits_work_while_health_says_503_then_refuses(
     drain = subprocess.Popen([*EC, "drain", "--grace", "60"], stderr=subprocess.DEVNULL)
     wait_until(lambda: _health(url)[0] == 503, "/health to say 503")
     status, _, answer = raw(url, "POST", "/v1/chat/completions", body, headers)
-    assert time.monotonic() - started < 10  # (still within the notice)
-    assert status == 200, answer
+    assert status == 200, answer  # (admitted: within the notice)
     wait_until(lambda: raw(url, "POST", "/v1/chat/completions", body, headers)[0] == 503,
                "the notice to end")
-    assert time.monotonic() - started >= 10
+    assert time.monotonic() - started >= 20  # (refused only once the notice is over)
     assert drain.wait(60) == 0 and proc.wait(30) == 0
 
 
@@ -294,3 +293,12 @@ def test_fleet_over_several_daemons_shows_each_ones_state(
             for line in table.splitlines() if line.startswith("│")}
     assert rows == {str(draining): "draining", str(ready): "ready",
                     str(tmp_path / "gone.sock"): "unreachable"}, shown.stderr
+
+
+def test_load_at_start_of_a_model_the_registry_lacks_is_one_sentence(
+        models_file: Path, tmp_path: Path) -> None:
+    out = subprocess.run([*EC, "daemon", "--models", str(models_file), "--load", "nosuch",
+                          "--socket", str(tmp_path / "s.sock")], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode != 0 and out.stderr.count("\n") == 1, out.stderr
+    assert "--load nosuch: the registry has no model 'nosuch'" in out.stderr

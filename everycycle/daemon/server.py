@@ -205,6 +205,10 @@ class Daemon:
                                  cors_origins=config.cors_origins,
                                  heartbeat_s=config.http_heartbeat)
         self.keys.keys()  # a loose or broken key file stops start-up, naming it
+        for name in config.load:
+            if not self.supervisor.knows(name):
+                raise ConfigError(f"--load {name}: the registry has no model '{name}' "
+                                  "(`everycycle models` lists them)")
 
     async def drain(self, grace_s: float | None = None) -> None:
         """Take no new work, let what runs and waits finish (for up to ``grace_s``,
