@@ -17,7 +17,9 @@ from modelshelp import Entry, models_toml
 from prometheus_client.parser import text_string_to_metric_families
 from tinymodel import write_tiny_gguf, write_tiny_lora
 
-LONG = 3000
+LONG = 6000
+"""Tokens each request asks for (end token banned): they run long enough to be seen
+running and waiting."""
 
 
 @pytest.fixture
