@@ -22,6 +22,7 @@ from tinymodel import write_tiny_gguf, write_tiny_lora
 
 from everycycle.client import SyncClient
 from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
+from everycycle.engine.lora import Adapters
 from everycycle.engine.runner import Runner
 from everycycle.errors import InvalidRequestError
 
@@ -296,3 +297,36 @@ def test_scales_set_for_a_model_give_way_to_an_edit_of_its_adapters(
     assert scales.of(one) == [2.0]
     assert scales.of(two) == [1.0, 0.25]  # (two adapters now: models.toml's scales)
     assert scales.for_request(two, [(1, 0.0)]) == (1.0, 0.0)
+
+
+class _Refusing(Adapters):
+    """Adapters whose scale 0.5 llama.cpp refuses (``llama_set_adapters_lora`` != 0)."""
+
+    def apply(self, ctx: object, scales: tuple[float, ...]) -> None:
+        if 0.5 in scales:
+            raise InvalidRequestError(f"llama.cpp could not apply LoRA scales {scales} (-1)")
+        super().apply(ctx, scales)
+
+
+def test_scales_llama_cpp_refuses_end_that_request_only(files: tuple[Path, Path]) -> None:
+    """A step whose adapter scales cannot be set ends its own jobs with why; the engine
+    thread goes on serving the others (it used to fail every job it held)."""
+    model, adapter = files
+    c = Collector()
+    runner = Runner(model, context=1024, parallel=2, notify=c, lora=[adapter])
+    try:
+        assert runner.adapters is not None
+        runner.adapters.__class__ = _Refusing  # (the one the engine holds)
+        tokens = runner.tokenize(PROMPT)
+        for tag, scale in (("ok", 1.0), ("refused", 0.5)):
+            runner.submit(Job(JobSpec(tokens=tokens, max_tokens=40, lora=(scale,),
+                                      sampling=Sampling.of(temperature=0.0)), tag=tag))
+        refused = c.wait("refused", 60)
+        assert refused[-1].finished and refused[-1].reason == "error"
+        assert refused[-1].error is not None and "could not apply" in refused[-1].error.message
+        assert c.wait("ok", 60)[-1].reason in ("length", "eos", "stop")
+        runner.submit(Job(JobSpec(tokens=tokens, max_tokens=3, lora=(0.0,),
+                                  sampling=Sampling.of(temperature=0.0)), tag="after"))
+        assert c.wait("after", 60)[-1].reason in ("length", "eos", "stop")
+    finally:
+        runner.close()

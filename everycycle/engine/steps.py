@@ -141,7 +141,16 @@ class StepLoop:
         if plan.asks:
             self._draft(plan)
         if plan.n:
-            rc = self.batches.run(plan, self.inbox.pending)
+            try:
+                rc = self.batches.run(plan, self.inbox.pending)
+            except EverycycleError as exc:
+                # (LoRA scales llama.cpp would not set, before any decode: the step's own
+                # jobs end with why; the engine and its other jobs go on)
+                for slot in {id(w.slot): w.slot for w in plan.work}.values():
+                    if slot.run is not None:
+                        self._finish(slot, out, "error", exc)
+                self._safe_notify(out)
+                return True
             if rc is None:  # stopped and undone: an interactive job came
                 pass
             elif rc != 0:
