@@ -146,15 +146,6 @@ def stream(url: str, model: str, n: int, out: dict[str, Any], tokens: int) -> No
     out["ended"] = time.monotonic()
 
 
-def running(router: Router) -> list[int]:
-    counts = []
-    for m in router.members:
-        text = httpx.get(f"{m.url}/metrics", timeout=10).text
-        counts.append(int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                              if line.startswith("vllm:num_requests_running"))))
-    return counts
-
-
 def streams(router: Router, model: str, tokens: int) -> tuple[list[dict[str, Any]],
                                                               list[threading.Thread]]:
     results: list[dict[str, Any]] = [{} for _ in range(3)]
@@ -180,7 +171,7 @@ def short(url: str, model: str, n: int) -> bool:
 def faults(binary: str, models: Path, model: str) -> None:
     with routed(binary, models, model, "cache_aware") as router:
         results, threads = streams(router, model, 400)
-        on = running(router)
+        on = [m.requests_running() for m in router.members]
         victim = router.members[next(i for i, n in enumerate(on) if n)]
         assert victim.proc is not None
         killed = time.monotonic()
@@ -206,7 +197,7 @@ def faults(binary: str, models: Path, model: str) -> None:
         print(f"  back on its port: given work again within {time.monotonic() - back:.1f} s")
     with routed(binary, models, model, "cache_aware") as router:
         results, threads = streams(router, model, 400)
-        member = router.members[next(i for i, n in enumerate(running(router)) if n)]
+        member = next(m for m in router.members if m.requests_running())
         drain = subprocess.Popen([*EC, "drain", "--socket", str(member.sock)],
                                  env=member.env(), stderr=subprocess.DEVNULL)
         wait_for(lambda: httpx.get(f"{member.url}/health", timeout=5).status_code == 503,

@@ -100,9 +100,17 @@ class Member:
 
     def requests_served(self) -> int:
         """Generate requests this daemon has ended, from its own /metrics."""
+        return self._metric("everycycle_requests_total{")
+
+    def requests_running(self) -> int:
+        """Requests in a slot here now (``vllm:num_requests_running``)."""
+        return self._metric("vllm:num_requests_running")
+
+    def _metric(self, prefix: str) -> int:
+        """The sum of /metrics samples whose line begins with ``prefix``."""
         text = self.get("/metrics").text
         return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("everycycle_requests_total{")))
+                       if line.startswith(prefix)))
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -146,15 +146,6 @@ def _short(url: str, n: int) -> str:
     return answer.choices[0].finish_reason or ""
 
 
-def _running(router: Router) -> list[int]:
-    counts = []
-    for m in router.members:
-        text = httpx.get(f"{m.url}/metrics", timeout=10).text
-        counts.append(int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                              if line.startswith("vllm:num_requests_running"))))
-    return counts
-
-
 def _spread_streams(router: Router, tokens: int, n: int = 3
                     ) -> tuple[list[dict[str, Any]], list[threading.Thread]]:
     """``n`` long streams through the router, started a moment apart (each goes to the
@@ -185,7 +176,7 @@ def test_a_drained_daemon_loses_no_request(binary: str, models: Path) -> None:
     with routed(binary, models, "tiny", "cache_aware", extra=("--drain-notice", "5")
                 ) as router:
         results, threads = _spread_streams(router, 3000, n=2)
-        running = _running(router)
+        running = [m.requests_running() for m in router.members]
         busy, idle = running.index(1), running.index(0)
         drains = [subprocess.Popen([*EC, "drain", "--socket", str(m.sock), "--grace", "120"],
                                    env=m.env(), stderr=subprocess.PIPE)
@@ -211,7 +202,7 @@ def test_a_drained_daemon_loses_no_request(binary: str, models: Path) -> None:
 def test_a_killed_daemon_costs_only_its_own_streams(binary: str, models: Path) -> None:
     with routed(binary, models, "tiny", "cache_aware") as router:
         results, threads = _spread_streams(router, 6000)
-        running = _running(router)
+        running = [m.requests_running() for m in router.members]
         victim_index = next(i for i, n in enumerate(running) if n)
         victim = router.members[victim_index]
         assert victim.proc is not None
