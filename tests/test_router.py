@@ -199,9 +199,10 @@ def test_a_drained_daemon_loses_no_request(binary: str, models: Path) -> None:
             assert m.proc is not None and m.proc.wait(30) == 0
 
 
+@pytest.mark.timeout(400)  # (streams, a restart and rounds of work on a busy machine)
 def test_a_killed_daemon_costs_only_its_own_streams(binary: str, models: Path) -> None:
     with routed(binary, models, "tiny", "cache_aware") as router:
-        results, threads = _spread_streams(router, 6000)
+        results, threads = _spread_streams(router, 3000)
         running = [m.requests_running() for m in router.members]
         victim_index = next(i for i, n in enumerate(running) if n)
         victim = router.members[victim_index]
@@ -228,7 +229,7 @@ def test_a_killed_daemon_costs_only_its_own_streams(binary: str, models: Path) -
                 t.join(60)
             return victim.requests_served() > before
 
-        wait_for(sent_again, "the router to send to the daemon again", timeout=60)
+        wait_for(sent_again, "the router to send to the daemon again", timeout=240)
 
 
 def test_https_daemons_behind_the_router_with_a_private_ca(binary: str, models: Path,
