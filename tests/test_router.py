@@ -129,10 +129,9 @@ def _long_stream(url: str, n: int, out: dict[str, Any], tokens: int = 1500) -> N
                     max_tokens=tokens, temperature=1.0, logit_bias=NO_EOS, stream=True):
                 if chunk.choices and chunk.choices[0].delta.content:
                     got += 1
-                    out["started"] = True
+                    out["started"], out["chunks"] = True, got
                 if chunk.choices and chunk.choices[0].finish_reason:
                     out["finish"] = chunk.choices[0].finish_reason
-            out["chunks"] = got
     except (openai.APIError, httpx.HTTPError) as exc:  # (a dead daemon's stream, cut)
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["ended"] = time.monotonic()
@@ -202,7 +201,7 @@ def test_a_drained_daemon_loses_no_request(binary: str, models: Path) -> None:
 @pytest.mark.timeout(400)  # (streams, a restart and rounds of work on a busy machine)
 def test_a_killed_daemon_costs_only_its_own_streams(binary: str, models: Path) -> None:
     with routed(binary, models, "tiny", "cache_aware") as router:
-        results, threads = _spread_streams(router, 3000)
+        results, _ = _spread_streams(router, 3000)
         running = [m.requests_running() for m in router.members]
         victim_index = next(i for i, n in enumerate(running) if n)
         victim = router.members[victim_index]
@@ -213,12 +212,17 @@ def test_a_killed_daemon_costs_only_its_own_streams(binary: str, models: Path) -
         # Requests that had not started anywhere are answered by the others.
         answered = [_short(router.url, n) for n in range(6)]
         assert all(reason in ("length", "stop") for reason in answered), answered
-        for t in threads:
-            t.join(120)
-        cut = [r for r in results if "error" in r or r.get("finish") != "length"]
-        # The streams that were on it, and only those, end (cut by the router) at once.
+        # The streams that were on it, and only those, end (cut by the router) at once;
+        # the others go on (not waited for to the end: on a busy machine that is minutes).
+        cut = [r for r in results if "error" in r]
         assert len(cut) == running[victim_index], (running, results)
         assert all(r["ended"] - killed < 10 for r in cut), cut
+        going = [r for r in results if "error" not in r]
+        seen = [r.get("chunks", 0) for r in going]
+        wait_for(lambda: all(r.get("finish") == "length" or r.get("chunks", 0) > n
+                             for r, n in zip(going, seen, strict=True)),
+                 "the other streams to go on", timeout=120)
+        assert not any("error" in r for r in going), results
         # Back on its port, it is sent work again.
         victim.start()
         before = victim.requests_served()
