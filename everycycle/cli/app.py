@@ -137,7 +137,7 @@ def run(
     if prompt is None and sys.stdin.isatty() and not as_json:
         _chat(model=model, system=None, max_tokens=max_tokens, chosen=chosen,
               no_daemon=no_daemon, offline=offline, models=models, socket=socket,
-              verbose=verbose)
+              verbose=verbose, tools=((), False))  # (as `chat`: tools asked for per call)
         return
     text = prompt or ""
     if not sys.stdin.isatty():
@@ -267,6 +267,13 @@ def chat_cmd(
     models: ModelsOpt = None,
     socket: SocketOpt = None,
     verbose: VerboseOpt = False,
+    tools: Annotated[bool, typer.Option(
+        "--tools/--no-tools", help="Offer the model the MCP servers' tools (mcp.json); "
+        "each call asks you first.")] = True,
+    allow: Annotated[list[str] | None, typer.Option(
+        "--allow", metavar="TOOL", help="Run this tool without asking (repeatable).")] = None,
+    yes: Annotated[bool, typer.Option("--yes", help="Run every tool call without asking.")
+                   ] = False,
 ) -> None:
     """Chat with a model: the whole conversation goes with every turn.
 
@@ -278,12 +285,13 @@ def chat_cmd(
           chosen=sampling_fields(option, temperature=temperature, top_p=top_p, top_k=top_k,
                                  seed=seed),
           no_daemon=no_daemon, offline=offline, models=models, socket=socket,
-          verbose=verbose)
+          verbose=verbose, tools=(tuple(allow or ()), yes) if tools else None)
 
 
 def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
           chosen: dict[str, Any], no_daemon: bool, offline: bool,
-          models: Path | None, socket: Path | None, verbose: bool) -> None:
+          models: Path | None, socket: Path | None, verbose: bool,
+          tools: tuple[tuple[str, ...], bool] | None) -> None:
     status = Status(verbose)
     try:
         name = hub_model(model or registry_default(models), models, offline)
@@ -297,7 +305,7 @@ def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
     import anyio
 
     async def session() -> int:
-        from .chat import Conversation, chat, default_reader
+        from .chat import Conversation, chat, default_reader, open_toolbox
 
         def loading(text: str) -> None:
             if text:
@@ -311,8 +319,10 @@ def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
             try:
                 async with open_client(socket, models, no_daemon, status) as client:
                     status.settle()  # "no daemon: running in-process" stays, on its own line
+                    toolbox = None if tools is None else await open_toolbox(
+                        client, allow=tools[0], yes=tools[1])
                     return await chat(client, name, options=options, on_loading=loading,
-                                      reader=reader, convo=convo)
+                                      reader=reader, convo=convo, toolbox=toolbox)
             except DaemonUnavailableError:
                 # The daemon went away between or during answers: the conversation
                 # carries on, on a daemon if one is back, else in this process.
@@ -384,6 +394,7 @@ from . import daemon as _daemon_commands  # noqa: F401
 from . import fleet as _fleet_commands  # noqa: F401
 from . import keys as _keys_commands  # noqa: F401
 from . import launch as _launch_commands  # noqa: F401
+from . import mcp as _mcp_commands  # noqa: F401
 from . import models as _models_commands  # noqa: F401
 from . import rpc as _rpc_commands  # noqa: F401
 from . import vectors as _vector_commands  # noqa: F401

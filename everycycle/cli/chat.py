@@ -31,7 +31,19 @@ from ..errors import (
     FileBusyError,
     unwrap_groups,
 )
-from ..protocol import Accepted, Error, Generate, Message, Role, Tokens, Usage
+from ..protocol import (
+    Accepted,
+    Error,
+    Generate,
+    Message,
+    Role,
+    Tokens,
+    ToolCall,
+    ToolCalls,
+    ToolChoice,
+    Usage,
+)
+from ..tooluse.loop import MAX_ROUNDS, Toolbox, assistant_turn
 from .common import EXIT_CODES, image_part, with_images
 from .interrupt import Interrupt
 from .render import queued_line
@@ -49,6 +61,7 @@ Commands:
   /clear         forget the conversation (the system prompt stays)
   /system TEXT   set the system prompt (and forget the conversation); /system shows it
   /image PATH    an image for your next message (a vision model reads it)
+  /tools         the MCP tools the model may call (each call asks you first)
   /bye           leave (so do Ctrl-D, and Ctrl-C on an empty prompt)
 Enter sends. Alt-Enter, or a line ending in \\, starts a new line; so does \"\"\" (until \"\"\").
 Ctrl-C during an answer stops it and keeps what was shown.
@@ -170,6 +183,33 @@ def history_file() -> Path:
     return paths.state_dir() / "chat_history"
 
 
+async def ask_on_terminal(question: str) -> str:
+    """One answer typed on the terminal (a tool call's consent). Raises EOFError,
+    KeyboardInterrupt."""
+    from prompt_toolkit import PromptSession
+
+    answer: str = await PromptSession[str]().prompt_async(question)
+    return answer
+
+
+async def open_toolbox(client: BaseClient, *, allow: tuple[str, ...], yes: bool
+                       ) -> Toolbox | None:
+    """The daemon's MCP tools for this chat (None when the user configured none, or
+    they cannot be had: said in one line, and the chat goes on without them)."""
+    toolbox = Toolbox(client, sys.stderr, allow=allow, yes=yes,
+                      ask=ask_on_terminal if sys.stdin.isatty() else None)
+    try:
+        await toolbox.start()
+    except EverycycleError as exc:
+        sys.stderr.write(f"everycycle: no tools in this chat: {exc.message}\n")
+        return None
+    if toolbox.tools and sys.stdin.isatty():
+        servers = sorted({t.server for t in toolbox.tools.values()})
+        sys.stderr.write(f"Tools: {len(toolbox.tools)} from {', '.join(servers)} "
+                         "(/tools lists them; each call asks you first).\n")
+    return toolbox if toolbox.tools else None
+
+
 def default_reader() -> LineReader:
     return TerminalReader(history_file()) if sys.stdin.isatty() else PipeReader()
 
@@ -178,7 +218,7 @@ async def chat(client: BaseClient, model: str, *, system: str | None = None,
                options: dict[str, Any] | None = None,
                reader: LineReader | None = None,
                on_loading: Callable[[str], None] | None = None,
-               convo: Conversation | None = None) -> int:
+               convo: Conversation | None = None, toolbox: Toolbox | None = None) -> int:
     """Converse until the user leaves; the exit code (0, or 130 when interrupted).
 
     Raises DaemonUnavailableError when the daemon goes away; ``convo`` (pass one to
@@ -220,6 +260,10 @@ async def chat(client: BaseClient, model: str, *, system: str | None = None,
                 convo.system = arg.strip()
                 convo.clear()
                 notice.write("(system prompt set; conversation cleared)\n")
+            elif command == "/tools":
+                notice.write("".join(f"  {t.name} ({t.server}): {t.description[:70]}\n"
+                                     for t in (toolbox.tools.values() if toolbox else ()))
+                             or "(no MCP tools: `everycycle mcp add` adds a server)\n")
             elif command == "/image":
                 path = Path(arg.strip())
                 try:  # (readable, and not too big: said now, not later)
@@ -241,26 +285,37 @@ async def chat(client: BaseClient, model: str, *, system: str | None = None,
             continue
         convo.images.clear()
         convo.turns.append(Message(Role.USER, content))
+        asked = len(convo.turns)
+        tools: dict[str, Any] = {"tools": toolbox.offered} if toolbox and toolbox.offered else {}
         try:
-            with unwrap_groups():
-                answer, ok, failed = await _answer(client, model, convo.messages(),
-                                                   options or {}, on_loading)
+            for round_ in range(MAX_ROUNDS + 1):
+                if round_ == MAX_ROUNDS:  # (the model must answer now)
+                    tools = {**tools, "tool_choice": ToolChoice.NONE} if tools else {}
+                with unwrap_groups():
+                    answer, ok, failed, calls = await _answer(
+                        client, model, convo.messages(), {**(options or {}), **tools},
+                        on_loading)
+                if not (calls and toolbox and ok):
+                    break
+                convo.turns.append(assistant_turn(answer, calls))
+                for call in calls:
+                    convo.turns.append(await toolbox.run(call))
         except DaemonUnavailableError:
-            convo.turns.pop()
+            del convo.turns[asked - 1:]
             convo.pending = text
             raise
         code = EXIT_CODES[failed] if failed is not None else 0
         if ok or answer:
             convo.turns.append(Message(Role.ASSISTANT, answer))
-        else:
+        elif len(convo.turns) == asked:
             convo.turns.pop()  # nothing came back: the question is not part of the talk
 
 
 async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
                   options: dict[str, Any], on_loading: Callable[[str], None] | None
-                  ) -> tuple[str, bool, ErrorKind | None]:
+                  ) -> tuple[str, bool, ErrorKind | None, tuple[ToolCall, ...]]:
     """Stream one answer to stdout: (the text shown, whether it finished, the kind of
-    the error that ended it unless the user pressed Ctrl-C)."""
+    the error that ended it unless the user pressed Ctrl-C, the tools it called)."""
     from ..client.connection import new_request_id
 
     req = Generate(request_id=new_request_id(), model=model, messages=messages, usage=True,
@@ -270,6 +325,7 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
     shown: list[str] = []
     ok = False
     failed: ErrorKind | None = None
+    calls: tuple[ToolCall, ...] = ()
     interrupt = Interrupt()
     thoughts = Thoughts(out)
     with _no_echo():
@@ -294,6 +350,8 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
                             out.write(event.chunk.text)
                             out.flush()
                         ok = event.finished
+                    elif isinstance(event, ToolCalls):
+                        calls = event.calls
                     elif isinstance(event, Usage) and event.finish_reason in ("length", "context"):
                         cut = (f"(cut off after {event.generated_tokens} tokens: "
                                + ("-n)" if event.finish_reason == "length" else "the context is full)"))
@@ -312,7 +370,7 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
         sys.stderr.write("(stopped)\n")
     elif cut is not None:
         sys.stderr.write(cut + "\n")
-    return "".join(shown), ok, failed
+    return "".join(shown), ok, failed, calls
 
 
 @contextlib.contextmanager

@@ -308,3 +308,31 @@ def fleets_view(found: Sequence[tuple[str, FleetSnapshot]], unreachable: Sequenc
     parts.append(Rule())
     parts.append(total)
     return Group(*parts)
+
+
+def mcp_servers_view(rows: Sequence[tuple[str, str, str | None]]) -> Table:
+    """MCP servers (mcp.json): name, command, and why one cannot run here."""
+    from rich.table import Table
+
+    table = Table(title="MCP servers", title_justify="left")
+    for col in ("name", "command", "note"):
+        table.add_column(col)
+    for name, command, problem in rows:
+        table.add_row(name, command, problem or "")
+    if not rows:
+        table.caption = "none: add one with `everycycle mcp add NAME -- COMMAND ARGS…`"
+    return table
+
+
+def mcp_tools_view(rows: Sequence[tuple[str, str, str]]) -> Table:
+    """MCP tools: the name the model calls, its server, the first line of its description."""
+    from rich.table import Table
+
+    table = Table(title="MCP tools", title_justify="left")
+    for col in ("tool", "server", "description"):
+        table.add_column(col)
+    for name, server, description in rows:
+        table.add_row(name, server, description.strip().split("\n")[0][:100])
+    if not rows:
+        table.caption = "none"
+    return table

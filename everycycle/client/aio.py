@@ -107,6 +107,8 @@ class BaseClient:
     load = calls.awaiting(calls.load)
     unload = calls.awaiting(calls.unload)
     shutdown = calls.awaiting(calls.shutdown)
+    list_tools = calls.awaiting(calls.list_tools)
+    run_tool = calls.awaiting(calls.run_tool)
 
 
 class _Wire(asyncio.BufferedProtocol):

@@ -19,11 +19,15 @@ from ..protocol import (
     FleetDescription,
     FleetSnapshot,
     Generate,
+    ListTools,
     Load,
     Message,
     Request,
+    RunTool,
     ServerEvent,
     Shutdown,
+    ToolList,
+    ToolResult,
     Unload,
     ranked,
 )
@@ -130,6 +134,27 @@ def shutdown(drain_ms: int | None = None) -> Call[None]:
     queued requests end (at most that long), admitting none meanwhile. Raises
     RequestFailedError."""
     return Call(Shutdown(new_request_id(), drain_ms), _nothing)
+
+
+def list_tools() -> Call[ToolList]:
+    """The tools of the user's MCP servers (mcp.json), and a sentence for each server
+    that did not start. Raises RequestFailedError."""
+    return Call(ListTools(new_request_id()), lambda event: _expect(event, ToolList))
+
+
+def run_tool(name: str, arguments: str, timeout_ms: int | None = None) -> Call[ToolResult]:
+    """Run MCP tool ``name`` with ``arguments`` (a JSON object, as text): its result,
+    an error of the tool's included. Raises RequestFailedError."""
+    return Call(RunTool(new_request_id(), name, arguments, timeout_ms),
+                lambda event: _expect(event, ToolResult))
+
+
+E = TypeVar("E")
+
+
+def _expect(event: ServerEvent, kind: type[E]) -> E:
+    assert isinstance(event, kind)
+    return event
 
 
 class _Runs(Protocol):

@@ -125,3 +125,5 @@ class SyncClient:
     load = calls.blocking(calls.load)
     unload = calls.blocking(calls.unload)
     shutdown = calls.blocking(calls.shutdown)
+    list_tools = calls.blocking(calls.list_tools)
+    run_tool = calls.blocking(calls.run_tool)

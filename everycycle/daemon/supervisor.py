@@ -48,14 +48,16 @@ from ..protocol import (
     FleetDescription,
     FleetSnapshot,
     Generate,
+    ListTools,
     Load,
     Priority,
     Request,
+    RunTool,
     Shutdown,
     Subscribe,
     Unload,
 )
-from . import events
+from . import events, mcptools
 from .active import Active
 from .audit import AuditLog
 from .events import Bus, CancelCause, Cancelled, RequestEnded, RequestInput
@@ -138,6 +140,8 @@ class Supervisor:
                                self.readiness)
         self._admission: dict[str, anyio.Lock] = {}
         self._deaths: deque[Engine] = deque()
+        self.mcp = mcptools.host()
+        """The user's MCP servers (mcp.json), started on first use."""
         self._deaths_due: anyio.Event | None = None
 
     @property
@@ -208,6 +212,7 @@ class Supervisor:
         try:
             async with anyio.create_task_group() as tg:
                 self.tasks.attach(tg)
+                self.mcp.group = tg
                 tg.start_soon(self._outputs.serve, self._on_item)
                 tg.start_soon(self.residency.watch_deaths, self._deaths, self._next_death)
                 tg.start_soon(self.residency.reap_idle)
@@ -217,8 +222,10 @@ class Supervisor:
                 await anyio.sleep_forever()
         finally:
             self.tasks.attach(None)
+            self.mcp.group = None
             with anyio.CancelScope(shield=True):
                 await self.close()
+                await self.mcp.close()
 
     def _host_busy(self, endpoint: str) -> bool:
         return self.residency.host_in_use(endpoint) is not None
@@ -248,6 +255,8 @@ class Supervisor:
                 await self._generate(peer, request)
             elif isinstance(request, DescribeFleet):
                 peer.emit(FleetDescription(await self.fleet.snapshot()))
+            elif isinstance(request, ListTools | RunTool):
+                await mcptools.answer(self.mcp, peer, request)
             elif isinstance(request, Subscribe):
                 await self.subscribers.serve(peer, request)
             elif isinstance(request, Cancel):

@@ -59,6 +59,7 @@ from .requests import (
     Unload,
     ranked,
 )
+from .toolhost import HostedTool, ListTools, RunTool, ToolList, ToolResult
 from .validation import (
     MAX_EMBED_INPUTS,
     MAX_IMAGE_BYTES,
@@ -90,9 +91,11 @@ __all__ = [
     "FleetSnapshot",
     "Format",
     "Generate",
+    "HostedTool",
     "Infill",
     "InfillChunk",
     "LineFramer",
+    "ListTools",
     "Load",
     "LoadedModel",
     "LoraScale",
@@ -104,6 +107,7 @@ __all__ = [
     "Progress",
     "Request",
     "Role",
+    "RunTool",
     "ServerEvent",
     "Shutdown",
     "Subscribe",
@@ -114,6 +118,8 @@ __all__ = [
     "ToolCall",
     "ToolCalls",
     "ToolChoice",
+    "ToolList",
+    "ToolResult",
     "TopLogprob",
     "Unload",
     "Usage",

@@ -11,6 +11,7 @@ from typing import ClassVar
 
 from ..errors import ErrorKind
 from .requests import ToolCall
+from .toolhost import ToolList, ToolResult
 from .validation import COUNT, TOKEN_ID_MAX, U32, check_range, check_text, message
 from .validation import validate_request_id as _validate_request_id
 
@@ -315,11 +316,11 @@ class Notice:
 
 
 ServerEvent = (Accepted | Tokens | FleetDescription | Error | Done | Embeddings | Usage
-               | ToolCalls | Progress | Notice)
+               | ToolCalls | Progress | Notice | ToolList | ToolResult)
 
 EVENTS: dict[str, type[ServerEvent]] = {
     c.__name__: c for c in (Accepted, Tokens, FleetDescription, Error, Done, Embeddings, Usage,
-                            ToolCalls, Progress, Notice)
+                            ToolCalls, Progress, Notice, ToolList, ToolResult)
 }
 
 

@@ -11,6 +11,7 @@ from dataclasses import field
 from ..errors import ProtocolError, TooLargeError
 from . import sampling
 from .sampling import Bias  # noqa: F401 - the extension fields' type, by name
+from .toolhost import ListTools, RunTool
 from .validation import (
     CONTEXT,
     DEADLINE,
@@ -483,9 +484,10 @@ class Subscribe:
     types: tuple[str, ...] | None = None
 
 
-Request = Generate | DescribeFleet | Cancel | Load | Unload | Shutdown | Auth | Embed | Subscribe
+Request = (Generate | DescribeFleet | Cancel | Load | Unload | Shutdown | Auth | Embed | Subscribe
+           | ListTools | RunTool)
 
 REQUESTS: dict[str, type[Request]] = {
     c.__name__: c for c in (Generate, DescribeFleet, Cancel, Load, Unload, Shutdown, Auth,
-                            Embed, Subscribe)
+                            Embed, Subscribe, ListTools, RunTool)
 }
