@@ -279,3 +279,48 @@ def test_typing_during_an_answer_is_not_echoed_and_ctrl_c_says_stopped(
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)
+
+
+def test_a_chat_is_saved_and_resume_carries_it_on(spawn_daemon: SpawnDaemon,
+                                                   models_file: Path) -> None:
+    from everycycle import conversations
+
+    spawn_daemon("--audit-prompts")
+    child = spawn_chat(models_file, "--system", "be brief", "-n", "6", "--temperature", "0")
+    try:
+        turn(child, "the first question")
+        turn(child, "the second question")
+        child.expect_exact(">>>")
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    (saved,) = conversations.listed()
+    assert [m.role.value for m in saved.messages] == ["user", "assistant"] * 2
+    assert saved.system == "be brief" and saved.title == "the first question"
+    listing = subprocess.run([*EC, "chat", "--list"], capture_output=True, text=True,
+                             timeout=60, check=False, env={**os.environ, "COLUMNS": "200"})
+    assert saved.id in listing.stdout and "the first question" in listing.stdout
+
+    # --resume: the messages come back on the screen and go with the next turn
+    child = spawn_chat(models_file, "--resume", "-n", "6", "--temperature", "0")
+    try:
+        child.expect_exact(">>> the first question")
+        child.expect_exact(">>> the second question")
+        third = turn(child, "the third question")
+        prompt = third["prompt"]
+        assert isinstance(prompt, list)
+        assert prompt[0] == ["system", "be brief"]
+        assert [p[1] for p in prompt if p[0] == "user"] == [
+            "the first question", "the second question", "the third question"]
+        child.expect_exact(">>>")
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    (again,) = conversations.listed()
+    assert again.id == saved.id and len(again.messages) == 6
+    missing = subprocess.run([*EC, "chat", "--resume-id", "20260101-000000-abcd"],
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert missing.returncode != 0 and "no saved conversation" in missing.stderr
+    assert "Traceback" not in missing.stderr

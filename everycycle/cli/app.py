@@ -11,7 +11,7 @@ import os
 import sys
 import uuid
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -66,6 +66,9 @@ from .render import queued_line
 from .runargs import read_text, tool_fields
 from .stats import RunStats
 from .thinking import Thoughts
+
+if TYPE_CHECKING:
+    from ..conversations import Saved
 
 
 def _version(value: bool) -> None:
@@ -274,6 +277,12 @@ def chat_cmd(
         "--allow", metavar="TOOL", help="Run this tool without asking (repeatable).")] = None,
     yes: Annotated[bool, typer.Option("--yes", help="Run every tool call without asking.")
                    ] = False,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Carry on with the last conversation.")] = False,
+    resume_id: Annotated[str | None, typer.Option(
+        "--resume-id", metavar="ID", help="Carry on with this saved conversation.")] = None,
+    listing: Annotated[bool, typer.Option(
+        "--list", help="List the saved conversations and leave.")] = False,
 ) -> None:
     """Chat with a model: the whole conversation goes with every turn.
 
@@ -281,7 +290,19 @@ def chat_cmd(
     Example:
       everycycle chat --system "Answer in one sentence."
     """
-    _chat(model=model, system=system, max_tokens=max_tokens,
+    if listing:
+        _list_conversations()
+        return
+    resumed = None
+    if resume or resume_id:
+        from .. import conversations
+
+        try:
+            resumed = conversations.load(resume_id) if resume_id else conversations.latest()
+        except EverycycleError as exc:
+            exit_for(exc)
+        model, system = model or resumed.model, system or resumed.system
+    _chat(model=model, system=system, max_tokens=max_tokens, resumed=resumed,
           chosen=sampling_fields(option, temperature=temperature, top_p=top_p, top_k=top_k,
                                  seed=seed),
           no_daemon=no_daemon, offline=offline, models=models, socket=socket,
@@ -291,7 +312,7 @@ def chat_cmd(
 def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
           chosen: dict[str, Any], no_daemon: bool, offline: bool,
           models: Path | None, socket: Path | None, verbose: bool,
-          tools: tuple[tuple[str, ...], bool] | None) -> None:
+          tools: tuple[tuple[str, ...], bool] | None, resumed: Saved | None = None) -> None:
     status = Status(verbose)
     try:
         name = hub_model(model or registry_default(models), models, offline)
@@ -313,7 +334,13 @@ def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
             else:
                 status.clear()
 
-        convo = Conversation(system=system)
+        from ..conversations import Saved
+
+        convo = Conversation(system=system, saved=resumed or Saved(model=name))
+        if resumed is not None:
+            convo.turns = list(resumed.messages)
+            if sys.stdout.isatty():
+                convo.recap(sys.stdout)
         reader = default_reader()
         while True:
             try:
@@ -335,6 +362,16 @@ def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
                 return report(exc)
 
     raise typer.Exit(anyio.run(session))
+
+
+def _list_conversations() -> None:
+    from rich.console import Console
+
+    from ..conversations import listed
+    from .render import conversations_view
+
+    Console().print(conversations_view([(s.id, s.updated, s.model, len(s.messages), s.title)
+                                        for s in listed()]))
 
 
 def _note_if_no_template(name: str, models: Path | None) -> None:

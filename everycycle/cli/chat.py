@@ -18,12 +18,13 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import anyio
 import anyio.to_thread
 
 from .. import paths, statefile
+from ..conversations import Saved
 from ..errors import (
     DaemonUnavailableError,
     ErrorKind,
@@ -83,8 +84,34 @@ class Conversation:
         lead = (Message(Role.SYSTEM, self.system),) if self.system else ()
         return (*lead, *self.turns)
 
+    saved: Saved | None = None
+    """Where it is kept (``chat --resume``); None: not kept."""
+
     def clear(self) -> None:
         self.turns.clear()
+        if self.saved is not None:  # (a new conversation; the old one stays on disk)
+            self.saved = Saved(model=self.saved.model)
+
+    def keep(self) -> None:
+        """Write it to its file; a failure is one line on stderr, and the chat goes on."""
+        if self.saved is None or not self.turns:
+            return
+        self.saved.system, self.saved.messages = self.system, list(self.turns)
+        try:
+            self.saved.save()
+        except (OSError, EverycycleError) as exc:
+            sys.stderr.write(f"everycycle: the conversation was not saved: {exc}\n")
+
+    def recap(self, out: TextIO) -> None:
+        """The conversation so far, as it was shown (a resumed chat)."""
+        for m in self.turns:
+            if m.role is Role.USER:
+                out.write(f"{PROMPT}{m.text}\n")
+            elif m.role is Role.ASSISTANT and m.tool_calls:
+                out.write("".join(f"⚒ {c.name}\n" for c in m.tool_calls))
+            elif m.role is Role.ASSISTANT:
+                out.write(f"{m.text}\n\n")
+        out.flush()
 
 
 class LineReader(Protocol):
@@ -307,6 +334,7 @@ async def chat(client: BaseClient, model: str, *, system: str | None = None,
         code = EXIT_CODES[failed] if failed is not None else 0
         if ok or answer:
             convo.turns.append(Message(Role.ASSISTANT, answer))
+            convo.keep()
         elif len(convo.turns) == asked:
             convo.turns.pop()  # nothing came back: the question is not part of the talk
 

@@ -336,3 +336,20 @@ def mcp_tools_view(rows: Sequence[tuple[str, str, str]]) -> Table:
     if not rows:
         table.caption = "none"
     return table
+
+
+def conversations_view(rows: Sequence[tuple[str, float, str, int, str]]) -> Table:
+    """Saved chats: id, when last updated, model, messages, the first question."""
+    import datetime as dt
+
+    from rich.table import Table
+
+    table = Table(title="Conversations", title_justify="left")
+    for col in ("id", "updated", "model", "messages", "begins"):
+        table.add_column(col)
+    for cid, updated, model, n, title in rows:
+        when = dt.datetime.fromtimestamp(updated).astimezone().strftime("%Y-%m-%d %H:%M")
+        table.add_row(cid, when, model, str(n), title)
+    table.caption = ("none yet: each chat is saved as it goes" if not rows else
+                     "`everycycle chat --resume-id ID` carries one on")
+    return table
