@@ -324,3 +324,61 @@ def test_a_chat_is_saved_and_resume_carries_it_on(spawn_daemon: SpawnDaemon,
                              capture_output=True, text=True, timeout=60, check=False)
     assert missing.returncode != 0 and "no saved conversation" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+MARKDOWN = "Run this:\n\n```python\nprint('hi')\n```\n\nThat is **all**.\n"
+
+
+class Screen:
+    """What a terminal shows (pyte emulates it) of all a child printed, kept as the
+    transcript is (shown if a test fails)."""
+
+    def __init__(self, child: pexpect.spawn) -> None:
+        import pyte
+
+        self.screen = pyte.Screen(200, 40)
+        self._stream = pyte.ByteStream(self.screen)
+        child.logfile_read = self
+
+    def write(self, data: bytes) -> None:
+        self._stream.feed(data)
+        sys.stdout.buffer.write(data)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+    def lines(self) -> list[str]:
+        return [line.rstrip() for line in self.screen.display]
+
+
+def test_answers_are_rendered_as_markdown_on_a_terminal(spawn_daemon: SpawnDaemon,
+                                                        tiny_gguf: Path,
+                                                        tmp_path: Path) -> None:
+    models = tmp_path / "md.toml"
+    models.write_text(f'[models.md]\npath = "{tiny_gguf}"\n'
+                      f"grammar = {json.dumps('root ::= ' + json.dumps(MARKDOWN))}\n")
+    spawn_daemon(models=models)
+    child = spawn_chat(models, "-m", "md", "-n", "64")
+    screen = Screen(child)
+    try:
+        child.expect_exact(">>>")
+        child.sendline("show me")
+        child.expect_exact("all")
+        child.expect_exact(">>>")
+        shown = screen.lines()
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    text = "\n".join(shown)
+    # each block once, rendered: no fences, no asterisks, the code in colour
+    assert text.count("Run this:") == 1 and text.count("print('hi')") == 1, text
+    assert "```" not in text and "**" not in text and "That is all." in text, text
+    (row,) = [i for i, line in enumerate(shown) if "print('hi')" in line]
+    colours = {ch.fg for ch in screen.screen.buffer[row].values() if ch.data.strip()}
+    assert len(colours) > 1, colours  # (highlighted: more than one colour in the line)
+    # a pipe: the text as the model wrote it
+    piped = subprocess.run([*EC, "chat", "--models", str(models), "-m", "md", "-n", "64"],
+                           input="show me\n", capture_output=True, text=True, timeout=120,
+                           check=False)
+    assert piped.stdout.strip() == MARKDOWN.strip(), piped.stdout

@@ -283,6 +283,9 @@ def chat_cmd(
         "--resume-id", metavar="ID", help="Carry on with this saved conversation.")] = None,
     listing: Annotated[bool, typer.Option(
         "--list", help="List the saved conversations and leave.")] = False,
+    plain: Annotated[bool, typer.Option(
+        "--plain", help="Show answers as the model wrote them (no Markdown rendering).")
+                     ] = False,
 ) -> None:
     """Chat with a model: the whole conversation goes with every turn.
 
@@ -302,7 +305,7 @@ def chat_cmd(
         except EverycycleError as exc:
             exit_for(exc)
         model, system = model or resumed.model, system or resumed.system
-    _chat(model=model, system=system, max_tokens=max_tokens, resumed=resumed,
+    _chat(model=model, system=system, max_tokens=max_tokens, resumed=resumed, plain=plain,
           chosen=sampling_fields(option, temperature=temperature, top_p=top_p, top_k=top_k,
                                  seed=seed),
           no_daemon=no_daemon, offline=offline, models=models, socket=socket,
@@ -312,7 +315,8 @@ def chat_cmd(
 def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
           chosen: dict[str, Any], no_daemon: bool, offline: bool,
           models: Path | None, socket: Path | None, verbose: bool,
-          tools: tuple[tuple[str, ...], bool] | None, resumed: Saved | None = None) -> None:
+          tools: tuple[tuple[str, ...], bool] | None, resumed: Saved | None = None,
+          plain: bool = False) -> None:
     status = Status(verbose)
     try:
         name = hub_model(model or registry_default(models), models, offline)
@@ -349,7 +353,8 @@ def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
                     toolbox = None if tools is None else await open_toolbox(
                         client, allow=tools[0], yes=tools[1])
                     return await chat(client, name, options=options, on_loading=loading,
-                                      reader=reader, convo=convo, toolbox=toolbox)
+                                      reader=reader, convo=convo, toolbox=toolbox,
+                                      markdown=not plain and sys.stdout.isatty())
             except DaemonUnavailableError:
                 # The daemon went away between or during answers: the conversation
                 # carries on, on a daemon if one is back, else in this process.

@@ -245,8 +245,10 @@ async def chat(client: BaseClient, model: str, *, system: str | None = None,
                options: dict[str, Any] | None = None,
                reader: LineReader | None = None,
                on_loading: Callable[[str], None] | None = None,
-               convo: Conversation | None = None, toolbox: Toolbox | None = None) -> int:
+               convo: Conversation | None = None, toolbox: Toolbox | None = None,
+               markdown: bool = False) -> int:
     """Converse until the user leaves; the exit code (0, or 130 when interrupted).
+    With ``markdown``, answers are rendered on the terminal as they arrive.
 
     Raises DaemonUnavailableError when the daemon goes away; ``convo`` (pass one to
     carry on with another client) then holds the conversation and the message that
@@ -321,7 +323,7 @@ async def chat(client: BaseClient, model: str, *, system: str | None = None,
                 with unwrap_groups():
                     answer, ok, failed, calls = await _answer(
                         client, model, convo.messages(), {**(options or {}), **tools},
-                        on_loading)
+                        on_loading, markdown)
                 if not (calls and toolbox and ok):
                     break
                 convo.turns.append(assistant_turn(answer, calls))
@@ -340,7 +342,8 @@ async def chat(client: BaseClient, model: str, *, system: str | None = None,
 
 
 async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
-                  options: dict[str, Any], on_loading: Callable[[str], None] | None
+                  options: dict[str, Any], on_loading: Callable[[str], None] | None,
+                  markdown: bool = False
                   ) -> tuple[str, bool, ErrorKind | None, tuple[ToolCall, ...]]:
     """Stream one answer to stdout: (the text shown, whether it finished, the kind of
     the error that ended it unless the user pressed Ctrl-C, the tools it called)."""
@@ -350,6 +353,11 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
                    **options)
     cut: str | None = None
     out = sys.stdout
+    rendered = None
+    if markdown:
+        from .markdown import MarkdownStream
+
+        rendered = MarkdownStream(out)
     shown: list[str] = []
     ok = False
     failed: ErrorKind | None = None
@@ -375,8 +383,11 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
                         if event.chunk.text:
                             thoughts.end(fold=True)  # the answer begins
                             shown.append(event.chunk.text)
-                            out.write(event.chunk.text)
-                            out.flush()
+                            if rendered is not None:
+                                rendered.write(event.chunk.text)
+                            else:
+                                out.write(event.chunk.text)
+                                out.flush()
                         ok = event.finished
                     elif isinstance(event, ToolCalls):
                         calls = event.calls
@@ -392,7 +403,10 @@ async def _answer(client: BaseClient, model: str, messages: tuple[Message, ...],
             finally:
                 tg.cancel_scope.cancel()
     thoughts.end(fold=True)
-    out.write("\n")
+    if rendered is not None:
+        rendered.end()  # (Rich ends each block with its blank line)
+    else:
+        out.write("\n")
     out.flush()
     if interrupt.pressed:
         sys.stderr.write("(stopped)\n")
