@@ -20,7 +20,7 @@ from . import paths, statefile
 from .errors import ConfigError, EverycycleError
 from .protocol import ContentPart, Message, PartType, Role, ToolCall
 
-__all__ = ["Saved", "folder", "latest", "listed", "load"]
+__all__ = ["Saved", "as_json", "folder", "from_json", "latest", "listed", "load"]
 
 ID = re.compile(r"^[0-9]{8}-[0-9]{6}-[0-9a-f]{4}$")
 """A conversation's id: when it began (sortable) and four random hex digits."""
@@ -51,11 +51,40 @@ class Saved:
     def save(self) -> None:
         """Write it whole (atomically). Raises EverycycleError (FileBusyError) or OSError."""
         self.updated = datetime.datetime.now().timestamp()
-        doc = {"id": self.id, "model": self.model, "system": self.system,
-               "created": self.created, "updated": self.updated,
-               "messages": [_message_out(m) for m in self.messages]}
         statefile.write(folder() / f"{self.id}.json",
-                        json.dumps(doc, ensure_ascii=False, indent=1) + "\n")
+                        json.dumps(as_json(self), ensure_ascii=False, indent=1) + "\n")
+
+
+def as_json(saved: Saved) -> dict[str, Any]:
+    """The conversation as its file (and the console's API) has it."""
+    return {"id": saved.id, "model": saved.model, "system": saved.system,
+            "created": saved.created, "updated": saved.updated,
+            "messages": [_message_out(m) for m in saved.messages]}
+
+
+def from_json(doc: Any) -> Saved:
+    """A conversation from its JSON (a file's, or the console's: ``id`` and the times
+    may be absent). Raises ConfigError (ProtocolError for a message that is not one)."""
+    try:
+        if not isinstance(doc, dict) or not isinstance(doc["model"], str):
+            raise ConfigError("a conversation is an object with a `model`")
+        system = doc.get("system")
+        if system is not None and not isinstance(system, str):
+            raise ConfigError("`system` must be a string")
+        if not isinstance(doc["messages"], list):
+            raise ConfigError("`messages` must be a list")
+        saved = Saved(model=doc["model"], system=system,
+                      messages=[_message_in(m) for m in doc["messages"]])
+        if doc.get("id") is not None:
+            if not isinstance(doc["id"], str) or not ID.match(doc["id"]):
+                raise ConfigError(f"'{doc['id']}' is not a conversation id")
+            saved.id = doc["id"]
+        for stamp in ("created", "updated"):
+            if isinstance(doc.get(stamp), int | float):
+                setattr(saved, stamp, float(doc[stamp]))
+        return saved
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"not a conversation: {exc!r}") from None
 
 
 def _new_id() -> str:
@@ -97,15 +126,13 @@ def load(conversation_id: str) -> Saved:
                           "(`everycycle chat --list` shows them)")
     path = folder() / f"{conversation_id}.json"
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        return Saved(model=doc["model"], system=doc.get("system"),
-                     messages=[_message_in(m) for m in doc["messages"]], id=doc["id"],
-                     created=float(doc["created"]), updated=float(doc["updated"]))
+        return from_json(json.loads(path.read_text(encoding="utf-8")))
     except FileNotFoundError:
         raise ConfigError(f"no saved conversation '{conversation_id}' "
                           "(`everycycle chat --list` shows them)") from None
-    except (OSError, ValueError, KeyError, TypeError, EverycycleError) as exc:
-        raise ConfigError(f"{path} is not a saved conversation: {exc}") from None
+    except (OSError, ValueError, EverycycleError) as exc:
+        message = exc.message if isinstance(exc, EverycycleError) else str(exc)
+        raise ConfigError(f"{path} is not a saved conversation: {message}") from None
 
 
 def listed() -> list[Saved]:

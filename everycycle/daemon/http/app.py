@@ -27,6 +27,7 @@ from . import (
     adapters,
     anthropic,
     console,
+    consolechat,
     eventstream,
     llamacpp,
     ollama,
@@ -66,6 +67,7 @@ DIALECTS = (
     Registered(eventstream.EventStream),
     Registered(resume.Resume),
     Registered(console.Console),
+    Registered(consolechat.ConsoleChat),
     Registered(adapters.Adapters),
 )
 """Every dialect the daemon speaks; errors elsewhere are OpenAI's."""

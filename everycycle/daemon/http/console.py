@@ -1,6 +1,7 @@
 """The web console, and the routes it (or any client) uses beside the dialects':
 
-    GET  /console/                  the page (webconsole/: index.html, app.js, app.css),
+    GET  /console/                  the page (webconsole/: index.html, app.js, chat.js,
+                                    markdown.js, app.css),
                                     shipped in the package; no CDN, no network
     GET  /v1/fleet                  the FleetSnapshot as JSON (as `fleet --json`)
     POST /v1/requests/{id}/cancel   cancel a request by id (as `everycycle cancel`)
@@ -39,6 +40,8 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'se
        "frame-ancestors 'none'")
 _FILES = {"": ("index.html", "text/html; charset=utf-8"),
           "app.js": ("app.js", "text/javascript; charset=utf-8"),
+          "chat.js": ("chat.js", "text/javascript; charset=utf-8"),
+          "markdown.js": ("markdown.js", "text/javascript; charset=utf-8"),
           "app.css": ("app.css", "text/css; charset=utf-8")}
 
 

@@ -279,97 +279,6 @@ async function blocks(r, sep, each) {
   }
 }
 
-// ------------------------------------------------------------------ chat
-
-const history = [];
-let current = null;
-
-function turn(kind, text) {
-  const t = el("div", { class: "turn " + kind }, text);
-  $("transcript").append(t);
-  $("transcript").scrollTop = $("transcript").scrollHeight;
-  return t;
-}
-
-function imageOf(file) {
-  return new Promise((done, fail) => {
-    const reader = new FileReader();
-    reader.onload = () => done(reader.result);
-    reader.onerror = () => fail(reader.error);
-    reader.readAsDataURL(file);
-  });
-}
-
-async function send(event) {
-  event.preventDefault();
-  const text = $("chat-input").value;
-  const file = $("chat-image").files[0];
-  if (!text.trim() && !file) return;
-  $("chat-input").value = "";
-  $("chat-image").value = "";
-  const content = file ? [{ type: "text", text }, { type: "image_url", image_url: { url: await imageOf(file) } }] : text;
-  history.push({ role: "user", content });
-  turn("user", text + (file ? " [" + file.name + "]" : ""));
-  const answer = turn("assistant", "");
-  const body = el("span", {});
-  let thoughts = null;
-  answer.append(body);
-  $("chat-send").disabled = true;
-  $("chat-stop").disabled = false;
-  const sent = performance.now();
-  let first = 0;
-  let said = "";
-  current = { id: null };
-  try {
-    const r = await api("/v1/chat/completions", { method: "POST", headers: { "content-type": "application/json" },
-      body: JSON.stringify({ model: $("chat-model").value, messages: history, stream: true,
-        stream_options: { include_usage: true } }) });
-    current.id = r.headers.get("x-request-id");
-    $("chat-figures").textContent = "request " + current.id;
-    if (!r.ok) { answer.className = "turn error"; body.textContent = await errorOf(r); history.pop(); return; }
-    let usage = null;
-    await blocks(r, "\n\n", (block) => {
-      if (block.startsWith(": queue_position")) {
-        $("chat-figures").textContent = "request " + current.id + " · queued: " + block.slice(2);
-        return;
-      }
-      if (!block.startsWith("data: ") || block === "data: [DONE]") return;
-      const obj = JSON.parse(block.slice(6));
-      if (obj.error) { answer.className = "turn error"; body.textContent = said + " (" + obj.error.message + ")"; return; }
-      if (obj.usage) usage = obj.usage;
-      const delta = (obj.choices && obj.choices[0] && obj.choices[0].delta) || {};
-      if (delta.reasoning_content) {
-        if (!thoughts) { thoughts = el("details", { class: "thinking" }, el("summary", {}, "thinking")); answer.prepend(thoughts); }
-        thoughts.append(delta.reasoning_content);
-      }
-      if (delta.content) {
-        first = first || performance.now();
-        said += delta.content;
-        body.textContent = said;
-      }
-    });
-    history.push({ role: "assistant", content: said });
-    if (usage) {
-      const secs = first ? (performance.now() - first) / 1000 : 0;
-      $("chat-figures").textContent = "request " + current.id + " · prompt " + usage.prompt_tokens +
-        " tokens (" + ((usage.prompt_tokens_details || {}).cached_tokens || 0) + " cached), generated " +
-        usage.completion_tokens + "; first token " + Math.round((first || performance.now()) - sent) + " ms" +
-        (secs > 0 ? ", " + (usage.completion_tokens / secs).toFixed(1) + " tokens/s" : "");
-    }
-  } catch (err) {
-    answer.className = "turn error";
-    body.textContent = said + " (" + err.message + ")";
-  } finally {
-    $("chat-send").disabled = false;
-    $("chat-stop").disabled = true;
-    current = null;
-  }
-}
-
-async function stop() {
-  if (current && current.id) await cancel(current.id);
-}
-
 // ------------------------------------------------------------------ usage
 
 async function refreshUsage() {
@@ -418,6 +327,7 @@ function usageSoon() {
 
 function start() {
   refreshModels().catch(() => {});
+  startChat().catch(() => {});
   refreshUsage().catch(() => {});
   chart().catch(() => {});
   listen();
@@ -431,8 +341,6 @@ document.addEventListener("DOMContentLoaded", () => {
     $("key-form").hidden = true;
     start();
   });
-  $("chat-form").addEventListener("submit", send);
-  $("chat-stop").addEventListener("click", stop);
   $("pull-form").addEventListener("submit", pull);
   setInterval(() => { if (running) refreshFleet(); }, 1000);
   start();
