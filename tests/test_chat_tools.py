@@ -191,3 +191,22 @@ def test_mcp_commands_keep_the_file_in_the_shape_other_tools_read(tmp_path: Path
     assert broken.returncode != 0 and "is not JSON" in broken.stderr, broken.stderr
     assert "Traceback" not in broken.stderr
     assert os.environ.get("EVERYCYCLE_HOME")  # (all of it in this test's own home)
+
+
+def test_run_with_mcp_keeps_stdout_for_the_answer(spawn_daemon: SpawnDaemon,
+                                                   tool_models: Path, notes: Path) -> None:
+    add_files_server(notes)
+    spawn_daemon("--audit-prompts", models=tool_models)
+    run = [*EC, "run", "--models", str(tool_models), "-m", "reader", "--mcp", "read it"]
+    allowed = subprocess.run([*run, "--allow", "read_text_file"], capture_output=True,
+                             text=True, timeout=180, check=False, stdin=subprocess.DEVNULL)
+    assert allowed.returncode == 0, allowed.stderr
+    assert allowed.stdout == '{"response": "done"}' or allowed.stdout.strip() == "done"
+    assert "⚒ read_text_file (files)" in allowed.stderr and NOTE in allowed.stderr
+    assert tool_said(requests()[-1]) == [NOTE + "\n"]
+    denied = subprocess.run(run, capture_output=True, text=True, timeout=180, check=False,
+                            stdin=subprocess.DEVNULL)
+    assert denied.returncode == 0, denied.stderr
+    assert "read_text_file was denied: no terminal to ask" in denied.stderr
+    assert tool_said(requests()[-1]) == [DENIED]
+    assert denied.stdout == allowed.stdout

@@ -6,6 +6,7 @@ Nothing heavy is imported at start: llama_cpp only on the embedded path.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -30,7 +31,9 @@ from ..protocol import (
     Progress,
     Role,
     Tokens,
+    ToolCall,
     ToolCalls,
+    ToolChoice,
     Usage,
     encode,
 )
@@ -118,6 +121,13 @@ def run(
     image: Annotated[list[Path] | None, typer.Option(
         "--image", metavar="FILE", help="An image for a vision model to read (PNG, JPEG, "
         "WebP, GIF; repeatable), before the prompt.")] = None,
+    mcp: Annotated[bool, typer.Option(
+        "--mcp", help="Offer the MCP servers' tools (mcp.json); each call asks on the "
+        "terminal, and without one is denied unless --allow/--yes allow it.")] = False,
+    allow: Annotated[list[str] | None, typer.Option(
+        "--allow", metavar="TOOL", help="With --mcp: run this tool without asking.")] = None,
+    yes: Annotated[bool, typer.Option("--yes", help="With --mcp: run every call without "
+                                      "asking.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the ServerEvent lines.")]
     = False,
     background: Annotated[bool, typer.Option(
@@ -154,8 +164,11 @@ def run(
         name = hub_model(model or registry_default(models), models, offline)
         if image and raw:
             fail("usage: --image needs the chat template (not --raw)", 2)
+        if mcp and (raw or tools):
+            fail("usage: --mcp needs the chat template and its own tools (not --raw or "
+                 "--tools)", 2)
         turn = tool_fields(tools, tool_choice, with_images(text, image))
-        if image and not turn:
+        if (image or mcp) and not turn:
             turn = {"messages": (Message(Role.USER, with_images(text, image)),)}
         req = Generate(
             request_id=uuid.uuid4().hex, model=name, prompt=None if turn else text,
@@ -174,14 +187,18 @@ def run(
         exit_for(exc)
     import anyio
 
-    code = anyio.run(_run, req, socket, models, no_daemon, as_json, status, think is True)
+    code = anyio.run(_run, req, socket, models, no_daemon, as_json, status, think is True,
+                     (tuple(allow or ()), yes) if mcp else None)
     raise typer.Exit(code)
 
 
 async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemon: bool,
-               as_json: bool, status: Status, show_thoughts: bool) -> int:
+               as_json: bool, status: Status, show_thoughts: bool,
+               mcp: tuple[tuple[str, ...], bool] | None) -> int:
     import anyio
 
+    from ..tooluse.loop import MAX_ROUNDS, assistant_turn
+    from .chat import open_toolbox
     from .interrupt import Interrupt
 
     out = sys.stdout.buffer
@@ -191,52 +208,81 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
     try:
         async with open_client(socket, models, no_daemon, status) as client:
             stats.begin()
+            toolbox = None if mcp is None else await open_toolbox(
+                client, allow=mcp[0], yes=mcp[1], announce=False)
+            if toolbox is not None:
+                req = dataclasses.replace(req, tools=toolbox.offered)
+            elif mcp is not None:
+                sys.stderr.write("everycycle: --mcp: no MCP tools to offer (`everycycle "
+                                 "mcp add` adds a server)\n")
             status.show("loading…")
+            async def stream(req: Generate) -> tuple[int, str, tuple[ToolCall, ...]]:
+                """One request's events shown: (its exit code, its text, its calls)."""
+                result, said = 0, []
+                calls: tuple[ToolCall, ...] = ()
+                async for event in client.request(req):
+                    if as_json:
+                        out.write(encode(event))
+                        out.flush()
+                    if isinstance(event, Accepted):
+                        if event.queue_position:
+                            status.show(queued_line(event))
+                        else:
+                            status.show("generating…")
+                    elif isinstance(event, Progress):
+                        status.show(f"reading the prompt: {event.processed:,} of "
+                                    f"{event.total:,} tokens")
+                    elif isinstance(event, Tokens):
+                        status.clear()
+                        stats.tokens(event)
+                        if show_thoughts and not as_json:
+                            thoughts.write(event.chunk.reasoning or "")
+                        said.append(event.chunk.text)
+                        if not as_json and event.chunk.text:
+                            thoughts.end(fold=False)
+                            out.write(event.chunk.text.encode("utf-8"))
+                            out.flush()
+                    elif isinstance(event, ToolCalls):
+                        calls = event.calls
+                        if toolbox is None and not as_json:  # (--tools: printed, not run)
+                            for call in event.calls:
+                                out.write(json.dumps(
+                                    {"id": call.id, "name": call.name,
+                                     "arguments": json.loads(call.arguments)},
+                                    ensure_ascii=False).encode() + b"\n")
+                            out.flush()
+                    elif isinstance(event, Usage):
+                        stats.usage = event
+                    elif isinstance(event, Error):
+                        status.clear()
+                        if interrupt.pressed:
+                            result = EXIT_INTERRUPTED
+                        else:
+                            sys.stderr.write(f"everycycle: {event.kind.value}: "
+                                             f"{event.message}\n")
+                            result = EXIT_CODES[event.kind]
+                return result, "".join(said), calls
+
             async with anyio.create_task_group() as tg:
                 await tg.start(interrupt.watch, client, req.request_id)
                 result = 0
                 try:
-                    async for event in client.request(req):
-                        if as_json:
-                            out.write(encode(event))
-                            out.flush()
-                        if isinstance(event, Accepted):
-                            if event.queue_position:
-                                status.show(queued_line(event))
-                            else:
-                                status.show("generating…")
-                        elif isinstance(event, Progress):
-                            status.show(f"reading the prompt: {event.processed:,} of "
-                                        f"{event.total:,} tokens")
-                        elif isinstance(event, Tokens):
-                            status.clear()
-                            stats.tokens(event)
-                            if show_thoughts and not as_json:
-                                thoughts.write(event.chunk.reasoning or "")
-                            if not as_json and event.chunk.text:
-                                thoughts.end(fold=False)
-                                out.write(event.chunk.text.encode("utf-8"))
-                                out.flush()
-                        elif isinstance(event, ToolCalls) and not as_json:
-                            for call in event.calls:
-                                out.write(json.dumps({"id": call.id, "name": call.name,
-                                                      "arguments": json.loads(call.arguments)},
-                                                     ensure_ascii=False).encode() + b"\n")
-                            out.flush()
-                        elif isinstance(event, Usage):
-                            stats.usage = event
-                        elif isinstance(event, Error):
-                            status.clear()
-                            if interrupt.pressed:
-                                result = EXIT_INTERRUPTED
-                            else:
-                                sys.stderr.write(f"everycycle: {event.kind.value}: "
-                                                 f"{event.message}\n")
-                                result = EXIT_CODES[event.kind]
+                    for round_ in range(MAX_ROUNDS + 1):
+                        result, text, calls = await stream(req)
+                        if toolbox is None or not calls or result:
+                            break
+                        status.clear()
+                        answers = [await toolbox.run(call) for call in calls]
+                        last = round_ == MAX_ROUNDS - 1  # (the model must answer now)
+                        req = dataclasses.replace(
+                            req, request_id=uuid.uuid4().hex, messages=(
+                                *(req.messages or ()), assistant_turn(text, calls), *answers),
+                            tool_choice=ToolChoice.NONE if last else req.tool_choice)
+                        interrupt.target = req.request_id
                 except BrokenPipeError:
                     # The reader went away (`| head`): cancel on the daemon, exit quietly.
                     with anyio.move_on_after(2, shield=True):
-                        await client.cancel_if_active(req.request_id)
+                        await client.cancel_if_active(interrupt.target)
                     _silence_stdout()
                     result = 0
                 except EverycycleError as exc:  # e.g. the daemon died mid-stream

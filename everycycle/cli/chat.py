@@ -219,8 +219,8 @@ async def ask_on_terminal(question: str) -> str:
     return answer
 
 
-async def open_toolbox(client: BaseClient, *, allow: tuple[str, ...], yes: bool
-                       ) -> Toolbox | None:
+async def open_toolbox(client: BaseClient, *, allow: tuple[str, ...], yes: bool,
+                       announce: bool = True) -> Toolbox | None:
     """The daemon's MCP tools for this chat (None when the user configured none, or
     they cannot be had: said in one line, and the chat goes on without them)."""
     toolbox = Toolbox(client, sys.stderr, allow=allow, yes=yes,
@@ -230,7 +230,7 @@ async def open_toolbox(client: BaseClient, *, allow: tuple[str, ...], yes: bool
     except EverycycleError as exc:
         sys.stderr.write(f"everycycle: no tools in this chat: {exc.message}\n")
         return None
-    if toolbox.tools and sys.stdin.isatty():
+    if toolbox.tools and announce and sys.stdin.isatty():
         servers = sorted({t.server for t in toolbox.tools.values()})
         sys.stderr.write(f"Tools: {len(toolbox.tools)} from {', '.join(servers)} "
                          "(/tools lists them; each call asks you first).\n")

@@ -18,6 +18,8 @@ class Interrupt:
 
     def __init__(self) -> None:
         self.pressed = False
+        self.target = ""
+        """The request a Ctrl-C cancels (the next one, after a tool round)."""
 
     async def watch(self, client: BaseClient, request_id: str, *,
                     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -25,8 +27,9 @@ class Interrupt:
         """Until cancelled: each SIGINT cancels ``request_id`` (quietly if it just ended).
         Start it with ``tg.start``: it is listening once that returns, so a Ctrl-C while
         the model still loads cancels the request too."""
+        self.target = request_id
         with anyio.open_signal_receiver(signal.SIGINT) as signals:
             task_status.started()
             async for _ in signals:
                 self.pressed = True
-                await client.cancel_if_active(request_id)
+                await client.cancel_if_active(self.target)
