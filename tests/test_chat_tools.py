@@ -92,9 +92,13 @@ def ask_and_answer(child: pexpect.spawn, text: str, answer: str) -> None:
 def test_a_chat_asks_before_each_call_and_the_result_reaches_the_model(
         spawn_daemon: SpawnDaemon, tool_models: Path, notes: Path) -> None:
     add_files_server(notes)
+    assert mcp("add", "broken", "--", "/nonexistent/mcp-server").returncode == 0
     spawn_daemon("--audit-prompts", models=tool_models)
     child = spawn_chat(tool_models, "-m", "reader")
     try:
+        # a server that cannot start is one sentence, and the others' tools are offered
+        child.expect_exact("MCP server 'broken' did not start (/nonexistent/mcp-server): "
+                           "its command was not found", timeout=120)
         child.expect(r"Tools: 14 from files", timeout=120)
         # allow once: the call runs, its result is shown (folded) and goes to the model
         ask_and_answer(child, "read my note", "y")
