@@ -24,8 +24,8 @@ from test_agents import _need
 from test_chat import requests, spawn_chat
 from tinyagent import write_tiny_bpe_gguf
 
+from everycycle.cli.toolloop import DENIED
 from everycycle.models.registry import load_registry, local_file
-from everycycle.tooluse.loop import DENIED
 
 pytestmark = pytest.mark.agents
 NOTE = "hello from a note file"

@@ -12,16 +12,17 @@ import pytest
 import everycycle
 
 ROOT = Path(everycycle.__file__).parent
-GROUND = {"protocol", "errors", "paths", "sockets", "mailbox", "statefile"}
+GROUND = {"protocol", "errors", "paths", "sockets", "mailbox", "statefile", "conversations"}
 # Which layers each layer may import (the ground is open to all of them).
 ALLOWED = {
-    "cli": {"client", "daemon", "chatfmt", "hardware", "models"},  # never the engine
+    "cli": {"client", "daemon", "chatfmt", "hardware", "models", "tooluse"},  # never the engine
     "client": {"daemon", "models"},  # embedded mode: the one place a client reaches down
-    "daemon": {"engine", "chatfmt", "hardware", "models"},
+    "daemon": {"engine", "chatfmt", "hardware", "models", "tooluse"},
     "engine": {"chatfmt", "hardware"},
     "chatfmt": set(),  # chat formatting: pure Python, no llama.cpp
     "hardware": set(),  # executors, placement, GGUF headers, CPU kernels, RPC
     "models": set(),
+    "tooluse": set(),  # the user's MCP servers: mcp.json, and running them (the MCP SDK)
 }
 
 

@@ -197,9 +197,9 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
                mcp: tuple[tuple[str, ...], bool] | None) -> int:
     import anyio
 
-    from ..tooluse.loop import MAX_ROUNDS, assistant_turn
     from .chat import open_toolbox
     from .interrupt import Interrupt
+    from .toolloop import MAX_ROUNDS, assistant_turn
 
     out = sys.stdout.buffer
     interrupt = Interrupt()

@@ -44,11 +44,11 @@ from ..protocol import (
     ToolChoice,
     Usage,
 )
-from ..tooluse.loop import MAX_ROUNDS, Toolbox, assistant_turn
 from .common import EXIT_CODES, image_part, with_images
 from .interrupt import Interrupt
 from .render import queued_line
 from .thinking import Thoughts
+from .toolloop import MAX_ROUNDS, Toolbox, assistant_turn
 
 if TYPE_CHECKING:
     from ..client.aio import BaseClient

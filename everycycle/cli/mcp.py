@@ -21,7 +21,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON, not a table."
 
 @mcp_app.command("add", context_settings={"allow_interspersed_args": False})
 def add_cmd(
-    name: Annotated[str, typer.Argument(help="The server's name.")],
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The server's name.")],
     command: Annotated[list[str], typer.Argument(
         metavar="COMMAND [ARGS]...", help="The command that runs it on stdio (after --).")],
     env: Annotated[list[str] | None, typer.Option(
@@ -32,7 +32,7 @@ def add_cmd(
 
     \b
     Example:
-      everycycle mcp add files -- npx -y @modelcontextprotocol/server-filesystem ~/notes
+      everycycle mcp add memory -- npx -y @modelcontextprotocol/server-memory
     """
     from ..tooluse.config import McpServer, add, config_file
 
@@ -55,8 +55,14 @@ def add_cmd(
 
 
 @mcp_app.command("rm")
-def rm_cmd(name: Annotated[str, typer.Argument(help="The server's name.")]) -> None:
-    """Remove an MCP server from mcp.json."""
+def rm_cmd(name: Annotated[str, typer.Argument(metavar="NAME", help="The server's name.")]
+           ) -> None:
+    """Remove an MCP server from mcp.json.
+
+    \b
+    Example:
+      everycycle mcp rm memory
+    """
     from ..tooluse.config import config_file, remove
 
     try:
@@ -68,7 +74,12 @@ def rm_cmd(name: Annotated[str, typer.Argument(help="The server's name.")]) -> N
 
 @mcp_app.command("list")
 def list_cmd(as_json: JsonOpt = False) -> None:
-    """The configured MCP servers (mcp.json); nothing is started."""
+    """The configured MCP servers (mcp.json); nothing is started.
+
+    \b
+    Example:
+      everycycle mcp list --json
+    """
     from ..tooluse.config import load
 
     try:
@@ -92,7 +103,12 @@ def list_cmd(as_json: JsonOpt = False) -> None:
 def tools_cmd(as_json: JsonOpt = False, no_daemon: NoDaemonOpt = False,
               models: ModelsOpt = None, socket: SocketOpt = None) -> None:
     """The tools the MCP servers offer (the daemon starts them; servers that fail to
-    start are named on stderr)."""
+    start are named on stderr, and the exit code is 1).
+
+    \b
+    Example:
+      everycycle mcp tools
+    """
     import anyio
 
     async def listed() -> tuple[list[tuple[str, str, str]], list[str]]:

@@ -1,3 +1,3 @@
-"""Tools in chat: the user's MCP servers (``mcp.json``), run by the daemon
-(``host``), and the loop a chat runs with them, asking its user before each call
-(``loop``)."""
+"""The user's MCP servers: ``mcp.json`` (``config``) and running them for the daemon
+(``host``). The loop a chat runs with their tools, asking its user before each call, is
+the CLI's (``cli/toolloop.py``) and the console's (``webconsole/chat.js``)."""
