@@ -31,9 +31,10 @@ from tinymodel import write_tiny_gguf
 
 from everycycle.client import SyncClient
 from everycycle.engine.draftmodel import Ask, DraftLimits, DraftModel
-from everycycle.engine.drafts import PROBE, REST_FIRST, Drafter, Pace
+from everycycle.engine.drafts import PROBE, Drafter
 from everycycle.engine.jobs import Job, JobSpec, Sampling
 from everycycle.engine.lookup import Acceptance
+from everycycle.engine.pace import REST_FIRST, Pace
 from everycycle.engine.runner import Runner
 from everycycle.engine.slots import Run
 from everycycle.engine.stepcost import Costs, Rows, StepCost

@@ -18,8 +18,10 @@ drafts.py     drafts in a step's batch (the tokens a grammar forces, prompt look
 draftmodel.py a draft model beside the model: its vocabulary checked, greedy drafts
 lookup.py     prompt-lookup drafts (no llama.cpp)
 stepcost.py   what a step costs by rows and micro-batches, as measured (no llama.cpp)
-probes.py     the load-time batch probe (exactness, step timings), and the CPU-kernel
-              probe's child (``python -m everycycle.engine.probes``)
+probes.py     the load-time batch probe (exactness, step timings)
+kernelprobe.py the CPU-kernel probe's child (``python -m everycycle.engine.kernelprobe``)
+batchrow.py   a llama_batch's rows, written one at a time
+pace.py       a slot's pace with the draft model (its drafts' rate, its rest)
 jobs.py       Job in, Outputs out, stop strings and held-back text
 vocab.py      a loaded model's vocabulary, and llama.cpp's own chat-template renderer
 tokencache.py a long chat prompt tokenized by its pieces, each long one once

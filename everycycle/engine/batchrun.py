@@ -12,11 +12,11 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
+from .batchrow import put
 from .jobs import Job
 from .lora import Adapters
 from .plan import StepPlan
 from .preempt import Preempt
-from .probes import put
 from .stepcost import Costs, ubatches
 
 

@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import InternalError, InvalidRequestError
+from .batchrow import put
 from .jobs import common_prefix
 from .llamaload import create_context, load_model
 from .logits import RowLogits
 from .lookup import Acceptance
-from .probes import put
 from .stepcost import StepCost
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128

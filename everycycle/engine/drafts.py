@@ -24,7 +24,7 @@ from functools import partial
 from typing import Literal
 
 from .draftmodel import Ask, DraftModel
-from .lookup import Acceptance
+from .pace import REST_FIRST, REST_MAX, Pace
 from .plan import Work
 from .slots import Run
 from .stepcost import Costs, Rows
@@ -32,10 +32,6 @@ from .stepcost import Costs, Rows
 FORCED_RATE = 0.95
 """The chance a forced token is the model's choice too: it is, unless the model spells
 the same text with other tokens (llguidance forces the canonical ones)."""
-REST_FIRST = 8
-REST_MAX = 256
-"""Steps a slot rests from model drafts once they stop paying: the first time, and at
-most (each rest that ends in a failed try doubles the next)."""
 PROBE = 2
 """Tokens of the draft a slot tries when a rest ends."""
 CATCH_UP_SHARE = 0.5
@@ -59,21 +55,6 @@ class Draft:
 
 
 NO_DRAFT = Draft([])
-
-
-@dataclass
-class Pace:
-    """A slot's drafting with the draft model: how its drafts do, and its rest."""
-
-    acceptance: Acceptance
-    rest: int = 0
-    """Steps left before it may draft again."""
-    backoff: int = REST_FIRST
-    """The next rest's length."""
-    tried: bool = False
-    """Whether it has drafted since its last rest began, or since it started (else, where
-    no draft the model's rate says pays, it tries a short one: a new request learns its
-    own rate at once, where the model's so far says not to draft)."""
 
 
 class Drafter:

@@ -1,31 +1,18 @@
 """What decoding does on this machine: the load-time probe of a context (are multi-row
-batches bit-exact, what a step costs by row count), and the child of the CPU-kernel probe
-(``python -m everycycle.engine.probes``, run by ``hardware/cpukernels.py``)."""
+batches bit-exact, what a step costs by row count). The CPU-kernel probe's child is
+``kernelprobe.py``."""
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import InternalError
-from ..hardware.cpukernels import FAULT_ENV, write_probe_model
+from .batchrow import put
 from .stepcost import StepCost
-
-
-def put(batch: Any, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
-    """Row ``i`` of a llama_batch: ``token`` at ``pos`` of sequence ``seq``."""
-    batch.token[i] = token
-    batch.pos[i] = pos
-    batch.n_seq_id[i] = 1
-    batch.seq_id[i][0] = seq
-    batch.logits[i] = logits
 
 
 def batch_probe(L: Any, ctx: Any, mem: Any, batch: Any, *, n_vocab: int, n_batch: int,
@@ -77,54 +64,3 @@ def batch_probe(L: Any, ctx: Any, mem: Any, batch: Any, *, n_vocab: int, n_batch
     exact = all(np.array_equal(a, b) and np.array_equal(a, c)
                 for a, b, c in zip(alone, together, pairs, strict=True))
     return exact, StepCost.fit(timed[1:])
-
-
-# ------------------------------------------------------- the CPU-kernel probe's child
-
-
-def _illegal_instruction() -> None:
-    """Execute ``ud2``: the CPU raises #UD, the kernel sends SIGILL."""
-    import ctypes
-    import mmap
-
-    code = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
-    code.write(b"\x0f\x0b")  # ud2
-    address = ctypes.addressof(ctypes.c_char.from_buffer(code))
-    ctypes.CFUNCTYPE(None)(address)()
-
-
-def _kernel_child(folder: Path) -> int:
-    """Load the probe's model with the CPU's extra buffer types on and decode through
-    them; 0 when it ran, 3 when the decode failed (a fault ends the process instead,
-    so the folder, which the parent made, is the parent's to remove)."""
-    from .jobs import Job, JobSpec, Output, Sampling
-    from .runner import Runner
-
-    path = folder / "probe-q4_0.gguf"
-    write_probe_model(path)
-    done = threading.Event()
-    outs: list[Output] = []
-
-    def notify(batch: list[tuple[Job, Output]]) -> None:
-        for _, o in batch:
-            outs.append(o)
-            if o.finished:
-                done.set()
-
-    if os.environ.get(FAULT_ENV) == "sigill":
-        _illegal_instruction()
-    runner = Runner(path, context=256, parallel=1, notify=notify, n_threads=2,
-                    extra_bufts=True, n_batch=64)
-    try:
-        # The load-time probe already decoded 1-, 2-, 4- and 8-row batches; decode a
-        # prompt and a few tokens more, through the slot path.
-        runner.submit(Job(JobSpec(tokens=list(range(3, 40)), max_tokens=4, sampling=Sampling.of(temperature=0.0), lookup=False)))
-        if not done.wait(60) or outs[-1].reason == "error":
-            return 3
-    finally:
-        runner.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_kernel_child(Path(sys.argv[1])))

@@ -16,7 +16,7 @@ from .lookup import PromptLookup
 from .thinking import Thinking
 
 if TYPE_CHECKING:
-    from .drafts import Pace
+    from .pace import Pace
 
 
 def _utf8() -> Any:

@@ -10,7 +10,7 @@ gguf.py        a GGUF file's header read by hand: metadata and where its tensors
 ggufwrite.py   small random-weight GGUFs written with the ``gguf`` package (the CPU-kernel
                probe's model, the tests' tiny models)
 cpukernels.py  whether this CPU runs ggml's extra CPU kernels (AMX, repacked weights): the
-               verdict, its cache and the probe (whose child is ``engine/probes.py``)
+               verdict, its cache and the probe (whose child is ``engine/kernelprobe.py``)
 rpc.py         llama.cpp's RPC backend: serving this host's devices, probing another's
                (in a child process)
 ggmllib.py     the ggml library of llama-cpp-python, opened without importing llama_cpp
