@@ -43,9 +43,10 @@ class accepted:
         return f"accepted({self.request_id!r}, {self.queue_position})"
 
 
-def readme_block(heading: str, lang: str) -> str:
-    """The first ```LANG block of the README's section ``heading``."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def readme_block(heading: str, lang: str, page: str = "README.md") -> str:
+    """The first ```LANG block of the section ``heading`` of ``page`` (README.md, or a
+    docs/ page): the docs' commands run as written."""
+    readme = (Path(__file__).resolve().parent.parent / page).read_text()
     section = readme[readme.index(heading):]
     start = section.index(f"```{lang}\n") + len(f"```{lang}\n")
     return section[start:section.index("```", start)]

@@ -321,7 +321,7 @@ def test_http_addresses_parse() -> None:
 
 
 def _readme_block(lang: str) -> str:
-    return readme_block('## Use it from any OpenAI client', lang)
+    return readme_block('## Use it from any OpenAI client', lang, 'docs/http.md')
 
 
 def test_the_readme_python_snippet_runs(url: str) -> None:

@@ -576,7 +576,7 @@ def test_the_readme_example_runs(url: str) -> None:
 
     if shutil.which("curl") is None:
         pytest.skip("no curl here")
-    block = readme_block("### llama-server's API, and editor completion", "")
+    block = readme_block("## llama-server's API, and editor completion", "", "docs/http.md")
     line = next(x for x in block.splitlines() if x.startswith("$ curl"))
     out = subprocess.run(shlex.split(line[2:].replace("http://127.0.0.1:11777", url)),
                          capture_output=True, text=True, timeout=60, check=False)

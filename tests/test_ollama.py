@@ -341,7 +341,7 @@ def fuzz_url(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Itera
 
 
 def _readme_block(lang: str) -> str:
-    return readme_block('### The Ollama API', lang)
+    return readme_block('## The Ollama API', lang, 'docs/http.md')
 
 
 def test_the_readme_examples_run(url: str) -> None:

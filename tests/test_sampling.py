@@ -1,5 +1,5 @@
 """The sampling table and what it drives: the protocol's fields, models.toml, the CLI,
-the dialects' names, the README's table, and each parameter's effect through the real
+the dialects' names, docs/models.md's table, and each parameter's effect through the real
 engine (the tiny GGUF on llama.cpp)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from everycycle.models.registry import load_registry
 from everycycle.protocol import Format, Generate, decode_request, encode, sampling
 from everycycle.protocol.sampling import Bias
 
-README = Path(everycycle.__file__).parent.parent / "README.md"
+README = Path(everycycle.__file__).parent.parent / "docs" / "models.md"
 SAMPLE = {"int": 3, "float": 0.5, "strings": ("x", "y"), "biases": (Bias(7, -5.0),)}
 
 
@@ -31,9 +31,9 @@ def test_the_readme_table_is_the_table() -> None:
     text = README.read_text()
     found = re.search(r"<!-- sampling-table[^>]*-->\n(.*?)<!-- /sampling-table -->", text,
                       re.DOTALL)
-    assert found, "README.md lost its sampling-table markers"
+    assert found, "docs/models.md lost its sampling-table markers"
     assert found.group(1) == sampling.markdown(), (
-        "README.md's sampling table differs from the table; paste this:\n"
+        "docs/models.md's sampling table differs from the table; paste this:\n"
         + sampling.markdown())
 
 

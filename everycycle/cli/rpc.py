@@ -58,7 +58,7 @@ def rpc_serve(
     try:
         if not rpc.available():
             fail("this llama.cpp build has no RPC backend: reinstall llama-cpp-python with "
-                 'CMAKE_ARGS="-DGGML_RPC=on" (see README, remote executors)', 2)
+                 'CMAKE_ARGS="-DGGML_RPC=on" (see docs/operations.md, remote executors)', 2)
         found = {e.name: e for e in ex.discover()}
         devices: list[int] = []
         for name in wanted:

@@ -68,7 +68,7 @@ def _proc(name: str, restype: Any, argtypes: list[Any]) -> Any:
     reg = lib.ggml_backend_reg_by_name(b"RPC")
     if not reg:
         raise ConfigError("this llama.cpp build has no RPC backend: reinstall llama-cpp-python "
-                          "with CMAKE_ARGS=\"-DGGML_RPC=on\" (README: remote executors)")
+                          "with CMAKE_ARGS=\"-DGGML_RPC=on\" (docs/operations.md: remote executors)")
     address = lib.ggml_backend_reg_get_proc_address(reg, name.encode())
     if not address:
         raise InternalError(f"the RPC backend has no {name}")

@@ -6,7 +6,7 @@ llama.cpp's samplers applies it. From ``PARAMS`` come the protocol's Generate fi
 and their checks (the seed's six keep their wire places; the others are extensions),
 the models.toml keys, the CLI's ``--temperature``/``--top-p``/``--top-k``/``--seed``
 and ``-o NAME=VALUE``, every dialect's mapping, the engine's defaults and its greedy
-rule, and the README's table (checked by a test). The engine's sampler chain
+rule, and docs/models.md's table (checked by a test). The engine's sampler chain
 (``engine/sampling.py``) reads the values by these constants.
 
 Adding a parameter: a ``Param`` here, in ``PARAMS``, and the line of the engine's
@@ -348,7 +348,7 @@ def from_text(name: str, text: str) -> tuple[str, Any]:
 
 
 def markdown() -> str:
-    """The README's table of sampling parameters."""
+    """docs/models.md's table of sampling parameters."""
     names = {OPENAI: "OpenAI", OLLAMA: "Ollama", ANTHROPIC: "Anthropic",
              RESPONSES: "Responses"}
     head = ("| parameter | type | range | default | HTTP dialects | llama.cpp sampler | "
