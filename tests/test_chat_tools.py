@@ -214,3 +214,53 @@ def test_run_with_mcp_keeps_stdout_for_the_answer(spawn_daemon: SpawnDaemon,
     assert "read_text_file was denied: no terminal to ask" in denied.stderr
     assert tool_said(requests()[-1]) == [DENIED]
     assert denied.stdout == allowed.stdout
+
+
+def test_the_socket_lists_and_runs_tools_for_its_user_only(spawn_daemon: SpawnDaemon,
+                                                           tool_models: Path, notes: Path,
+                                                           tmp_path: Path) -> None:
+    """The reference memory server (npm), its file set through mcp.json's env, driven
+    over the socket's ListTools and RunTool; a TCP key's holder is refused."""
+    import socket
+
+    import anyio
+
+    from everycycle.client import SyncClient
+    from everycycle.client.aio import connect
+    from everycycle.errors import RequestFailedError
+
+    add_files_server(notes)
+    memory_file = tmp_path / "memory.jsonl"
+    added = mcp("add", "memory", "--env", f"MEMORY_FILE_PATH={memory_file}", "--",
+                str(_need("mcp-server-memory")))
+    assert added.returncode == 0, added.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spawn_daemon("--tcp", f"127.0.0.1:{port}", models=tool_models)
+    with SyncClient() as client:
+        listed = client.list_tools()
+        by_server = {t.server for t in listed.tools}
+        assert by_server == {"files", "memory"} and listed.problems == ()
+        made = client.run_tool("create_entities", json.dumps({"entities": [
+            {"name": "everycycle", "entityType": "project",
+             "observations": ["runs MCP servers for chat"]}]}))
+        assert not made.is_error, made.content
+        graph = client.run_tool("read_graph", "{}")
+        assert "runs MCP servers for chat" in graph.content
+        wrong = client.run_tool("read_text_file", json.dumps({"path": "/etc/hostname"}))
+        assert wrong.is_error and "outside allowed directories" in wrong.content
+    assert "runs MCP servers for chat" in memory_file.read_text()
+
+    key = subprocess.run([*EC, "keys", "add", "guest"], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.strip().splitlines()[-1]
+
+    async def as_guest() -> str:
+        async with connect(tcp=("127.0.0.1", port), token=key) as guest:
+            try:
+                await guest.list_tools()
+            except RequestFailedError as exc:
+                return exc.message
+        return "listed"
+
+    assert "only the daemon's own user" in anyio.run(as_guest)

@@ -19,7 +19,7 @@ app.add_typer(mcp_app, name="mcp")
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")]
 
 
-@mcp_app.command("add", context_settings={"allow_interspersed_args": False})
+@mcp_app.command("add")
 def add_cmd(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The server's name.")],
     command: Annotated[list[str], typer.Argument(
@@ -36,8 +36,6 @@ def add_cmd(
     """
     from ..tooluse.config import McpServer, add, config_file
 
-    if command and command[0] == "--":  # (Click keeps it once interspersing is off)
-        command = command[1:]
     if not command:
         exit_for(ConfigError("usage: everycycle mcp add NAME -- COMMAND [ARGS]..."))
     pairs = {}
