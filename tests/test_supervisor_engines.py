@@ -66,7 +66,7 @@ class FakeEngine:
             with self._lock:
                 out = []
                 for job in list(self._jobs):
-                    if job._cancel_reason is not None:
+                    if job.cancel_reason is not None:
                         out.append((job, Output("", (), True, "cancelled")))
                     elif job.n_generated >= job.spec.max_tokens:
                         out.append((job, Output("", (), True, "length")))
@@ -86,7 +86,7 @@ class FakeEngine:
             self._jobs.append(job)
 
     def cancel(self, job: Job, reason: str) -> None:
-        job._cancel_reason = reason
+        job.cancel_reason = reason
 
     def tokenize(self, prompt: str, fmt: Format | None = None) -> list[int]:
         if self.dead is not None:

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
 from .draftmodel import Ask, DraftModel
 from .pace import REST_FIRST, REST_MAX, Pace
-from .plan import Work
+from .plan import DraftSource, Work
 from .slots import Run
 from .stepcost import Costs, Rows
 
@@ -39,7 +38,6 @@ CATCH_UP_SHARE = 0.5
 seen (a new prompt) may make a step: a long prompt is read over several steps."""
 CATCH_UP_MIN = 64
 
-Source = Literal["forced", "lookup", "model"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,7 @@ class Draft:
 
     tokens: list[int]
     rate: float = 0.0
-    source: Source = "lookup"
+    source: DraftSource = "lookup"
     ask: int = 0
 
 
@@ -158,7 +156,7 @@ class Drafter:
             budget *= 2
         return budget
 
-    def verified(self, run: Run, drafted: int, accepted: int, source: Source) -> None:
+    def verified(self, run: Run, drafted: int, accepted: int, source: DraftSource) -> None:
         """``run``'s draft of ``drafted`` tokens had its first ``accepted`` confirmed."""
         run.job.n_drafted += drafted
         run.job.n_draft_accepted += accepted

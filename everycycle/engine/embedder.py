@@ -74,7 +74,7 @@ class Embedder:
 
         def cancelled() -> bool:
             progress()
-            return any(j._cancel_reason for j in jobs)
+            return any(j.cancel_reason for j in jobs)
 
         ranks = self.pooling == POOLING_RANK
         for job in [j for j in jobs if j.spec.rerank != ranks]:

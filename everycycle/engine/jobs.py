@@ -175,7 +175,10 @@ class Job:
     def background(self) -> bool:
         """Whether it gives way to interactive jobs now."""
         return self.spec.background_age is not None and not self.promoted
-    _cancel_reason: str | None = None
+
+    cancel_reason: str | None = None
+    """Why it was asked to stop (``Runner.cancel`` sets it once, under the runner's lock;
+    the step loop ends the job with it within a step)."""
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

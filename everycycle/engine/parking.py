@@ -49,7 +49,7 @@ def parkable(slot: Slot) -> bool:
     job, text only (an image's cells are libmtmd's to lay out)."""
     job = slot.job
     return (job is not None and job.background and not job.spec.images
-            and job._cancel_reason is None)
+            and job.cancel_reason is None)
 
 
 def park(slot: Slot) -> Parked:

@@ -18,6 +18,10 @@ from .jobs import Job
 from .parking import Parked
 from .slots import Run, Slot
 
+DraftSource = Literal["forced", "lookup", "model"]
+"""Where a draft's tokens come from: the tokens a grammar forces, prompt lookup's, a
+draft model's."""
+
 
 @dataclass(eq=False)
 class Work:
@@ -34,7 +38,7 @@ class Work:
     """How many of ``tokens`` are prompt tokens read from ``run.todo`` (0: a decode)."""
     draft: int = 0
     """A decode's draft: the last ``draft`` tokens, after the run's own last token."""
-    source: Literal["forced", "lookup", "model"] = "lookup"
+    source: DraftSource = "lookup"
     """Where the draft comes from (``drafts.Draft.source``)."""
     ask: int = 0
     """Draft model tokens asked for, not made yet (``Drafter.fill`` makes them)."""

@@ -440,8 +440,8 @@ class Runner:
     def cancel(self, job: Job, reason: str) -> None:
         """Ask ``job`` to stop; it ends with ``reason`` within one decode step."""
         with self._cond:
-            if job._cancel_reason is None:
-                job._cancel_reason = reason
+            if job.cancel_reason is None:
+                job.cancel_reason = reason
             self._cond.notify()
 
     def close(self) -> None:

@@ -172,17 +172,17 @@ class StepLoop:
                        or any(s.run for s in self.slots)):
                 inbox.cond.wait()
             for s in self.slots:
-                if s.job is not None and (inbox.closing or s.job._cancel_reason is not None):
+                if s.job is not None and (inbox.closing or s.job.cancel_reason is not None):
                     self._finish(s, out, "cancelled")
             for parked in list(self.parked):
-                if inbox.closing or parked.job._cancel_reason is not None:
+                if inbox.closing or parked.job.cancel_reason is not None:
                     self.parked.remove(parked)
                     self.seating.end_parked(parked)
                     out.append((parked.job, Output("", (), True, "cancelled")))
             kept: deque[Job] = deque()
             embeds: list[Job] = []
             for job in inbox.pending:
-                if inbox.closing or job._cancel_reason is not None:
+                if inbox.closing or job.cancel_reason is not None:
                     out.append((job, Output("", (), True, "cancelled")))
                 elif job.spec.embed_inputs is not None:
                     embeds.append(job)  # needs no slot: its own context
