@@ -20,6 +20,7 @@ from test_chat_tools import NOTE, _call, add_files_server, bpe_gguf, notes, tool
 from test_console import CHROMIUM, browser
 
 from everycycle import conversations
+from everycycle.cli.toolloop import DENIED
 
 __all__ = ["bpe_gguf", "browser", "notes"]  # (fixtures shared with those modules)
 pytestmark = [pytest.mark.agents, pytest.mark.skipif(CHROMIUM is None, reason="no chromium")]
@@ -65,7 +66,7 @@ def test_a_tool_call_waits_for_a_click_and_the_answer_is_rendered_safely(
     assert answer.locator(".code button.copy").count() == 1
 
     # saved as `chat` saves its own; a new page reopens it from the list
-    page.wait_for_function("document.querySelectorAll('#chat-past option').length === 2")
+    page.wait_for_selector("#chat-past option:nth-child(2)", state="attached")
     (saved,) = conversations.listed()
     roles = [m.role.value for m in saved.messages]
     assert roles == ["user", "assistant", "tool", "assistant"], roles
@@ -76,6 +77,14 @@ def test_a_tool_call_waits_for_a_click_and_the_answer_is_rendered_safely(
     again.wait_for_selector("#transcript pre code")
     assert again.locator("#transcript .turn.user").inner_text() == "read my note"
     assert NOTE in again.locator(".turn.tool").inner_text()
+    # Stop while a call waits for its click: the call is denied, the model told so
+    page.fill("#chat-input", "read it again")
+    page.click("#chat-send")
+    page.wait_for_selector(".consent button.deny", timeout=120_000)
+    page.click("#chat-stop")
+    page.wait_for_selector(".turn.tool:has-text('(denied)')")
+    page.wait_for_selector("#chat-send:not([disabled])")
+    assert tool_said(requests()[-1])[-1] == DENIED
     assert problems == []
 
 

@@ -78,7 +78,7 @@ OPEN_WHILE_DRAINING = frozenset({
     "/api/show", "/apply-template", "/tokenize", "/detokenize", "/v1/streams/lookup",
     "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
     "/v1/messages/count_tokens", "/v1/chat/completions/render", "/chat/completions/render",
-    "/v1/completions/render"})
+    "/v1/completions/render", "/v1/conversations"})
 """POST routes that start no work: answered while the daemon drains."""
 
 

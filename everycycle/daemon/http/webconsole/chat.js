@@ -12,6 +12,7 @@ const history = [];    // the conversation, as OpenAI's chat messages
 const allowed = new Set();
 let tools = [];
 let current = null;
+let pendingConsent = null;  // the call waiting for a click: Stop denies it
 let conversationId = null;
 
 document.addEventListener("DOMContentLoaded", () => {
@@ -26,10 +27,10 @@ async function startChat() {
 }
 
 async function loadTools() {
-  const r = await api("/v1/mcp/tools");
-  tools = r.ok ? (await r.json()) : { tools: [], problems: [] };
-  for (const problem of tools.problems) note(problem);
-  tools = tools.tools;
+  const r = await api("/v1/mcp/tools");  // (403 for a key's holder: no tools)
+  const listed = r.ok ? await r.json() : { tools: [], problems: [] };
+  for (const problem of listed.problems) note(problem);
+  tools = listed.tools;
   const servers = [...new Set(tools.map((t) => t.server))];
   $("chat-tools").textContent = tools.length
     ? "tools: " + tools.length + " from " + servers.join(", ") + " (each call asks you first)" : "";
@@ -172,7 +173,8 @@ function figures(usage, sent, first) {
 }
 
 async function stop() {
-  if (current && current.id) await cancel(current.id);
+  if (pendingConsent) pendingConsent("deny");
+  else if (current && current.id) await cancel(current.id);
 }
 
 // ------------------------------------------------------------------ tools
@@ -213,6 +215,7 @@ function consent(box, name) {
   return new Promise((done) => {
     const ask = el("div", { class: "consent" }, "allow " + name + "? ");
     const choose = (how) => {
+      pendingConsent = null;
       ask.remove();
       if (how === "always") allowed.add(name);
       if (how === "deny") box.append(el("div", { class: "muted" }, "(denied)"));
@@ -222,6 +225,7 @@ function consent(box, name) {
       el("button", { type: "button", class: "always", onclick: () => choose("always") }, "Always in this chat"),
       el("button", { type: "button", class: "deny", onclick: () => choose("deny") }, "Deny"));
     box.append(ask);
+    pendingConsent = choose;
   });
 }
 
