@@ -167,7 +167,8 @@ def test_with_no_terminal_a_call_is_denied_unless_allowed(
 
 
 def test_mcp_commands_keep_the_file_in_the_shape_other_tools_read(tmp_path: Path,
-                                                                  notes: Path) -> None:
+                                                                  notes: Path,
+                                                                  models_file: Path) -> None:
     from everycycle.tooluse.config import config_file
 
     add_files_server(notes)
@@ -194,6 +195,12 @@ def test_mcp_commands_keep_the_file_in_the_shape_other_tools_read(tmp_path: Path
     broken = mcp("list")
     assert broken.returncode != 0 and "is not JSON" in broken.stderr, broken.stderr
     assert "Traceback" not in broken.stderr
+    # a chat says so once and goes on without tools
+    chat = subprocess.run([*EC, "chat", "--no-daemon", "--models", str(models_file), "-n",
+                           "4"], input="hello\n", capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert chat.returncode == 0 and chat.stdout.strip(), chat.stderr
+    assert "no tools in this chat:" in chat.stderr and "is not JSON" in chat.stderr
     assert os.environ.get("EVERYCYCLE_HOME")  # (all of it in this test's own home)
 
 

@@ -223,6 +223,14 @@ async def open_toolbox(client: BaseClient, *, allow: tuple[str, ...], yes: bool,
                        announce: bool = True) -> Toolbox | None:
     """The daemon's MCP tools for this chat (None when the user configured none, or
     they cannot be had: said in one line, and the chat goes on without them)."""
+    from ..tooluse import config
+
+    try:
+        if not config.load():
+            return None  # (no mcp.json: nothing to ask the daemon)
+    except EverycycleError as exc:
+        sys.stderr.write(f"everycycle: no tools in this chat: {exc.message}\n")
+        return None
     toolbox = Toolbox(client, sys.stderr, allow=allow, yes=yes,
                       ask=ask_on_terminal if sys.stdin.isatty() else None)
     try:
