@@ -14,10 +14,6 @@ import everycycle
 
 ROOT = Path(everycycle.__file__).parent
 PACKAGES = sorted({p.parent for p in ROOT.rglob("*.py")})
-KNOWN = {"daemon/residency": [["resident", "room"]]}
-"""Circles left for now, each named: room.py types its arguments as resident.py's
-``Resident`` and ``Loading`` (under TYPE_CHECKING) while resident.py calls room's
-functions; a Protocol of what room reads would end it."""
 
 
 def imports(path: Path, package: Path) -> set[str]:
@@ -68,7 +64,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: str(p.relative_to(ROOT.parent)))
 def test_no_import_circle_in_a_package(package: Path) -> None:
     graph = {p.stem: imports(p, package) for p in package.glob("*.py")}
-    assert circles(graph) == KNOWN.get(str(package.relative_to(ROOT)), [])
+    assert circles(graph) == []
 
 
 def test_the_check_sees_a_circle_made_of_typing_and_call_time_imports(tmp_path: Path) -> None:

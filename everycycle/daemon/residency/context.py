@@ -23,7 +23,8 @@ from ...hardware.memory import trained_context
 from ...models.registry import ModelSpec, local_file
 from ..active import Lane
 from . import room
-from .resident import Residency, Resident
+from .loaded import Resident
+from .resident import Residency
 
 
 def raised(need: int, trained: int) -> int:

@@ -41,8 +41,8 @@ from .remote import in_order
 if TYPE_CHECKING:
     from ..active import Active
     from ..lifecycle import Requests
+    from .loaded import Loading, Resident
     from .remote import RemoteHosts
-    from .resident import Loading, Resident
 
 log = logging.getLogger("everycycle.daemon.residency")
 
