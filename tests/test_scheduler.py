@@ -135,7 +135,7 @@ def test_an_image_job_or_a_cancelled_one_is_not_parked() -> None:
     image = Job(JobSpec(tokens=[1], max_tokens=5, images=(b"x",), text="t",
                         background_age=600))
     cancelled = job(background=True)
-    cancelled._cancel_reason = "client"
+    cancelled.cancel_reason = "client"
     slots = [running(0, image, cached=[1]), running(1, cancelled, cached=[2])]
     assert scheduler().admit(slots, [job()], [], NOW).moves == []
 

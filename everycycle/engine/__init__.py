@@ -9,6 +9,7 @@ child.py      the engine process itself: a Runner served over the pipe
               (``python -m everycycle.engine.child``)
 runner.py     a loaded model and its any-thread API (``Runner``)
 steps.py      the engine thread's decode loop: admit, build the batch, decode, sample
+batchdecode.py a step's plan decoded: one llama_decode, stoppable, timed
 slots.py      one decoding slot: its sequence in the KV cache, its job, the text it owes
 sampling.py   llama.cpp's sampler chains for a job
 constraint.py constrained decoding: llguidance's tokenizer for the vocabulary, a

@@ -1,5 +1,5 @@
 """What one engine step does, as plain data: the scheduler decides it (``scheduler.py``),
-the batch runner executes it (``batchrun.py``), and the step applies its results to the
+the batch decoder decodes it (``batchdecode.py``), and the step applies its results to the
 slots (``steps.py``).
 
 A step has two parts. ``Move``s seat jobs on slots: start a pending job, park a

@@ -13,7 +13,7 @@ byte is the ``bool`` the caller reads.
 
 Only a step of background jobs alone is ever stopped (``StepPlan.background``), and only
 while no interactive job waits (one that could not get a slot does not stop steps again
-and again). The step is then undone by the batch runner (``batchrun.py``): a slot changes
+and again). The step is then undone by the batch decoder (``batchdecode.py``): a slot changes
 only once its step has run, so undoing one is removing the cells the step's positions
 may have been stored in (other micro-batches of the step may have been). No sampler ran,
 so sampling, constraints and held-back text are untouched: the jobs go on as if the step

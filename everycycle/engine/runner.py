@@ -8,7 +8,7 @@ own state and explicit inputs:
 - ``Scheduler`` (scheduler.py): each step's decisions as plain data (plan.py) — which
   jobs start, park, resume; which rows the one ``llama_decode`` holds;
 - ``Drafter`` (drafts.py): the drafts a slot proposes, and what they came to;
-- ``BatchRunner`` (batchrun.py): executes a plan, stoppable (``Preempt``), timed;
+- ``BatchDecoder`` (batchdecode.py): decodes a plan, stoppable (``Preempt``), timed;
 - ``Seating`` (seating.py): jobs on and off slots with their KV cells (prompt cache,
   parking, images);
 - ``StepLoop`` (steps.py): the thread's loop, admit → plan → run → apply.
@@ -34,7 +34,7 @@ from ..errors import EverycycleError, InternalError, InvalidRequestError
 from ..hardware import cpukernels
 from ..protocol import Format, Message, Role
 from . import kvdisk, promptcache
-from .batchrun import BatchRunner
+from .batchdecode import BatchDecoder
 from .constraint import Constraints
 from .contract import CacheStats, LoadOptions, Notify, VocabFacts
 from .draftmodel import DraftLimits, DraftModel
@@ -223,7 +223,7 @@ class Runner:
             inbox=self._inbox, drafter=self._drafter, costs=self.costs,
             scheduler=Scheduler(n_batch=n_batch, n_ctx_slot=self.n_ctx_slot,
                                 parallel=parallel, costs=self.costs, drafter=self._drafter),
-            batches=BatchRunner(L, ctx, self._mem, self._batch, self.costs, preempt, adapters),
+            batches=BatchDecoder(L, ctx, self._mem, self._batch, self.costs, preempt, adapters),
             seating=self._seating, notify=notify, n_ctx_slot=self.n_ctx_slot,
             probe=self._probe, embed=self._embed, label=self.label)
         # Guards the model against use from other threads (tokenize) while close() frees it.
@@ -231,7 +231,7 @@ class Runner:
         self._freed = False
         self._chat_format: ChatFormat | None = None
         probed = threading.Event()
-        self._thread = threading.Thread(target=self.loop.run, args=(probed,),
+        self._thread = threading.Thread(target=self.loop.serve, args=(probed,),
                                         name=f"engine:{path.name}", daemon=True)
         self._thread.start()
         probed.wait()

@@ -5,7 +5,7 @@ admit → plan → run → apply.
   scheduler's moves (``Scheduler.admit``: start, park, resume) through ``Seating``;
 - **plan**: ``Scheduler.plan`` lays out the one ``llama_decode`` as a ``StepPlan`` —
   prompt chunks, a row per decoding slot, drafts (``Drafter``) — changing nothing;
-- **run**: ``BatchRunner.run`` decodes it (a background step may stop for an
+- **run**: ``BatchDecoder.decode`` decodes it (a background step may stop for an
   interactive job, and is then undone: its cells removed, the slots untouched);
 - **apply**: the plan is committed to the slots, each slot's next token is chosen from
   its row with its own chain within its grammar (a draft verified row by row), and the
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EverycycleError, InternalError, InvalidRequestError
-from .batchrun import BatchRunner
+from .batchdecode import BatchDecoder
 from .contract import Notify
 from .drafts import Drafter
 from .jobs import Job, Output
@@ -69,7 +69,7 @@ class StepLoop:
 
     def __init__(self, *, L: Any, ctx: Any, vocab: Vocab, logits: RowLogits,
                  samplers: Samplers, slots: list[Slot], inbox: Inbox, scheduler: Scheduler,
-                 batches: BatchRunner, seating: Seating, drafter: Drafter, costs: Costs,
+                 batches: BatchDecoder, seating: Seating, drafter: Drafter, costs: Costs,
                  notify: Notify, n_ctx_slot: int,
                  probe: Callable[[], tuple[bool, StepCost]],
                  embed: Callable[[list[Job], Outputs, Callable[[], None]], None],
@@ -100,7 +100,7 @@ class StepLoop:
         self.lookup_exact = False
         """Whether batches are bit-exact here (probed at start)."""
 
-    def run(self, probed: threading.Event) -> None:
+    def serve(self, probed: threading.Event) -> None:
         """The thread: probe, then step until closed."""
         # Every llama_decode of this context runs on this thread, the probe too: OpenMP
         # keeps a pool per calling thread, and a second pool (more threads than cores)
@@ -142,7 +142,7 @@ class StepLoop:
             self._draft(plan)
         if plan.n:
             try:
-                rc = self.batches.run(plan, self.inbox.pending)
+                rc = self.batches.decode(plan, self.inbox.pending)
             except EverycycleError as exc:
                 # (LoRA scales llama.cpp would not set, before any decode: the step's own
                 # jobs end with why; the engine and its other jobs go on)

@@ -1,4 +1,4 @@
-"""The batch runner: executes a ``StepPlan`` — the batch filled from it, one
+"""The batch decoder: decodes a ``StepPlan`` — the batch filled from it, one
 ``llama_decode`` (a background step stoppable by ``Preempt``), timed into the step
 costs. A slot is not touched here: a step that ran is applied by the loop
 (``Work.commit``); a step stopped is undone by removing the cells its positions may
@@ -20,7 +20,7 @@ from .preempt import Preempt
 from .stepcost import Costs, ubatches
 
 
-class BatchRunner:
+class BatchDecoder:
     """Runs plans on one llama.cpp context, through its one ``llama_batch``."""
 
     def __init__(self, L: Any, ctx: Any, mem: Any, batch: Any, costs: Costs,
@@ -35,7 +35,7 @@ class BatchRunner:
         self.adapters = adapters
         """The model's LoRA adapters (None: it has none)."""
 
-    def run(self, plan: StepPlan, pending: Iterable[Job]) -> int | None:
+    def decode(self, plan: StepPlan, pending: Iterable[Job]) -> int | None:
         """Decode ``plan``; llama_decode's result (0: done), or None when the step was
         stopped for an interactive job in ``pending`` (and undone)."""
         L, batch = self._L, self._batch
