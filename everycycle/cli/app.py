@@ -209,7 +209,8 @@ async def _run(req: Generate, socket: Path | None, models: Path | None, no_daemo
         async with open_client(socket, models, no_daemon, status) as client:
             stats.begin()
             toolbox = None if mcp is None else await open_toolbox(
-                client, allow=mcp[0], yes=mcp[1], announce=False)
+                client, allow=mcp[0], yes=mcp[1], announce=False,
+                on_wait=lambda text: status.show(text) if text else status.clear())
             if toolbox is not None:
                 req = dataclasses.replace(req, tools=toolbox.offered)
             elif mcp is not None:
@@ -397,7 +398,7 @@ def _chat(*, model: str | None, system: str | None, max_tokens: int | None,
                 async with open_client(socket, models, no_daemon, status) as client:
                     status.settle()  # "no daemon: running in-process" stays, on its own line
                     toolbox = None if tools is None else await open_toolbox(
-                        client, allow=tools[0], yes=tools[1])
+                        client, allow=tools[0], yes=tools[1], on_wait=loading)
                     return await chat(client, name, options=options, on_loading=loading,
                                       reader=reader, convo=convo, toolbox=toolbox,
                                       markdown=not plain and sys.stdout.isatty())

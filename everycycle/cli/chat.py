@@ -220,9 +220,11 @@ async def ask_on_terminal(question: str) -> str:
 
 
 async def open_toolbox(client: BaseClient, *, allow: tuple[str, ...], yes: bool,
-                       announce: bool = True) -> Toolbox | None:
+                       announce: bool = True,
+                       on_wait: Callable[[str], None] | None = None) -> Toolbox | None:
     """The daemon's MCP tools for this chat (None when the user configured none, or
-    they cannot be had: said in one line, and the chat goes on without them)."""
+    they cannot be had: said in one line, and the chat goes on without them).
+    ``on_wait`` shows a status while the servers start ("" clears it)."""
     from ..tooluse import config
 
     try:
@@ -233,11 +235,17 @@ async def open_toolbox(client: BaseClient, *, allow: tuple[str, ...], yes: bool,
         return None
     toolbox = Toolbox(client, sys.stderr, allow=allow, yes=yes,
                       ask=ask_on_terminal if sys.stdin.isatty() else None)
+    if on_wait is not None:
+        on_wait("starting MCP servers…")
     try:
-        await toolbox.start()
+        notes = await toolbox.start()
     except EverycycleError as exc:
-        sys.stderr.write(f"everycycle: no tools in this chat: {exc.message}\n")
-        return None
+        notes = [f"everycycle: no tools in this chat: {exc.message}"]
+        toolbox.tools = {}
+    finally:
+        if on_wait is not None:
+            on_wait("")
+    sys.stderr.write("".join(f"{note}\n" for note in notes))
     if toolbox.tools and announce and sys.stdin.isatty():
         servers = sorted({t.server for t in toolbox.tools.values()})
         sys.stderr.write(f"Tools: {len(toolbox.tools)} from {', '.join(servers)} "

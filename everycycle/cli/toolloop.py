@@ -44,16 +44,16 @@ class Toolbox:
         self._yes = yes
         self.tools: dict[str, HostedTool] = {}
 
-    async def start(self) -> None:
-        """Ask the daemon for the tools (starting the user's MCP servers); say which
-        servers did not start. Raises EverycycleError."""
+    async def start(self) -> list[str]:
+        """Ask the daemon for the tools (starting the user's MCP servers); what to tell
+        the user (the servers that did not start). Raises EverycycleError."""
         listed = await self._client.list_tools()
         self.tools = {tool.name: tool for tool in listed.tools}
-        for problem in listed.problems:
-            self._say(f"everycycle: {problem}")
+        notes = [f"everycycle: {problem}" for problem in listed.problems]
         unknown = sorted(self._allowed - set(self.tools))
         if unknown:
-            self._say(f"everycycle: --allow names no tool here: {', '.join(unknown)}")
+            notes.append(f"everycycle: --allow names no tool here: {', '.join(unknown)}")
+        return notes
 
     @property
     def offered(self) -> str | None:
