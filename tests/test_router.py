@@ -137,10 +137,10 @@ def _long_stream(url: str, n: int, out: dict[str, Any], tokens: int = 1500) -> N
     out["ended"] = time.monotonic()
 
 
-def _short(url: str, n: int) -> str:
+def _short(url: str, n: int, content: str = "") -> str:
     with openai_client(url, timeout=120) as client:
         answer = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": f"new request {n}"}],
+            model="tiny", messages=[{"role": "user", "content": content or f"new request {n}"}],
             max_tokens=4)
     return answer.choices[0].finish_reason or ""
 
@@ -226,10 +226,14 @@ def test_a_killed_daemon_costs_only_its_own_streams(binary: str, models: Path) -
         victim.start()
         before = victim.requests_served()
 
+        fresh = itertools.count()
+
         def sent_again() -> bool:
-            _, runs = _spread_streams(router, 1500)
-            for t in runs:
-                t.join(60)
+            # Short requests whose prompts share nothing with any sent before (so the
+            # cache-aware policy sends each to the least loaded daemon, which the revived
+            # one is: the others still hold a long stream each); each ends in seconds.
+            k = next(fresh)
+            assert _short(router.url, k, chr(0x3b1 + k % 24) * 300) in ("length", "stop")
             return victim.requests_served() > before
 
         wait_for(sent_again, "the router to send to the daemon again", timeout=240)
