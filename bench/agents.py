@@ -45,9 +45,9 @@ from everycycle import paths
 from everycycle.client import SyncClient
 from everycycle.daemon.http import anthropic_request, openai_request, responses_request
 from everycycle.daemon.jobbuild import build_job
-from everycycle.engine.contract import LoadOptions
-from everycycle.engine.jobs import common_prefix
-from everycycle.engine.runner import Runner
+from everycycle.engine.core.jobs import common_prefix
+from everycycle.engine.host.contract import LoadOptions
+from everycycle.engine.worker.runner import Runner
 from everycycle.hardware.gguf import read_metadata
 from everycycle.models.registry import ModelSpec, load_registry, local_file
 from everycycle.protocol import Generate

@@ -31,9 +31,9 @@ from pathlib import Path
 import llama_cpp as L
 
 from everycycle import paths
-from everycycle.engine.jobs import Job, JobSpec, Sampling
-from everycycle.engine.llamalog import backend_init
-from everycycle.engine.runner import Runner
+from everycycle.engine.core.jobs import Job, JobSpec, Sampling
+from everycycle.engine.llama.llamalog import backend_init
+from everycycle.engine.worker.runner import Runner
 from everycycle.hardware import cpukernels
 from everycycle.models.registry import load_registry, local_file
 from everycycle.protocol import Format

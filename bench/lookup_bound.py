@@ -19,9 +19,9 @@ import sys
 import threading
 from pathlib import Path
 
-from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
-from everycycle.engine.lookup import MAX_DRAFT, PromptLookup
-from everycycle.engine.runner import Runner
+from everycycle.engine.core.jobs import Job, JobSpec, Output, Sampling
+from everycycle.engine.spec.lookup import MAX_DRAFT, PromptLookup
+from everycycle.engine.worker.runner import Runner
 from everycycle.models.registry import load_registry, local_file
 from everycycle.protocol import Format
 

@@ -30,8 +30,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
-from everycycle.engine.runner import Runner
+from everycycle.engine.core.jobs import Job, JobSpec, Output, Sampling
+from everycycle.engine.worker.runner import Runner
 from everycycle.hardware.ggufwrite import write_lora
 from everycycle.models.registry import load_registry, local_file
 from everycycle.protocol.sampling import Bias

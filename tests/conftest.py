@@ -80,7 +80,7 @@ def tiny_batches_exact(tiny_gguf: Path) -> bool:
     computation with another for equality relies on this verdict and says so."""
     from enginehelp import Collector
 
-    from everycycle.engine.runner import Runner
+    from everycycle.engine.worker.runner import Runner
 
     runner = Runner(tiny_gguf, context=256, parallel=1, notify=Collector())
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from everycycle.engine.jobs import Job, Output
+from everycycle.engine.core.jobs import Job, Output
 
 
 @dataclass

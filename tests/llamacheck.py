@@ -10,7 +10,7 @@ from typing import Any
 
 from templatehelp import SMOLLM2
 
-from everycycle.engine.constraint import Constraints
+from everycycle.engine.worker.constraint import Constraints
 from everycycle.errors import InvalidRequestError
 
 

@@ -29,7 +29,7 @@ from daemonhelp import daemon_process
 from httphelp import fleet_http, openai_client
 
 from everycycle.chatfmt import constraint
-from everycycle.engine.runner import Runner
+from everycycle.engine.worker.runner import Runner
 from everycycle.errors import InvalidRequestError
 
 SUITE = Path(__file__).parent / "data" / "jsonschema-suite"

@@ -14,7 +14,7 @@ from modelshelp import Entry, models_toml
 
 from everycycle.client import connect
 from everycycle.daemon.supervisor import Limits
-from everycycle.engine.runner import Runner
+from everycycle.engine.worker.runner import Runner
 from everycycle.errors import ErrorKind, RequestFailedError
 from everycycle.protocol import (
     Error,

@@ -30,14 +30,14 @@ from modelshelp import Entry, models_toml
 from tinymodel import write_tiny_gguf
 
 from everycycle.client import SyncClient
-from everycycle.engine.draftmodel import Ask, DraftLimits, DraftModel
-from everycycle.engine.drafts import PROBE, Drafter
-from everycycle.engine.jobs import Job, JobSpec, Sampling
-from everycycle.engine.lookup import Acceptance
-from everycycle.engine.pace import REST_FIRST, Pace
-from everycycle.engine.runner import Runner
-from everycycle.engine.slots import Run
-from everycycle.engine.stepcost import Costs, Rows, StepCost
+from everycycle.engine.core.jobs import Job, JobSpec, Sampling
+from everycycle.engine.core.slots import Run
+from everycycle.engine.core.stepcost import Costs, Rows, StepCost
+from everycycle.engine.spec.draftmodel import Ask, DraftLimits, DraftModel
+from everycycle.engine.spec.drafts import PROBE, Drafter
+from everycycle.engine.spec.lookup import Acceptance
+from everycycle.engine.spec.pace import REST_FIRST, Pace
+from everycycle.engine.worker.runner import Runner
 from everycycle.errors import ConfigError, InvalidRequestError
 from everycycle.models.drafting import parse
 from everycycle.protocol import Format, Tokens, Usage

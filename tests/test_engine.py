@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from enginehelp import Collector
 
-from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
-from everycycle.engine.llamalog import log_capture
-from everycycle.engine.runner import Runner
-from everycycle.engine.stepcost import StepCost
+from everycycle.engine.core.jobs import Job, JobSpec, Output, Sampling
+from everycycle.engine.core.stepcost import StepCost
+from everycycle.engine.llama.llamalog import log_capture
+from everycycle.engine.worker.runner import Runner
 from everycycle.errors import InvalidRequestError
 from everycycle.protocol import Format
 

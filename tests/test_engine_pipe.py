@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from everycycle.engine.contract import (
+from everycycle.engine.host.contract import (
     Heartbeat,
     JobOutput,
     MessageReader,

@@ -244,7 +244,7 @@ def test_fifty_crashes_leave_no_fds_threads_or_memory_behind(
 
 
 def test_the_supervisor_module_does_not_import_llama_cpp() -> None:
-    code = ("import sys, everycycle.daemon.supervisor, everycycle.engine.process; "
+    code = ("import sys, everycycle.daemon.supervisor, everycycle.engine.host.process; "
             "print('llama_cpp' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

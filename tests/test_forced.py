@@ -12,11 +12,11 @@ import pytest
 from enginehelp import Collector
 
 from everycycle.chatfmt import constraint
-from everycycle.engine.drafts import NO_DRAFT, Draft, Drafter
-from everycycle.engine.jobs import Job, JobSpec, Sampling
-from everycycle.engine.runner import Runner
-from everycycle.engine.slots import Run
-from everycycle.engine.stepcost import Rows, StepCost
+from everycycle.engine.core.jobs import Job, JobSpec, Sampling
+from everycycle.engine.core.slots import Run
+from everycycle.engine.core.stepcost import Rows, StepCost
+from everycycle.engine.spec.drafts import NO_DRAFT, Draft, Drafter
+from everycycle.engine.worker.runner import Runner
 
 # Long keys, and values the model picks: most of the text is forced.
 SCHEMA = {

@@ -111,7 +111,7 @@ def test_no_engine_class_inherits_behaviour_from_another_of_ours() -> None:
 
 
 @pytest.mark.parametrize("module", ["everycycle.models.hub", "everycycle.models.registry",
-                                    "everycycle.engine.runner", "everycycle.engine.process",
+                                    "everycycle.engine.worker.runner", "everycycle.engine.host.process",
                                     "everycycle.chatfmt.chatoutput",
                                     "everycycle.hardware.executors",
                                     "everycycle.hardware.cpukernels", "everycycle.client.sync",

@@ -479,8 +479,8 @@ def test_editor_clients_requests_are_answered_as_they_read_them(url: str, name: 
 
 
 def test_a_completion_ends_with_its_block() -> None:
-    from everycycle.engine.jobs import Job, JobSpec
-    from everycycle.engine.slots import Run
+    from everycycle.engine.core.jobs import Job, JobSpec
+    from everycycle.engine.core.slots import Run
 
     run = Run(Job(JobSpec(tokens=[1], max_tokens=10)))
     assert not run.ends_block("    x = 1", 4)  # (the first line is the cursor's)

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 
 from everycycle import paths
 from everycycle.client import SyncClient
-from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
-from everycycle.engine.lookup import MAX_DRAFT, History, PromptLookup, expected_accepted
-from everycycle.engine.runner import Runner
-from everycycle.engine.stepcost import Rows, StepCost, ubatches
+from everycycle.engine.core.jobs import Job, JobSpec, Output, Sampling
+from everycycle.engine.core.stepcost import Rows, StepCost, ubatches
+from everycycle.engine.spec.lookup import MAX_DRAFT, History, PromptLookup, expected_accepted
+from everycycle.engine.worker.runner import Runner
 from everycycle.hardware import cpukernels
 from everycycle.protocol import Format, Tokens
 
@@ -508,7 +508,7 @@ def test_the_default_model_drafts_a_story_that_repeats_itself() -> None:
 def test_a_prompt_indexed_at_once_is_indexed_as_token_by_token(
         prompt: list[int], more: list[int]) -> None:
     """(the prompt's n-grams are made in bulk: an agent's 20k tokens on the decode thread)"""
-    from everycycle.engine.lookup import PromptLookup
+    from everycycle.engine.spec.lookup import PromptLookup
 
     bulk, one_by_one = PromptLookup(prompt), PromptLookup([])
     for t in prompt:

@@ -21,9 +21,9 @@ from modelshelp import Entry, models_toml
 from tinymodel import write_tiny_gguf, write_tiny_lora
 
 from everycycle.client import SyncClient
-from everycycle.engine.jobs import Job, JobSpec, Output, Sampling
-from everycycle.engine.lora import Adapters
-from everycycle.engine.runner import Runner
+from everycycle.engine.core.jobs import Job, JobSpec, Output, Sampling
+from everycycle.engine.worker.lora import Adapters
+from everycycle.engine.worker.runner import Runner
 from everycycle.errors import InvalidRequestError
 
 PROMPT = "hello world"

@@ -13,8 +13,8 @@ from enginehelp import Collector
 from tinymodel import write_tiny_gguf
 
 from everycycle.client import connect
-from everycycle.engine.jobs import Job, JobSpec, Sampling
-from everycycle.engine.runner import Runner
+from everycycle.engine.core.jobs import Job, JobSpec, Sampling
+from everycycle.engine.worker.runner import Runner
 from everycycle.errors import ConfigError
 from everycycle.hardware.memory import KV_CACHE_TYPES, plan
 from everycycle.models import registry

@@ -16,11 +16,11 @@ import pytest
 from daemonhelp import wait_until
 from enginehelp import Collector
 
-from everycycle.engine.jobs import Job, JobSpec, Sampling
-from everycycle.engine.plan import StepPlan
-from everycycle.engine.preempt import ABORTED, Preempt
-from everycycle.engine.runner import Runner
-from everycycle.engine.stepcost import StepCost
+from everycycle.engine.core.jobs import Job, JobSpec, Sampling
+from everycycle.engine.core.plan import StepPlan
+from everycycle.engine.core.stepcost import StepCost
+from everycycle.engine.worker.preempt import ABORTED, Preempt
+from everycycle.engine.worker.runner import Runner
 
 LONG = ("Once upon a time in a quiet village by the sea there lived an old sailor who "
         "told stories to anyone who would listen, every evening, by the harbour wall. ") * 3

@@ -25,11 +25,11 @@ from modelshelp import Entry, models_toml
 
 from everycycle.client import SyncClient
 from everycycle.daemon.eta import Rates, Work, starts
-from everycycle.engine.jobs import Job, JobSpec, Output, Sampling, common_prefix
-from everycycle.engine.promptcache import Spares
-from everycycle.engine.runner import Runner
-from everycycle.engine.scheduler import BACKGROUND_CHUNK
-from everycycle.engine.stepcost import StepCost
+from everycycle.engine.core.jobs import Job, JobSpec, Output, Sampling, common_prefix
+from everycycle.engine.core.scheduler import BACKGROUND_CHUNK
+from everycycle.engine.core.stepcost import StepCost
+from everycycle.engine.kvcache.promptcache import Spares
+from everycycle.engine.worker.runner import Runner
 from everycycle.errors import ErrorKind
 from everycycle.protocol import Accepted, Error, Generate, Priority, TokenChunk, Tokens, encode
 

@@ -15,8 +15,8 @@ from test_kvdisk import turn
 
 from everycycle import paths
 from everycycle.client import connect
-from everycycle.engine import kvdisk
-from everycycle.engine.promptcache import PromptCache
+from everycycle.engine.kvcache import kvdisk
+from everycycle.engine.kvcache.promptcache import PromptCache
 from everycycle.protocol import Message, Role
 
 

@@ -69,8 +69,8 @@ def llama_scores(path: Path, pairs: list[list[int]]) -> list[float]:
 
 
 def pair_tokens(path: Path, documents: list[str]) -> list[list[int]]:
-    from everycycle.engine.contract import LoadOptions
-    from everycycle.engine.runner import Runner
+    from everycycle.engine.host.contract import LoadOptions
+    from everycycle.engine.worker.runner import Runner
 
     runner = Runner.load(path, LoadOptions(context=512, parallel=1), lambda _: None)
     try:

@@ -14,8 +14,8 @@ import pytest
 from enginehelp import Collector
 
 import everycycle
-from everycycle.engine.jobs import Job, JobSpec, Sampling
-from everycycle.engine.runner import Runner
+from everycycle.engine.core.jobs import Job, JobSpec, Sampling
+from everycycle.engine.worker.runner import Runner
 from everycycle.errors import ConfigError, InvalidRequestError, ProtocolError
 from everycycle.models.registry import load_registry
 from everycycle.protocol import Format, Generate, decode_request, encode, sampling

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from everycycle.engine.drafts import NO_DRAFT, Draft, Drafter
-from everycycle.engine.jobs import Job, JobSpec
-from everycycle.engine.lookup import PromptLookup
-from everycycle.engine.parking import Parked
-from everycycle.engine.plan import Park, Resume, Start, StepPlan, Work
-from everycycle.engine.scheduler import BACKGROUND_CHUNK, Scheduler
-from everycycle.engine.slots import Run, Slot
-from everycycle.engine.stepcost import Costs, Rows, StepCost
+from everycycle.engine.core.jobs import Job, JobSpec
+from everycycle.engine.core.plan import Park, Resume, Start, StepPlan, Work
+from everycycle.engine.core.scheduler import BACKGROUND_CHUNK, Scheduler
+from everycycle.engine.core.slots import Run, Slot
+from everycycle.engine.core.stepcost import Costs, Rows, StepCost
+from everycycle.engine.spec.drafts import NO_DRAFT, Draft, Drafter
+from everycycle.engine.spec.lookup import PromptLookup
+from everycycle.engine.worker.parking import Parked
 
 NOW = 1000.0
 
@@ -268,8 +268,8 @@ class NoCells:
 
 
 def test_a_job_resumed_elsewhere_keys_the_slots_cells_by_its_lora_scales() -> None:
-    from everycycle.engine.parking import resume
-    from everycycle.engine.promptcache import Spares
+    from everycycle.engine.kvcache.promptcache import Spares
+    from everycycle.engine.worker.parking import resume
 
     j = Job(JobSpec(tokens=[1, 2, 3], max_tokens=9, background_age=600, lora=(0.5,)))
     own = running(0, j, cached=[1, 2, 3, 4])

@@ -17,8 +17,8 @@ import pytest
 from everycycle.chatfmt.chat import ChatPrompt
 from everycycle.daemon.keys import LOCAL
 from everycycle.daemon.supervisor import Outcome, Supervisor
-from everycycle.engine.contract import Engine, LoadOptions, Notify
-from everycycle.engine.jobs import Job, Output
+from everycycle.engine.core.jobs import Job, Output
+from everycycle.engine.host.contract import Engine, LoadOptions, Notify
 from everycycle.errors import ErrorKind, InternalError
 from everycycle.models.registry import load_registry
 from everycycle.protocol import (

@@ -20,9 +20,9 @@ from modelshelp import Entry, models_toml
 from tinymodel import write_tiny_gguf
 
 from everycycle.client import SyncClient
-from everycycle.engine.jobs import Job, JobSpec, Sampling
-from everycycle.engine.runner import Runner
-from everycycle.engine.thinking import ThinkBudget, Thinking
+from everycycle.engine.core.jobs import Job, JobSpec, Sampling
+from everycycle.engine.core.thinking import ThinkBudget, Thinking
+from everycycle.engine.worker.runner import Runner
 from everycycle.protocol import Message, Role, ThinkEffort, Tokens, Usage
 
 THINKING = ("{{ bos_token }}{% for message in messages %}"

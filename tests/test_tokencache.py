@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from templatehelp import GEMMA3, SMOLLM2
 
-from everycycle.engine.tokencache import Pieces
-from everycycle.engine.vocab import Vocab
+from everycycle.engine.kvcache.tokencache import Pieces
+from everycycle.engine.llama.vocab import Vocab
 
 DATA = Path(__file__).parent / "data"
 
@@ -131,7 +131,7 @@ def test_the_cache_is_bounded(vocab: Vocab) -> None:
 def test_common_prefix_counts_what_two_prompts_share(
         tokens: list[int], cut: int, differ: bool, kind: type) -> None:
     """(compared block by block: a long agent prompt's 20k tokens against each slot)"""
-    from everycycle.engine.jobs import common_prefix
+    from everycycle.engine.core.jobs import common_prefix
 
     cut = min(cut, len(tokens))
     other = tokens[:cut] + [9] + tokens[cut:] if differ else tokens[:cut]

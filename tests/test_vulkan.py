@@ -139,8 +139,8 @@ async def test_a_failed_allocation_retries_on_fewer_gpu_layers(
     from test_supervisor_engines import Peer, until
 
     from everycycle.daemon.supervisor import Supervisor
-    from everycycle.engine.contract import Engine, LoadOptions, Notify
-    from everycycle.engine.process import EngineProcess
+    from everycycle.engine.host.contract import Engine, LoadOptions, Notify
+    from everycycle.engine.host.process import EngineProcess
     from everycycle.errors import AllocationError
     from everycycle.models.registry import load_registry
     from everycycle.protocol import ErrorKind, Generate, Tokens

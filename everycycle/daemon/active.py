@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import anyio
 
 from ..chatfmt.chatoutput import ChatOutput
-from ..engine.contract import Engine
-from ..engine.jobs import Job
+from ..engine.core.jobs import Job
+from ..engine.host.contract import Engine
 from ..protocol import Embed, Generate, Priority
 from .eta import Work
 from .events import (

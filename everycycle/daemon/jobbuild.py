@@ -16,9 +16,9 @@ from ..chatfmt.chatoutput import ChatOutput
 from ..chatfmt.reasoning import ReasoningFormat
 from ..chatfmt.schemacheck import ArgumentCheck
 from ..chatfmt.tools import ToolFormat
-from ..engine.contract import Engine
-from ..engine.jobs import Job, JobSpec, Sampling
-from ..engine.thinking import ThinkBudget
+from ..engine.core.jobs import Job, JobSpec, Sampling
+from ..engine.core.thinking import ThinkBudget
+from ..engine.host.contract import Engine
 from ..errors import InvalidRequestError, ProtocolError
 from ..models.registry import ModelSpec
 from ..protocol import Embed, Format, Generate, Message, Role, ToolChoice

@@ -25,8 +25,8 @@ from dataclasses import replace
 import anyio
 import anyio.abc
 
-from ..engine.contract import Engine
-from ..engine.jobs import Job, Output
+from ..engine.core.jobs import Job, Output
+from ..engine.host.contract import Engine
 from ..errors import ErrorKind, EverycycleError, RejectedError
 from ..protocol import (
     Accepted,

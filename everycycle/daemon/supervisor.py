@@ -24,8 +24,8 @@ import anyio.to_thread
 from .. import paths
 from ..chatfmt.callgrammar import CallGrammars
 from ..chatfmt.chatoutput import ChatOutput
-from ..engine.contract import Engine
-from ..engine.jobs import Job, Output
+from ..engine.core.jobs import Job, Output
+from ..engine.host.contract import Engine
 from ..errors import (
     ContextOverflowError,
     ErrorKind,

@@ -4,7 +4,7 @@ llama.cpp puts a CPU model's weights in "extra" buffer types when the CPU report
 instructions for them (AMX tiles on recent Xeons, repacked Q4_0/Q4_K for AVX2 and
 NEON). Some CPUs report AMX and fault on it (SIGILL at ``tilezero``, seen under KVM),
 and a fault in the daemon's own process would end every client. So before the first
-load, a child process (``python -m everycycle.engine.kernelprobe``: it decodes through the
+load, a child process (``python -m everycycle.engine.llama.kernelprobe``: it decodes through the
 engine's Runner, so it lives in the engine) loads a small generated GGUF with Q4_0
 weights (``write_probe_model``), extra buffers on, and decodes a batch through them.
 If the child dies by a signal, every model loads with ``use_extra_bufts = false``.
@@ -48,7 +48,7 @@ CRASH_ENV = "EVERYCYCLE_TEST_EXTRA_BUFTS_CRASH"
 die of SIGSEGV, as on an Intel CPU whose AMX kernels fault: the probe's child, an
 engine told to use them, and (through the tests' conftest) any load a test makes in
 its own process."""
-CHILD = "everycycle.engine.kernelprobe"
+CHILD = "everycycle.engine.llama.kernelprobe"
 """The probe's child, run by name: it loads a model through the engine's Runner (this
 module imports nothing of the engine)."""
 CACHE_NAME = "cpu-kernels.json"

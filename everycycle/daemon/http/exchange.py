@@ -35,7 +35,7 @@ import anyio.to_thread
 from starlette.requests import Request as HttpRequest
 from starlette.routing import BaseRoute
 
-from ...engine.contract import Engine
+from ...engine.host.contract import Engine
 from ...errors import ErrorKind, EverycycleError
 from ...mailbox import Mailbox
 from ...models.registry import ModelSpec

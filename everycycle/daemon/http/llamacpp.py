@@ -31,7 +31,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ...engine.contract import Engine
+from ...engine.host.contract import Engine
 from ...errors import EverycycleError
 from ...hardware.gguf import read_metadata
 from ...models.registry import ModelSpec

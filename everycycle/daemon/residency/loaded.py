@@ -9,7 +9,7 @@ from pathlib import Path
 
 import anyio
 
-from ...engine.contract import Engine, LoadOptions
+from ...engine.host.contract import Engine, LoadOptions
 from ...errors import EverycycleError
 from ...hardware import executors as ex
 from ...hardware.memory import MemoryPlan

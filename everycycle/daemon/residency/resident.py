@@ -21,7 +21,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-from ...engine.contract import Engine, LoadOptions, Notify
+from ...engine.host.contract import Engine, LoadOptions, Notify
 from ...errors import (
     ErrorKind,
     EverycycleError,
@@ -275,12 +275,12 @@ class Residency:
                 return self.engine_factory(spec.name, path, options, self._notify,
                                            self._on_death)
             if self.isolate or options.rpc_endpoints:
-                from ...engine.process import EngineProcess
+                from ...engine.host.process import EngineProcess
 
                 return EngineProcess(path, options, notify=self._notify, label=spec.name,
                                      on_death=self._on_death, hang_after=self.hang_after,
                                      readable=self.tasks.readable)
-            from ...engine.runner import Runner
+            from ...engine.worker.runner import Runner
 
             return Runner.load(path, options, self._notify)
         except EverycycleError:

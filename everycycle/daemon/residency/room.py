@@ -27,8 +27,8 @@ import anyio
 import anyio.to_thread
 
 from ... import paths
-from ...engine import promptcache
-from ...engine.contract import Engine, LoadOptions
+from ...engine.host.contract import Engine, LoadOptions
+from ...engine.kvcache import promptcache
 from ...errors import AllocationError, EverycycleError, RejectedError, RequestCancelledError
 from ...hardware import cpukernels
 from ...hardware import executors as ex

@@ -1,0 +1,246 @@
+"""The scheduler: each step's decisions, as plain data (``plan.py``), from plain state.
+
+``admit`` seats jobs: a pending interactive job takes a free slot first, else parks a
+background job to take its slot, so it waits at most one step; a parked job resumes
+before any pending background job; a job parked for longer than its
+``background_age`` is served as interactive. ``plan`` lays out the one
+``llama_decode``: a row per decoding slot, then drafts (``Drafter``; a draft model's
+asked for, its rows held, made once the plan is laid out), then prompt chunks; while
+an interactive job reads its prompt, background jobs sit the step out (its first token
+comes as soon as on an idle engine), and a background prompt reads only as many tokens
+as keep the step short (``background_room``).
+
+Nothing here calls llama.cpp or changes a slot: the step applies what it decides
+(``steps.py``), and tests drive it with plain slots and jobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+from ..spec.drafts import Drafter
+from ..spec.lookup import expected_accepted
+from ..worker.lora import cells
+from ..worker.parking import Parked, parkable
+from .jobs import Job, common_prefix
+from .plan import Move, Park, Resume, Start, StepPlan, Work
+from .slots import Run, Slot, best_slot
+from .stepcost import Costs, Rows
+
+BACKGROUND_CHUNK = 16
+"""Prompt tokens of background jobs read in one step at most (short steps, where none stop)."""
+BACKGROUND_STRETCH = 2.0
+"""How much longer than a decode step of every slot background prompt tokens may make a step."""
+LORA_TURN = 16
+"""Steps one set of LoRA scales keeps the batch while jobs of another set wait: a switch
+reserves llama.cpp's graph again, so sets take turns of several steps, not one each."""
+
+
+@dataclass
+class Admission:
+    """What ``admit`` decided: the moves, in order, and the parked jobs that waited too
+    long (served as interactive from now on)."""
+
+    moves: list[Move] = field(default_factory=list)
+    promote: list[Job] = field(default_factory=list)
+
+
+def victim_rank(slot: Slot, *, tokens: Sequence[int], drained: bool) -> tuple[int, int]:
+    """How fit ``slot``'s background job is to be parked for an interactive job whose
+    prompt is ``tokens`` (the highest is parked). First, the cells it shares with that
+    prompt (a chat template's system turn, say): each is a token the person's first token
+    need not wait for. Then, while other background work waits to take a slot freed
+    early, the fewest cells (the cheapest to copy out); once none waits (``drained``),
+    the least work left: that job finishes before the others even parked, so the batch
+    ends no later for it, where parking the job that ends last makes it end later."""
+    run = slot.run
+    assert run is not None
+    job = run.job
+    left = job.spec.max_tokens - job.n_generated + len(run.todo)
+    return common_prefix(slot.cached, tokens), -left if drained else -run.n_past
+
+
+class Scheduler:
+    """Decides steps for ``parallel`` slots of ``n_ctx_slot`` tokens, batches of
+    ``n_batch`` rows, priced by ``costs``, drafts proposed by ``drafter``."""
+
+    def __init__(self, *, n_batch: int, n_ctx_slot: int, parallel: int, costs: Costs,
+                 drafter: Drafter) -> None:
+        self.n_batch = n_batch
+        self.n_ctx_slot = n_ctx_slot
+        self.parallel = parallel
+        self.costs = costs
+        self.drafter = drafter
+        self.lora: tuple[float, ...] = ()
+        """The LoRA scales the last step ran with."""
+        self._lora_steps = 0
+        """Steps in a row with those scales while another set's jobs waited."""
+
+    def admit(self, slots: Sequence[Slot], pending: Sequence[Job],
+              parked: Sequence[Parked], now: float) -> Admission:
+        """Which jobs start, park and resume on which of ``slots`` now (``now``:
+        ``time.monotonic()``), interactive ones first. Cancelled jobs are gone already."""
+        promote = [p.job for p in parked if p.job.background and
+                   now - p.since >= (p.job.spec.background_age or 0.0)]
+        decided = Admission(promote=promote)
+        running = {s: s.job for s in slots if s.job is not None}
+        holding = {s: s.parked for s in slots}
+        waiting, parked_left = list(pending), list(parked)
+        newly_parked: list[Job] = []
+
+        def background(job: Job) -> bool:
+            return job.background and job not in promote
+
+        while True:
+            free = [s for s in slots if s not in running]
+            resume = next((p for p in parked_left if not background(p.job)), None)
+            start = next((j for j in waiting if not background(j)), None)
+            vacated: Slot | None = None  # (a slot just parked: its cells the parked job's)
+            if resume is None and start is None:  # no interactive job waits
+                if not free:
+                    break
+                if parked_left:
+                    resume = parked_left[0]
+                elif waiting:
+                    start = waiting[0]
+                else:
+                    break
+            elif not free:
+                victims = [s for s in slots if s in running and running[s] is s.job
+                           and parkable(s)]
+                if not victims:
+                    break
+                drained = not any(background(j) for j in [
+                    *waiting, *(p.job for p in parked_left), *newly_parked])
+                tokens = start.spec.tokens if resume is None and start else ()
+                vacated = max(victims, key=partial(victim_rank, tokens=tokens,
+                                                   drained=drained))
+                decided.moves.append(Park(vacated))
+                newly_parked.append(running.pop(vacated))
+                free = [vacated]
+            if resume is not None:
+                slot = self._resume_slot(resume, free, holding, running)
+                decided.moves.append(Resume(resume, slot))
+                parked_left.remove(resume)
+                running[slot] = resume.job
+            else:
+                assert start is not None
+                slot, _ = best_slot(
+                    [s for s in free if holding[s] is None and s is not vacated] or free,
+                    start.spec.tokens, cells(start.spec.lora))
+                decided.moves.append(Start(start, slot))
+                waiting.remove(start)
+                running[slot] = start
+            holding[slot] = None  # (what it held is copied out, or resumed)
+        return decided
+
+    @staticmethod
+    def _resume_slot(parked: Parked, free: Collection[Slot],
+                     holding: dict[Slot, Parked | None], running: Collection[Slot]
+                     ) -> Slot:
+        """Where a parked job resumes: its own slot when still untouched, else one that
+        holds no other parked job's cells, the least recently used."""
+        own = parked.slot
+        if own is not None and own not in running and holding.get(own) is parked:
+            return own
+        return min(free, key=lambda s: (holding[s] is not None, s.used))
+
+    def plan(self, active: Sequence[Slot]) -> StepPlan:
+        """The next ``llama_decode`` for the slots with a job: a token per decoding slot
+        first, then drafts, then prompt chunks."""
+        runs = [(s, s.run) for s in active if s.run is not None]
+        if any(r.todo and not r.job.background for _, r in runs):
+            runs = [(s, r) for s, r in runs if not r.job.background]
+        lora = self._lora_turn([cells(r.job.spec.lora) for _, r in runs],
+                               [cells(r.job.spec.lora) for _, r in runs
+                                if not r.job.background])
+        runs = [(s, r) for s, r in runs if cells(r.job.spec.lora) == lora]
+        plan = StepPlan(lora=lora)
+        n = 0
+        for s, r in runs:
+            if not r.todo:
+                plan.work.append(Work(s, r, r.n_past, [r.last], [], sample=0))
+                n += 1
+        expected = float(n)  # the tokens this step should yield
+        decoding = list(plan.work)
+        # Where every decoding slot has a lookup draft to offer, any may lengthen the
+        # step (the others join its rows: all get ahead together); else only the slot
+        # with the most left may (``Rows.lead``).
+        together = len(decoding) > 1 and all(
+            x.run.lookup is not None and x.run.lookup.ready(self.n_batch) for x in decoding)
+        left = [self._left(x.run) for x in decoding]
+        for at, w in enumerate(decoding):  # drafts after every slot has its row
+            r = w.run
+            if (r.grammar is None and r.lookup is None and r.pace is None) or r.forced or (
+                    r.thinking is not None and not r.thinking.done):
+                continue  # (nothing drafts; or a thinking budget counts token by token)
+            room = min(self.n_batch - n, self.n_ctx_slot - r.n_past - 1,
+                       r.job.spec.max_tokens - r.job.n_generated - 1)
+            rows = Rows(tuple((x.slot.seq, len(x.tokens) + x.ask) for x in decoding), at,
+                        lead=together or all(left[at] > v for i, v in enumerate(left)
+                                             if i != at),
+                        peers=tuple(i for i in range(at + 1, len(decoding))
+                                    if (p := decoding[i].run.pace) is not None
+                                    and not p.rest))
+            draft = self.drafter.propose(r, room, rows, expected)
+            length = len(draft.tokens) or draft.ask
+            if not length:
+                continue
+            expected += expected_accepted(draft.rate, length)
+            w.tokens.extend(draft.tokens)
+            w.draft, w.source, w.ask = len(draft.tokens), draft.source, draft.ask
+            n += length  # (a draft model's rows held for it: it may make fewer)
+        background_room = self.background_room(n)
+        for s, r in runs:
+            if not r.todo or n >= self.n_batch:
+                continue
+            room = self.n_batch - n
+            if r.job.background:
+                room = min(room, background_room)
+                if room <= 0:
+                    continue
+                background_room -= room
+            take = r.todo[:room]
+            n += len(take)
+            plan.work.append(Work(s, r, r.n_past, take, [], prompt=len(take),
+                                  sample=0 if len(take) == len(r.todo) else None))
+        plan.settle()
+        return plan
+
+    def _left(self, run: Run) -> int:
+        """Tokens ``run`` may make yet: to its ``max_tokens``, or its context's end."""
+        return min(self.n_ctx_slot - run.n_past, run.job.spec.max_tokens - run.job.n_generated)
+
+    def _lora_turn(self, sets: Sequence[tuple[float, ...]],
+                   interactive: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
+        """The LoRA scales this step runs (only its jobs are in it): the last step's while
+        its jobs are here, for LORA_TURN steps at most while another set waits, then the
+        next set (an interactive job's first)."""
+        if not sets:
+            return self.lora
+        waiting = [s for s in sets if s != self.lora]
+        if self.lora in sets and (not waiting or self._lora_steps < LORA_TURN) and (
+                not interactive or self.lora in interactive):
+            self._lora_steps = self._lora_steps + 1 if waiting else 0
+            return self.lora
+        self.lora = next((s for s in interactive if s != self.lora), waiting[0])
+        self._lora_steps = 1 if len(set(sets)) > 1 else 0
+        return self.lora
+
+    def background_room(self, rows: int) -> int:
+        """Prompt tokens of background jobs a step of ``rows`` other rows may read: as
+        many as keep it within BACKGROUND_STRETCH times a decode step of every slot (by
+        the measured step costs), at least 1, at most BACKGROUND_CHUNK. A short step: an
+        interactive job arriving waits little for it, or loses little work stopping it."""
+        cost = self.costs.decode
+        base = cost.estimate(max(rows, self.parallel))
+        if base is None:
+            return BACKGROUND_CHUNK
+        room = 1
+        while room < BACKGROUND_CHUNK and (
+                (step := cost.estimate(rows + room + 1)) is not None
+                and step <= BACKGROUND_STRETCH * base):
+            room += 1
+        return room
