@@ -283,7 +283,7 @@ def lookup_ab(sock: Path, k: int, n: int, rounds: int) -> None:
                 SPECULATIVE = True
                 on = await raw_load(sock, k, n)
                 (m,) = (await client.describe_fleet()).loaded_models
-                now = (m.lookup_drafted or 0, m.lookup_accepted or 0)
+                now = m.drafted("lookup")
                 drafts.append(f"{now[1] - seen[1]}/{now[0] - seen[0]}")
                 seen = now
                 SPECULATIVE = False

@@ -112,7 +112,8 @@ def theirs(port: int, model: str, text: str, n: int) -> tuple[float, int, int]:
 def lookup_counts(c: SyncClient, model: str) -> tuple[int, int]:
     """The model's drafted tokens accepted and drafted so far, from the fleet view."""
     m = next(m for m in c.describe_fleet().loaded_models if m.name == model)
-    return m.lookup_accepted, m.lookup_drafted
+    drafted, accepted = m.drafted("lookup")
+    return accepted, drafted
 
 
 def main() -> None:

@@ -33,10 +33,10 @@ from everycycle.client import SyncClient
 from everycycle.engine.core.jobs import Job, JobSpec, Sampling
 from everycycle.engine.core.slots import Run
 from everycycle.engine.core.stepcost import Costs, Rows, StepCost
+from everycycle.engine.spec.drafter import Drafter
 from everycycle.engine.spec.draftmodel import Ask, DraftLimits, DraftModel
-from everycycle.engine.spec.drafts import PROBE, Drafter
 from everycycle.engine.spec.lookup import Acceptance
-from everycycle.engine.spec.pace import REST_FIRST, Pace
+from everycycle.engine.spec.modeldrafts import PROBE, REST_FIRST, ModelDrafts, Pace
 from everycycle.engine.worker.runner import Runner
 from everycycle.errors import ConfigError, InvalidRequestError
 from everycycle.models.drafting import parse
@@ -171,13 +171,14 @@ def test_drafts_are_reported_by_usage_run_v_fleet_and_metrics(url: str) -> None:
     with SyncClient() as c:
         model = next(m for m in c.describe_fleet().loaded_models if m.name == "drafted")
     assert model.draft_model == "small"
-    assert model.draft_drafted and model.draft_accepted and model.draft_accepted > 0
+    counted = {d.method: d for d in model.drafts or ()}
+    assert counted["model"].drafted and counted["model"].accepted > 0
     fleet = subprocess.run([*EC, "fleet"], capture_output=True, text=True, timeout=60,
                            check=False)
-    assert "draft models: drafted by small: " in fleet.stdout + fleet.stderr
+    assert "draft models: drafted by small" in fleet.stdout + fleet.stderr
+    assert "drafts: drafted model " in fleet.stdout + fleet.stderr
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    assert 'everycycle_draft_model_accepted_tokens{draft_model="small",model="drafted"}' \
-        in metrics
+    assert 'everycycle_draft_accepted_tokens{method="model",model="drafted"}' in metrics
 
 
 def test_load_draft_model_loads_it_with_one_and_again_with_another(
@@ -214,7 +215,7 @@ def test_the_draft_model_loads_beside_the_target_and_its_drafts_are_verified(
         got.wait("j")
         assert job.n_generated == 64 and job.n_drafted > 0
         assert job.n_draft_accepted >= 0.9 * job.n_drafted
-        assert runner.draft_drafted == job.n_drafted
+        assert {c.method: c.drafted for c in runner.draft_counts}["model"] == job.n_drafted
     finally:
         runner.close()
 
@@ -273,8 +274,6 @@ class Priced(DraftModel):
     def __init__(self, seconds: float, n_max: int = 4) -> None:
         self.limits = DraftLimits(n_max)
         self.cost = StepCost.fit([(1, seconds)] * 3 + [(2, seconds * 1.2)] * 3)
-        self.acceptance = Acceptance()
-        self.drafted = self.accepted = 0
 
 
 ALONE = Rows(((0, 1),), 0)
@@ -283,8 +282,13 @@ ALONE = Rows(((0, 1),), 0)
 
 def _run(rate: float) -> Run:
     run = Run(Job(JobSpec(tokens=[1, 2, 3], max_tokens=100)))
-    run.pace = Pace(Acceptance(rate * 10, 10.0))
+    run.drafting["model"] = Pace(Acceptance(rate * 10, 10.0))
     return run
+
+
+def _drafter(costs: Costs, model: DraftModel) -> Drafter:
+    """A drafter with the draft model alone."""
+    return Drafter(costs, [ModelDrafts(costs, model)])
 
 
 def _costs(step: float, per_row: float) -> Costs:
@@ -295,35 +299,35 @@ def _costs(step: float, per_row: float) -> Costs:
 
 def test_a_cheap_draft_that_agrees_is_asked_for_and_a_dear_one_is_not() -> None:
     # A target step of 20 ms whose rows are nearly free (a GPU), a 1 ms draft step:
-    drafter = Drafter(_costs(0.020, 0.0005), Priced(0.001))
+    drafter = _drafter(_costs(0.020, 0.0005), Priced(0.001))
     draft = drafter.propose(_run(0.8), room=50, rows=ALONE, expected=1.0)
     assert draft.source == "model" and draft.ask == 4 and not draft.tokens
     # Each draft token as dear as the target's own step: no length pays.
-    dear = Drafter(_costs(0.020, 0.0005), Priced(0.020))
+    dear = _drafter(_costs(0.020, 0.0005), Priced(0.020))
     assert dear.propose(_run(0.8), room=50, rows=ALONE, expected=1.0).ask == 0
     # A CPU where each row costs what a step does: drafting loses.
-    cpu = Drafter(_costs(0.001, 0.010), Priced(0.001))
+    cpu = _drafter(_costs(0.001, 0.010), Priced(0.001))
     assert cpu.propose(_run(0.8), room=50, rows=ALONE, expected=1.0).ask == 0
 
 
 def test_a_slot_whose_drafts_fail_rests_then_tries_a_short_one_then_rests_longer() -> None:
-    drafter = Drafter(_costs(0.020, 0.0005), Priced(0.001))
+    drafter = _drafter(_costs(0.020, 0.0005), Priced(0.001))
     run = _run(0.02)
     assert drafter.propose(run, 50, ALONE, 1.0).ask == PROBE  # a new request tries at once
     drafter.verified(run, PROBE, 0, "model")
     assert drafter.propose(run, 50, ALONE, 1.0).ask == 0
-    assert run.pace is not None and run.pace.rest == REST_FIRST
+    assert run.drafting["model"].rest == REST_FIRST
     for _ in range(REST_FIRST):
         assert drafter.propose(run, 50, ALONE, 1.0).ask == 0
     assert drafter.propose(run, 50, ALONE, 1.0).ask == PROBE  # a short try once rested
     drafter.verified(run, PROBE, 0, "model")
     assert drafter.propose(run, 50, ALONE, 1.0).ask == 0
-    assert run.pace.rest == 2 * REST_FIRST  # it failed: the next rest is longer
+    assert run.drafting["model"].rest == 2 * REST_FIRST  # it failed: the next rest is longer
     # Where not even a draft always confirmed pays, it rests without trying.
-    cpu = Drafter(_costs(0.001, 0.010), Priced(0.001))
+    cpu = _drafter(_costs(0.001, 0.010), Priced(0.001))
     idle = _run(0.5)
     assert [cpu.propose(idle, 50, ALONE, 1.0).ask for _ in range(40)] == [0] * 40
-    assert idle.pace is not None and idle.pace.backoff > REST_FIRST
+    assert idle.drafting["model"].backoff > REST_FIRST
 
 
 def test_draft_keys_are_checked_in_models_toml(tmp_path: Path) -> None:

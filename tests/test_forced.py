@@ -13,9 +13,10 @@ from enginehelp import Collector
 
 from everycycle.chatfmt import constraint
 from everycycle.engine.core.jobs import Job, JobSpec, Sampling
+from everycycle.engine.core.plan import NO_DRAFT, Draft
 from everycycle.engine.core.slots import Run
 from everycycle.engine.core.stepcost import Rows, StepCost
-from everycycle.engine.spec.drafts import NO_DRAFT, Draft, Drafter
+from everycycle.engine.spec.drafter import Drafter
 from everycycle.engine.worker.runner import Runner
 
 # Long keys, and values the model picks: most of the text is forced.
@@ -77,9 +78,10 @@ def _decode(kind: type[Runner], tiny_gguf: Path, temperature: float
                                                grammar=grammar)), tag="j")
         runner.submit(job)
         outs = c.wait("j", 120)
+        forced = next(((c.drafted, c.accepted) for c in runner.draft_counts
+                       if c.method == "forced"), (0, 0))
         return ([i for o in outs for i in o.ids], "".join(o.text for o in outs),
-                str(outs[-1].reason), runner.loop.drafter.forced_drafted,
-                runner.loop.drafter.forced_accepted)
+                str(outs[-1].reason), *forced)
     finally:
         runner.close()
 

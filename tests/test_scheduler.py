@@ -8,13 +8,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from everycycle.engine.core.jobs import Job, JobSpec
-from everycycle.engine.core.plan import Park, Resume, Start, StepPlan, Work
+from everycycle.engine.core.plan import NO_DRAFT, Draft, Park, Resume, Start, StepPlan, Work
 from everycycle.engine.core.scheduler import BACKGROUND_CHUNK, Scheduler
-from everycycle.engine.core.slots import Run, Slot
+from everycycle.engine.core.slots import Parked, Run, Slot
 from everycycle.engine.core.stepcost import Costs, Rows, StepCost
-from everycycle.engine.spec.drafts import NO_DRAFT, Draft, Drafter
-from everycycle.engine.spec.lookup import PromptLookup
-from everycycle.engine.worker.parking import Parked
+from everycycle.engine.spec.drafter import Drafter
+from everycycle.engine.spec.forced import ForcedTokens
+from everycycle.engine.spec.lookup import History, PromptLookup
+from everycycle.engine.spec.lookupdrafts import LookupDrafts
 
 NOW = 1000.0
 
@@ -47,7 +48,7 @@ class Fixed(Drafter):
     """Proposes ``tokens`` (cut to the room) to every run, at ``rate``."""
 
     def __init__(self, costs: Costs, tokens: Sequence[int] = (), rate: float = 0.9) -> None:
-        super().__init__(costs)
+        super().__init__(costs, [])
         self.tokens, self.rate = list(tokens), rate
         self.asked: list[tuple[int, int]] = []
 
@@ -179,7 +180,7 @@ def test_a_job_parked_past_its_background_age_is_promoted_and_parks_another() ->
 def test_decode_rows_come_first_then_drafts_then_prompt_chunks() -> None:
     a = running(0, job(), cached=[1, 2, 3])
     b = running(1, job(), cached=[], todo=[7, 8, 9])
-    a.run.lookup = object()  # type: ignore[assignment, union-attr]  # (it drafts)
+    a.run.drafting["lookup"] = object()  # type: ignore[union-attr]  # (it drafts)
     plan = scheduler(draft=[4, 5]).plan([a, b])
     wa, wb = plan.work
     assert (wa.slot, wa.tokens, wa.rows, wa.draft, wa.sample) == (a, [3, 4, 5], [0, 1, 2], 2, 0)
@@ -225,7 +226,7 @@ def test_a_background_prompt_reads_only_what_keeps_the_step_short() -> None:
 def test_a_draft_fits_the_batch_the_context_and_the_tokens_left() -> None:
     s = running(0, job(max_tokens=10), cached=list(range(250)), generated=6)
     sched = scheduler(n_ctx_slot=256, draft=list(range(20)))
-    s.run.grammar = object()  # type: ignore[assignment, union-attr]  # (it may draft)
+    s.run.drafting["forced"] = object()  # type: ignore[union-attr]  # (it may draft)
     (w,) = sched.plan([s]).work
     assert isinstance(sched.drafter, Fixed)
     assert sched.drafter.asked == [(3, 1)]  # min(64 - 1, 256 - 250 - 1, 10 - 6 - 1)
@@ -302,18 +303,19 @@ def test_only_the_slot_with_most_left_may_lengthen_a_step_of_several_unless_all_
     costs = Costs()
     costs.decode = StepCost.fit([(n, 0.010) for n in (1, 2, 4, 8, 16, 32)] * 3)  # (a GPU)
     sched = Scheduler(n_batch=64, n_ctx_slot=256, parallel=2, costs=costs,
-                      drafter=Drafter(costs))
+                      drafter=Drafter(costs, [ForcedTokens(), LookupDrafts(History())]))
     short = running(0, job(max_tokens=10), cached=[1])
     long = running(1, job(max_tokens=50), cached=[1])
     grammars = {}
     for s in (short, long):
         assert s.run is not None
         s.run.grammar = grammars.setdefault(s.seq, Forcing())  # type: ignore[assignment]
+        s.run.drafting["forced"] = s.run.grammar
     plan = sched.plan([short, long])
     assert grammars[0].asked == [] and grammars[1].asked == [49]  # (to its max_tokens)
     assert [w.draft for w in plan.work] == [0, 49]
     for s in (short, long):
         assert s.run is not None
-        s.run.lookup = PromptLookup([1, 2, 3, 1, 2, 3])  # (both have a draft to offer)
+        s.run.drafting["lookup"] = PromptLookup([1, 2, 3, 1, 2, 3])  # (both have a draft)
     plan = sched.plan([short, long])
     assert grammars[0].asked == [9] and plan.work[0].draft == 9

@@ -19,6 +19,7 @@ from everycycle.daemon.keys import LOCAL
 from everycycle.daemon.supervisor import Outcome, Supervisor
 from everycycle.engine.core.jobs import Job, Output
 from everycycle.engine.host.contract import Engine, LoadOptions, Notify
+from everycycle.engine.spec.proposer import DraftCount
 from everycycle.errors import ErrorKind, InternalError
 from everycycle.models.registry import load_registry
 from everycycle.protocol import (
@@ -46,8 +47,7 @@ class FakeEngine:
         self.weights_bytes = self.kv_bytes = 0
         self.offloaded: tuple[int, int] | None = None
         self.lookup_exact = False
-        self.lookup_drafted = self.lookup_accepted = 0
-        self.draft_drafted = self.draft_accepted = 0
+        self.draft_counts: tuple[DraftCount, ...] = ()
         self.prompt_cache = None
         self.step_seconds: tuple[float, ...] = ()
         self.drop_prompt_cache = lambda: 0

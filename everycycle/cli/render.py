@@ -159,21 +159,17 @@ def fleet_view(snapshot: FleetSnapshot) -> Group:
     engines = [_engine_line(m) for m in snapshot.loaded_models]
     if any(engines):
         footer = "\n".join(e for e in engines if e) + "\n" + footer
-    lookups = []
-    for m in snapshot.loaded_models:
-        if m.lookup_drafted:
-            lookups.append(f"{m.name} {m.lookup_accepted}/{m.lookup_drafted} drafted tokens "
-                           f"accepted ({100 * (m.lookup_accepted or 0) // m.lookup_drafted}%)")
-        elif m.lookup is False:
-            lookups.append(f"{m.name} off")
-    if lookups:
-        footer = "prompt lookup: " + ", ".join(lookups) + "\n" + footer
-    drafts = [f"{m.name} by {m.draft_model}: " + (
-        f"{m.draft_accepted}/{m.draft_drafted} drafted tokens accepted "
-        f"({100 * (m.draft_accepted or 0) // m.draft_drafted}%)" if m.draft_drafted
-        else "nothing drafted yet") for m in snapshot.loaded_models if m.draft_model]
+    off = [f"{m.name} off" for m in snapshot.loaded_models if m.lookup is False]
+    if off:
+        footer = "prompt lookup: " + ", ".join(off) + "\n" + footer
+    drafts = [f"{m.name} {d.method} {d.accepted}/{d.drafted} drafted tokens accepted "
+              f"({100 * d.accepted // d.drafted}%)"
+              for m in snapshot.loaded_models for d in m.drafts or () if d.drafted]
     if drafts:
-        footer = "draft models: " + ", ".join(drafts) + "\n" + footer
+        footer = "drafts: " + ", ".join(drafts) + "\n" + footer
+    pairs = [f"{m.name} by {m.draft_model}" for m in snapshot.loaded_models if m.draft_model]
+    if pairs:
+        footer = "draft models: " + ", ".join(pairs) + "\n" + footer
     caches = [f"{m.name} {_mib(m.prompt_cache_bytes or 0)} in RAM, "
               f"{m.prompt_cache_hits or 0} restored, {m.prompt_cache_evictions or 0} evicted"
               for m in snapshot.loaded_models if m.prompt_cache_hits is not None]

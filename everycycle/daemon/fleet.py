@@ -16,7 +16,7 @@ import anyio
 import anyio.to_thread
 
 from ..hardware import cpukernels
-from ..protocol import ActiveRequest, FleetSnapshot, LoadedModel, PrincipalLoad
+from ..protocol import ActiveRequest, DraftTokens, FleetSnapshot, LoadedModel, PrincipalLoad
 from .active import Active
 from .events import RequestState
 from .lifecycle import Requests
@@ -146,12 +146,10 @@ class FleetView:
             total_layers=total_layers,
             unload_in_ms=None if left is None else max(0, int(left * 1000)),
             lookup=m.spec.speculative and m.engine.lookup_exact,
-            lookup_drafted=m.engine.lookup_drafted,
+            drafts=tuple(DraftTokens(c.method, c.drafted, c.accepted)
+                         for c in m.engine.draft_counts),
             images_encoded=m.engine.images_encoded if m.options.mmproj else None,
-            lookup_accepted=m.engine.lookup_accepted,
             draft_model=m.options.draft_name or None,
-            draft_drafted=m.engine.draft_drafted if m.options.draft else None,
-            draft_accepted=m.engine.draft_accepted if m.options.draft else None,
             keep_alive_ms=-1 if m.keep_alive < 0 else int(m.keep_alive * 1000),
             engine_pid=m.engine.pid if m.engine.dead is None else None,
             engine_rss=m.engine.rss(),

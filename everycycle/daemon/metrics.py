@@ -60,20 +60,13 @@ class _Fleet(Collector):
         loaded = GaugeMetricFamily("everycycle_loaded_models", "Models resident per executor.",
                                    labels=["executor"])
         drafted = GaugeMetricFamily(
-            "everycycle_lookup_drafted_tokens",
-            "Prompt-lookup draft tokens proposed since the model was loaded.", labels=["model"])
+            "everycycle_drafted_tokens",
+            "Draft tokens the model verified since it was loaded, per speculative method "
+            "(forced, lookup, model).", labels=["model", "method"])
         accepted = GaugeMetricFamily(
-            "everycycle_lookup_accepted_tokens",
-            "Prompt-lookup draft tokens the model confirmed since it was loaded.",
-            labels=["model"])
-        model_drafted = GaugeMetricFamily(
-            "everycycle_draft_model_drafted_tokens",
-            "Draft-model tokens verified since the model was loaded (speculative decoding).",
-            labels=["model", "draft_model"])
-        model_accepted = GaugeMetricFamily(
-            "everycycle_draft_model_accepted_tokens",
-            "Draft-model tokens the model confirmed since it was loaded.",
-            labels=["model", "draft_model"])
+            "everycycle_draft_accepted_tokens",
+            "Draft tokens the model confirmed since it was loaded, per speculative method.",
+            labels=["model", "method"])
         cache_bytes = GaugeMetricFamily(
             "everycycle_prompt_cache_bytes",
             "Host RAM each model's prompt cache holds.", labels=["model"])
@@ -97,11 +90,9 @@ class _Fleet(Collector):
                 cache_bytes.add_metric([m.name], m.prompt_cache_bytes or 0)
                 cache_hits.add_metric([m.name], m.prompt_cache_hits)
                 cache_evictions.add_metric([m.name], m.prompt_cache_evictions or 0)
-            drafted.add_metric([m.name], m.lookup_drafted or 0)
-            accepted.add_metric([m.name], m.lookup_accepted or 0)
-            if m.draft_model is not None:
-                model_drafted.add_metric([m.name, m.draft_model], m.draft_drafted or 0)
-                model_accepted.add_metric([m.name, m.draft_model], m.draft_accepted or 0)
+            for d in m.drafts or ():
+                drafted.add_metric([m.name, d.method], d.drafted)
+                accepted.add_metric([m.name, d.method], d.accepted)
             queued.add_metric([m.name], m.queued or 0)
             busy.add_metric([m.name], m.busy or 0)
             slots.add_metric([m.name], m.slots or 0)
@@ -132,7 +123,7 @@ class _Fleet(Collector):
         for model, seconds in sorted(residency.room_waits.total.items()):
             waited.add_metric([model], seconds)
         yield from (queued, lanes, busy, slots, loaded, active, drafted, accepted,
-                    model_drafted, model_accepted, deaths, evictions, loads, waited,
+                    deaths, evictions, loads, waited,
                     cache_bytes, cache_hits, cache_evictions)
 
 

@@ -105,12 +105,23 @@ class ExecutorSummary:
     """``unreachable`` for a remote executor that cannot be reached; absent when fine."""
 
 
+@message(names=(), ranges={"drafted": COUNT, "accepted": COUNT})
+class DraftTokens:
+    """One speculative method's draft tokens the model verified so far, and those it
+    confirmed: ``forced`` (a grammar's forced tokens), ``lookup`` (prompt lookup),
+    ``model`` (a draft model)."""
+
+    method: str
+    drafted: int
+    accepted: int
+
+
 @message(names=(), ranges={
     "slots": U32, "busy": U32, "queued": U32, "device_layers": U32, "total_layers": U32,
     "unload_in_ms": COUNT, "keep_alive_ms": (-1, COUNT[1]), "weights_bytes": COUNT,
     "kv_bytes": COUNT, "engine_pid": COUNT, "engine_rss": COUNT, "engine_restarts": COUNT,
     "prompt_cache_bytes": COUNT, "prompt_cache_hits": COUNT, "prompt_cache_evictions": COUNT,
-    "context": COUNT, "draft_drafted": COUNT, "draft_accepted": COUNT})
+    "context": COUNT})
 class LoadedModel:
     """A model resident on an executor; ``revision`` is its pinned commit, if any."""
 
@@ -125,14 +136,10 @@ class LoadedModel:
     lookup: bool | None = field(default=None, metadata=_EXT)
     """Whether greedy requests use prompt lookup by default: on unless models.toml says
     otherwise or this model's batched decoding is not bit-exact on this build."""
-    lookup_drafted: int | None = field(default=None, metadata=_EXT)
-    """Prompt-lookup draft tokens proposed so far, and those the model confirmed."""
-    lookup_accepted: int | None = field(default=None, metadata=_EXT)
+    drafts: tuple[DraftTokens, ...] | None = field(default=None, metadata=_EXT)
+    """Each speculative method's draft tokens so far (the methods this model has)."""
     draft_model: str | None = field(default=None, metadata=_EXT)
-    """Its draft model (speculative decoding; absent: none), the tokens it drafted that
-    were verified so far, and those the model confirmed."""
-    draft_drafted: int | None = field(default=None, metadata=_EXT)
-    draft_accepted: int | None = field(default=None, metadata=_EXT)
+    """Its draft model (speculative decoding; absent: none)."""
     images_encoded: int | None = field(default=None, metadata=_EXT)
     """Images its vision projector encoded (absent: it has none)."""
     device_layers: int | None = field(default=None, metadata=_EXT)
@@ -169,6 +176,12 @@ class LoadedModel:
     lora: tuple[str, ...] | None = field(default=None, metadata=_EXT)
     """Its LoRA adapters as ``FILE@SCALE``, in their order (the scales requests get
     unless they name their own)."""
+
+    def drafted(self, method: str) -> tuple[int, int]:
+        """The draft tokens ``method`` made that were verified so far, and those the
+        model confirmed ((0, 0) where it made none)."""
+        found = next((d for d in self.drafts or () if d.method == method), None)
+        return (found.drafted, found.accepted) if found is not None else (0, 0)
 
 
 @message(names=(), ranges={"age_ms": COUNT, "tokens": COUNT, "eta_ms": COUNT})

@@ -12,15 +12,26 @@ llama.cpp, and nothing changes a slot until the step has run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-from ..worker.parking import Parked
 from .jobs import Job
-from .slots import Run, Slot
+from .slots import Parked, Run, Slot
 
-DraftSource = Literal["forced", "lookup", "model"]
-"""Where a draft's tokens come from: the tokens a grammar forces, prompt lookup's, a
-draft model's."""
+
+@dataclass(frozen=True)
+class Draft:
+    """A slot's draft for one step: its tokens, the chance each is right given the ones
+    before it were, and the method that proposed it (a proposer's ``name``). A method
+    whose tokens are made once the plan is laid out (a draft model's) asks for ``ask``
+    tokens instead; ``final``: no other method is asked after this one."""
+
+    tokens: list[int]
+    rate: float = 0.0
+    source: str = ""
+    ask: int = 0
+    final: bool = False
+
+
+NO_DRAFT = Draft([])
 
 
 @dataclass(eq=False)
@@ -38,10 +49,10 @@ class Work:
     """How many of ``tokens`` are prompt tokens read from ``run.todo`` (0: a decode)."""
     draft: int = 0
     """A decode's draft: the last ``draft`` tokens, after the run's own last token."""
-    source: DraftSource = "lookup"
-    """Where the draft comes from (``drafts.Draft.source``)."""
+    source: str = ""
+    """The method that proposed the draft (``Draft.source``)."""
     ask: int = 0
-    """Draft model tokens asked for, not made yet (``Drafter.fill`` makes them)."""
+    """Draft tokens asked for, not made yet (``Drafter.fill`` makes them)."""
     sample: int | None = None
     """The row whose logits choose the next token (None: the prompt is still read)."""
 

@@ -19,15 +19,12 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
-from ..spec.drafts import Drafter
-from ..spec.lookup import expected_accepted
-from ..worker.lora import cells
-from ..worker.parking import Parked, parkable
 from .jobs import Job, common_prefix
-from .plan import Move, Park, Resume, Start, StepPlan, Work
-from .slots import Run, Slot, best_slot
-from .stepcost import Costs, Rows
+from .plan import Draft, Move, Park, Resume, Start, StepPlan, Work
+from .slots import Parked, Run, Slot, best_slot, cells, parkable
+from .stepcost import Costs, Rows, expected_accepted
 
 BACKGROUND_CHUNK = 16
 """Prompt tokens of background jobs read in one step at most (short steps, where none stop)."""
@@ -36,6 +33,25 @@ BACKGROUND_STRETCH = 2.0
 LORA_TURN = 16
 """Steps one set of LoRA scales keeps the batch while jobs of another set wait: a switch
 reserves llama.cpp's graph again, so sets take turns of several steps, not one each."""
+
+
+class Drafts(Protocol):
+    """What the scheduler asks of speculative decoding (``spec/drafter.py``'s ``Drafter``)."""
+
+    def propose(self, run: Run, room: int, rows: Rows, expected: float) -> Draft:
+        """``run``'s draft for a step of ``rows`` so far, expected to yield ``expected``
+        tokens, with room for ``room`` more rows."""
+        ...
+
+    def offers(self, run: Run, n_batch: int) -> bool:
+        """Whether ``run`` has a draft ready to offer (it may lengthen the step with the
+        others')."""
+        ...
+
+    def joins(self, run: Run) -> bool:
+        """Whether ``run`` may draft with a method that drafts for several slots in one
+        batch (its draft's making is shared)."""
+        ...
 
 
 @dataclass
@@ -67,7 +83,7 @@ class Scheduler:
     ``n_batch`` rows, priced by ``costs``, drafts proposed by ``drafter``."""
 
     def __init__(self, *, n_batch: int, n_ctx_slot: int, parallel: int, costs: Costs,
-                 drafter: Drafter) -> None:
+                 drafter: Drafts) -> None:
         self.n_batch = n_batch
         self.n_ctx_slot = n_ctx_slot
         self.parallel = parallel
@@ -169,12 +185,11 @@ class Scheduler:
         # step (the others join its rows: all get ahead together); else only the slot
         # with the most left may (``Rows.lead``).
         together = len(decoding) > 1 and all(
-            x.run.lookup is not None and x.run.lookup.ready(self.n_batch) for x in decoding)
+            self.drafter.offers(x.run, self.n_batch) for x in decoding)
         left = [self._left(x.run) for x in decoding]
         for at, w in enumerate(decoding):  # drafts after every slot has its row
             r = w.run
-            if (r.grammar is None and r.lookup is None and r.pace is None) or r.forced or (
-                    r.thinking is not None and not r.thinking.done):
+            if not r.drafting or r.forced or (r.thinking is not None and not r.thinking.done):
                 continue  # (nothing drafts; or a thinking budget counts token by token)
             room = min(self.n_batch - n, self.n_ctx_slot - r.n_past - 1,
                        r.job.spec.max_tokens - r.job.n_generated - 1)
@@ -182,8 +197,7 @@ class Scheduler:
                         lead=together or all(left[at] > v for i, v in enumerate(left)
                                              if i != at),
                         peers=tuple(i for i in range(at + 1, len(decoding))
-                                    if (p := decoding[i].run.pace) is not None
-                                    and not p.rest))
+                                    if self.drafter.joins(decoding[i].run)))
             draft = self.drafter.propose(r, room, rows, expected)
             length = len(draft.tokens) or draft.ask
             if not length:

@@ -8,15 +8,11 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..spec.lookup import PromptLookup
-from ..worker.constraint import Matcher
 from .jobs import Job, Logprob, common_prefix, stop_split
+from .matcher import Matcher
 from .thinking import Thinking
-
-if TYPE_CHECKING:
-    from ..spec.pace import Pace
 
 
 def _utf8() -> Any:
@@ -38,10 +34,9 @@ class Run:
     """Its llama.cpp sampler chain (None: plain greedy)."""
     grammar: Matcher | None = None
     """Under a constraint: the job's matcher (``constraint.py``)."""
-    lookup: PromptLookup | None = None
-    """Its prompt-lookup drafter (None: it drafts no lookup tokens)."""
-    pace: Pace | None = None
-    """Its drafting with the model's draft model (None: it drafts none)."""
+    drafting: dict[str, Any] = field(default_factory=dict)
+    """Each speculative method's state for this run, by the method's name (only the
+    methods that draft for it: ``spec/drafter.py``)."""
     prompt: Any = None
     """A job with images: its libmtmd prompt, once read (vision.Prompt)."""
     thinking: Thinking | None = None
@@ -130,8 +125,8 @@ class Slot:
     """When a job last started here (the engine's step count then)."""
     lora: tuple[float, ...] = ()
     """The LoRA scales its cells were computed with (``lora.cells``; (): the base model)."""
-    parked: Any = None
-    """The parked job (parking.Parked) whose KV cells this free slot still holds."""
+    parked: Parked | None = None
+    """The parked job whose KV cells this free slot still holds."""
 
     @property
     def job(self) -> Job | None:
@@ -150,3 +145,45 @@ def best_slot(free: Sequence[Slot], tokens: Sequence[int], lora: tuple[float, ..
 
     slot = max(free, key=lambda s: (shared(s), not s.cached, -s.used))
     return slot, min(shared(slot), len(tokens) - 1)
+
+
+@dataclass(eq=False)
+class Parked:
+    """A job off its slot, and everything the slot kept for it."""
+
+    run: Run
+    slot: Slot | None
+    """The slot whose KV cells are still this job's (None: they were copied out)."""
+    cached: list[int]
+    """The tokens of its cells."""
+    state: Any = None
+    """The cells, copied out once another job took the slot (None: not copied)."""
+    since: float = 0.0
+    """When it was parked (``time.monotonic()``)."""
+
+    @property
+    def job(self) -> Job:
+        return self.run.job
+
+
+def parkable(slot: Slot) -> bool:
+    """Whether ``slot`` runs a job that gives way to an interactive one: a background
+    job, text only (an image's cells are libmtmd's to lay out)."""
+    job = slot.job
+    return (job is not None and job.background and not job.spec.images
+            and job.cancel_reason is None)
+
+
+Scales = tuple[float, ...]
+"""One scale per adapter of the model, in its ``lora`` order (all zero: the base model)."""
+
+
+def adapted(scales: Scales) -> bool:
+    """Whether ``scales`` change the model at all (else its cells are the base model's)."""
+    return any(s != 0.0 for s in scales)
+
+
+def cells(scales: Scales) -> Scales:
+    """What KV cells computed under ``scales`` are keyed by: the scales, or () for the
+    base model's (however its zero scales are spelled)."""
+    return scales if adapted(scales) else ()

@@ -44,6 +44,14 @@ def ubatches(shape: Shape) -> list[int]:
     return out
 
 
+def expected_accepted(rate: float, length: int) -> float:
+    """The expected number of draft tokens accepted from a draft of ``length`` whose
+    tokens are each right with probability ``rate`` given the ones before were."""
+    if rate >= 1.0:
+        return float(length)
+    return rate * (1.0 - rate ** length) / (1.0 - rate)  # rate + rate² + … + rate^length
+
+
 @dataclass(frozen=True)
 class Rows:
     """A decode step's rows so far, as a draft for one slot is weighed: every decoding

@@ -84,8 +84,7 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
                 del ids[id(job)]
                 jobs.pop(jid, None)
         assert runner is not None  # jobs come only once it is loaded
-        send(Outputs(items, runner.lookup_drafted, runner.lookup_accepted,
-                     runner.images_encoded, runner.draft_drafted, runner.draft_accepted))
+        send(Outputs(items, runner.draft_counts, runner.images_encoded))
 
     try:
         runner = Runner.load(Path(path), options, notify)
@@ -129,9 +128,7 @@ def _serve(conn: Connection, path: str, options: LoadOptions) -> None:
                 ids.pop(id(job), None)
                 failed = Output("", (), True, "error", WireError.of(exc).exception())
                 send(Outputs([JobOutput.of(message.jid, job, failed)],
-                             runner.lookup_drafted, runner.lookup_accepted,
-                             runner.images_encoded, runner.draft_drafted,
-                             runner.draft_accepted))
+                             runner.draft_counts, runner.images_encoded))
         elif isinstance(message, CancelJob):
             if message.jid in jobs:
                 runner.cancel(jobs[message.jid], message.reason)

@@ -23,6 +23,7 @@ from ...chatfmt.infill import FimTokens
 from ...errors import AllocationError, ErrorKind, EverycycleError
 from ...protocol import Format, Message
 from ..core.jobs import Job, JobSpec, Logprob, Output
+from ..spec.proposer import DraftCount
 
 Notify = Callable[[list[tuple[Job, Output]]], None]
 """Called on an engine's own thread with one step's outputs (must not block)."""
@@ -75,23 +76,9 @@ class Engine(Protocol):
         ...
 
     @property
-    def lookup_drafted(self) -> int:
-        """Prompt-lookup draft tokens proposed."""
-        ...
-
-    @property
-    def lookup_accepted(self) -> int:
-        """Prompt-lookup draft tokens the model confirmed."""
-        ...
-
-    @property
-    def draft_drafted(self) -> int:
-        """Its draft model's tokens verified."""
-        ...
-
-    @property
-    def draft_accepted(self) -> int:
-        """Its draft model's tokens the model confirmed."""
+    def draft_counts(self) -> tuple[DraftCount, ...]:
+        """Each speculative method's draft tokens verified so far, and those the model
+        confirmed (``spec/methods.py`` lists the methods)."""
         ...
 
     @property
@@ -458,11 +445,8 @@ class JobOutput(NamedTuple):
 
 class Outputs(NamedTuple):
     items: list[JobOutput]
-    lookup_drafted: int
-    lookup_accepted: int
+    draft_counts: tuple[DraftCount, ...] = ()
     images_encoded: int = 0
-    draft_drafted: int = 0
-    draft_accepted: int = 0
 
 
 class Returned(NamedTuple):

@@ -35,6 +35,7 @@ from ...errors import InternalError
 from ...hardware.cpukernels import signal_cause
 from ...protocol import Format, Message
 from ..core.jobs import Job, Output
+from ..spec.proposer import DraftCount
 from .contract import (
     HEARTBEAT_S,
     CacheStats,
@@ -142,10 +143,7 @@ class EngineProcess:
         self.offloaded = info.offloaded
         self.lookup_exact = info.lookup_exact
         self.vocab_facts = info.vocab
-        self.lookup_drafted = 0
-        self.lookup_accepted = 0
-        self.draft_drafted = 0
-        self.draft_accepted = 0
+        self.draft_counts: tuple[DraftCount, ...] = ()
         self.images_encoded = 0
         self.prompt_cache: CacheStats | None = None
         self.step_seconds: tuple[float, ...] = ()
@@ -275,10 +273,8 @@ class EngineProcess:
         return True
 
     def _deliver(self, message: Outputs) -> None:
-        self.lookup_drafted, self.lookup_accepted = (message.lookup_drafted,
-                                                     message.lookup_accepted)
+        self.draft_counts = message.draft_counts
         self.images_encoded = message.images_encoded
-        self.draft_drafted, self.draft_accepted = message.draft_drafted, message.draft_accepted
         batch = []
         with self._lock:
             for o in message.items:

@@ -8,7 +8,7 @@ tokens the target took), then decodes greedily, one row per drafting slot a step
 each slot has its tokens or the draft is unsure (``p_min``). Every draft is verified by
 the target as any other is (``steps.py``), so it changes speed, never output.
 
-Its decoding is timed (``cost``) so the drafting policy (``drafts.py``) weighs what a
+Its decoding is timed (``cost``) so the drafting policy (``modeldrafts.py``) weighs what a
 draft costs to make against what it is expected to save. Engine thread only.
 """
 
@@ -28,7 +28,6 @@ from ..core.stepcost import StepCost
 from ..llama.llamaload import create_context, load_model
 from ..worker.batchrow import put
 from ..worker.logits import RowLogits
-from .lookup import Acceptance
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128
 VOCAB_CHECK_START_TOKEN_ID = 5
@@ -113,11 +112,6 @@ class DraftModel:
         """The tokens each sequence's cells hold."""
         self.cost = StepCost()
         """A drafting step's time by its rows (one per drafting slot), as measured."""
-        self.acceptance = Acceptance()
-        """How its drafts do on this model, all slots together: a new job's start."""
-        self.drafted = 0
-        """Draft tokens it proposed that were verified, and those the target confirmed."""
-        self.accepted = 0
 
     def probe(self) -> None:
         """Time drafting steps of 1, 2 and 4 rows and a 64-token read (engine thread, at
@@ -200,11 +194,6 @@ class DraftModel:
             raise InternalError(f"the draft model '{self.label}' failed to decode")
         if timed:
             self.cost.observe(rows, time.perf_counter() - started)
-
-    def verified(self, drafted: int, accepted: int) -> None:
-        self.drafted += drafted
-        self.accepted += accepted
-        self.acceptance.learn(drafted, accepted)
 
     def close(self) -> None:
         L = self._L

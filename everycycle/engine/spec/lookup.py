@@ -51,14 +51,6 @@ def accepted_prefix(draft: Sequence[int], greedy: Callable[[int], int]) -> list[
     return taken
 
 
-def expected_accepted(rate: float, length: int) -> float:
-    """The expected number of draft tokens accepted from a draft of ``length`` whose
-    tokens are each right with probability ``rate`` given the ones before were."""
-    if rate >= 1.0:
-        return float(length)
-    return rate * (1.0 - rate ** length) / (1.0 - rate)  # rate + rate² + … + rate^length
-
-
 class Acceptance:
     """How often a drafter's tokens are right: the chance that a drafted token is right
     given the ones before it were, from its recent drafts (each drafted token weighs
@@ -99,8 +91,6 @@ class PromptLookup:
         "_index",
         "_predicted",
         "_tokens",
-        "accepted",
-        "drafted",
     )
 
     def __init__(self, tokens: Sequence[int], history: History | None = None) -> None:
@@ -108,9 +98,6 @@ class PromptLookup:
         """Earlier sequences of the same model, drafted from where they match better."""
         self._tokens: list[int] = []
         self._index: dict[tuple[int, ...], list[int]] = {}
-        self.drafted = 0
-        """Draft tokens verified in a batch, and those the model confirmed."""
-        self.accepted = 0
         self._acceptance = Acceptance()
         """Its drafts and predictions, right and tried."""
         self._predicted: list[int] = []
@@ -195,8 +182,6 @@ class PromptLookup:
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A draft of ``drafted`` tokens had its first ``accepted`` confirmed."""
-        self.drafted += drafted
-        self.accepted += accepted
         self._acceptance.learn(drafted, accepted)
 
 

@@ -12,21 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import InvalidRequestError
+from ..core.slots import Scales, adapted
 from ..llama.llamalog import log_capture
-
-Scales = tuple[float, ...]
-"""One scale per adapter of the model, in its ``lora`` order (all zero: the base model)."""
-
-
-def adapted(scales: Scales) -> bool:
-    """Whether ``scales`` change the model at all (else its cells are the base model's)."""
-    return any(s != 0.0 for s in scales)
-
-
-def cells(scales: Scales) -> Scales:
-    """What KV cells computed under ``scales`` are keyed by: the scales, or () for the
-    base model's (however its zero scales are spelled)."""
-    return scales if adapted(scales) else ()
 
 
 class Adapters:

@@ -16,40 +16,10 @@ state. Engine thread only.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from ..core.jobs import Job
-from ..core.slots import Run, Slot
+from ..core.slots import Parked, Slot, cells
 from ..kvcache import kvdisk, promptcache
-from .lora import cells
-
-
-@dataclass(eq=False)
-class Parked:
-    """A job off its slot, and everything the slot kept for it."""
-
-    run: Run
-    slot: Slot | None
-    """The slot whose KV cells are still this job's (None: they were copied out)."""
-    cached: list[int]
-    """The tokens of its cells."""
-    state: Any = None
-    """The cells, copied out once another job took the slot (None: not copied)."""
-    since: float = 0.0
-    """When it was parked (``time.monotonic()``)."""
-
-    @property
-    def job(self) -> Job:
-        return self.run.job
-
-
-def parkable(slot: Slot) -> bool:
-    """Whether ``slot`` runs a job that gives way to an interactive one: a background
-    job, text only (an image's cells are libmtmd's to lay out)."""
-    job = slot.job
-    return (job is not None and job.background and not job.spec.images
-            and job.cancel_reason is None)
 
 
 def park(slot: Slot) -> Parked:

@@ -7,7 +7,8 @@ own state and explicit inputs:
 
 - ``Scheduler`` (scheduler.py): each step's decisions as plain data (plan.py) — which
   jobs start, park, resume; which rows the one ``llama_decode`` holds;
-- ``Drafter`` (drafts.py): the drafts a slot proposes, and what they came to;
+- ``Drafter`` (spec/drafter.py): asks each speculative method (spec/methods.py) for a
+  slot's draft, and counts what they came to;
 - ``BatchDecoder`` (batchdecode.py): decodes a plan, stoppable (``Preempt``), timed;
 - ``Seating`` (seating.py): jobs on and off slots with their KV cells (prompt cache,
   parking, images);
@@ -42,9 +43,11 @@ from ..kvcache import kvdisk, promptcache
 from ..llama.llamaload import create_context, devices_for, load_model
 from ..llama.probes import batch_probe
 from ..llama.vocab import Vocab
+from ..spec.drafter import Drafter
 from ..spec.draftmodel import DraftLimits, DraftModel
-from ..spec.drafts import Drafter
 from ..spec.lookup import History, PromptLookup
+from ..spec.methods import proposers
+from ..spec.proposer import DraftCount
 from .batchdecode import BatchDecoder
 from .constraint import Constraints
 from .logits import RowLogits
@@ -210,11 +213,12 @@ class Runner:
         self._cond = self._inbox.cond
         preempt = Preempt(L, ctx, self._cond) if plain else None
         """Stops a background step for an arriving interactive job (None: never)."""
-        self._drafter = self.drafter_type(self.costs, drafts)
+        self._drafter = self.drafter_type(self.costs, proposers(
+            self.costs, history=history, lookup=lambda: self.lookup_type, draft_model=drafts),
+            self.label)
         self._seating = Seating(
             L, ctx, self._mem, samplers=self._samplers, constraints=self._constraints,
-            cache=cache, vision=self._vision, history=history,
-            lookup_type=lambda: self.lookup_type,
+            cache=cache, vision=self._vision, drafter=self._drafter,
             tokenize=partial(self.vocab.tokenize, special=True), n_ctx_slot=self.n_ctx_slot,
             n_swa=self._n_swa, n_batch=n_batch)
         self.loop = StepLoop(
@@ -279,22 +283,9 @@ class Runner:
         return self.loop.lookup_exact
 
     @property
-    def lookup_drafted(self) -> int:
-        """Prompt-lookup draft tokens proposed (and, below, those the model confirmed)."""
-        return self._drafter.lookup_drafted
-
-    @property
-    def lookup_accepted(self) -> int:
-        return self._drafter.lookup_accepted
-
-    @property
-    def draft_drafted(self) -> int:
-        """Draft model tokens verified (and, below, those the model confirmed)."""
-        return self.draft_model.drafted if self.draft_model is not None else 0
-
-    @property
-    def draft_accepted(self) -> int:
-        return self.draft_model.accepted if self.draft_model is not None else 0
+    def draft_counts(self) -> tuple[DraftCount, ...]:
+        """Each speculative method's draft tokens verified and confirmed so far."""
+        return self._drafter.counts()
 
     @property
     def prompt_cache(self) -> CacheStats | None:

@@ -13,7 +13,7 @@ import numpy as np
 from ...errors import InvalidRequestError
 from ...protocol import sampling as P
 from ..core.jobs import Sampling
-from .constraint import Matcher
+from ..core.matcher import Matcher
 
 DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
 

@@ -13,14 +13,12 @@ from typing import Any
 
 from ...errors import InvalidRequestError
 from ..core.jobs import Job, Output, common_prefix
-from ..core.slots import Run, Slot
+from ..core.slots import Parked, Run, Slot, cells
 from ..core.thinking import Thinking
 from ..kvcache import kvdisk, promptcache
-from ..spec.lookup import History, PromptLookup
+from ..spec.drafter import Drafter
 from . import parking
 from .constraint import Constraints
-from .lora import cells
-from .parking import Parked
 from .sampling import Samplers
 
 Outputs = list[tuple[Job, Output]]
@@ -31,7 +29,7 @@ class Seating:
 
     def __init__(self, L: Any, ctx: Any, mem: Any, *, samplers: Samplers,
                  constraints: Constraints, cache: promptcache.PromptCache | None,
-                 vision: Any, history: History, lookup_type: Callable[[], type[PromptLookup]],
+                 vision: Any, drafter: Drafter,
                  tokenize: Callable[[str], list[int]], n_ctx_slot: int, n_swa: int,
                  n_batch: int) -> None:
         self._L = L
@@ -42,8 +40,8 @@ class Seating:
         self.cache = cache
         """Prefixes kept beyond the slots, in RAM and on disk (None: not kept)."""
         self._vision = vision
-        self._history = history
-        self._lookup_type = lookup_type
+        self._drafter = drafter
+        """Each speculative method's state for a run is set up as it is seated."""
         self._tokenize = tokenize
         """Text to tokens, control tokens' text read as them (a thinking ending's)."""
         self._n_ctx_slot = n_ctx_slot
@@ -88,13 +86,11 @@ class Seating:
         else:
             L.llama_memory_seq_rm(self._mem, slot.seq, reuse if reuse else -1, -1)
             del slot.cached[reuse:]
-        greedy = job.spec.sampling.plain_greedy
         slot.run = Run(
             job, n_past=reuse, todo=[] if job.spec.images else list(job.spec.tokens[reuse:]),
             grammar=matcher,
-            sampler=self._samplers.chain(job.spec.sampling, self._n_ctx_slot),
-            lookup=(self._lookup_type()(job.spec.tokens, self._history)
-                    if job.spec.lookup and greedy else None))
+            sampler=self._samplers.chain(job.spec.sampling, self._n_ctx_slot))
+        self._drafter.start(slot.run)
         think = job.spec.think
         if think is not None:
             slot.run.thinking = Thinking(think)
@@ -168,8 +164,7 @@ class Seating:
         run = slot.run
         assert run is not None
         if reason not in ("cancelled", "error"):
-            if run.lookup is not None:  # (a model with lookup off keeps no history)
-                self._history.add(slot.cached, run.job.n_prompt)
+            self._drafter.ended(run, slot.cached)
             if run.job.background:
                 self.keep(slot)
         self._samplers.free(run.sampler)

@@ -32,15 +32,14 @@ from ...errors import EverycycleError, InternalError, InvalidRequestError
 from ..core.jobs import Job, Output
 from ..core.plan import Park, Resume, Start, StepPlan, Work
 from ..core.scheduler import Scheduler
-from ..core.slots import Run, Slot
+from ..core.slots import Parked, Run, Slot
 from ..core.stepcost import Costs, StepCost
 from ..host.contract import Notify
 from ..llama.vocab import Vocab
-from ..spec.drafts import Drafter
+from ..spec.drafter import Drafter
 from ..spec.lookup import accepted_prefix
 from .batchdecode import BatchDecoder
 from .logits import RowLogits, logprob
-from .parking import Parked
 from .sampling import Samplers
 from .seating import Outputs, Seating
 
@@ -202,10 +201,6 @@ class StepLoop:
                 elif isinstance(move, Start):
                     kept.remove(move.job)
                     self.seating.start(move.job, move.slot, out, self.steps)
-                    run = move.slot.run
-                    if run is not None and run.job is move.job and move.job.spec.draft \
-                            and not move.job.spec.images:
-                        run.pace = self.drafter.pace()
                 elif isinstance(move, Resume):
                     self.parked.remove(move.parked)
                     self.seating.resume(move.parked, move.slot, self.steps)
@@ -213,17 +208,10 @@ class StepLoop:
             return embeds
 
     def _draft(self, plan: StepPlan) -> None:
-        """Make the draft model's tokens the plan asked for, and lay its rows out again.
-        Where the draft model fails, the step goes on without its drafts (and the model
-        without a draft model, said once in the log)."""
-        try:
-            self.drafter.fill(plan.asks, plan.n)
-        except EverycycleError as exc:
-            log.error("%s: drafting stops: %s", self._label, exc.message)
-            self.drafter.model = None
-            for w in plan.asks:
-                w.ask = 0
-                w.run.pace = None
+        """Make the draft tokens the plan asked for (a draft model's), and lay its rows
+        out again. Where a method fails, the step goes on without its drafts (and the
+        model without that method, said once in the log)."""
+        self.drafter.fill(plan.asks, plan.n)
         plan.settle()
 
     def _read_images(self, out: Outputs) -> None:
@@ -343,8 +331,7 @@ class StepLoop:
             return True
         job.n_generated += 1
         run.last = tok
-        if run.lookup is not None:
-            run.lookup.append(tok)
+        self.drafter.took(run, tok)
         thinking = run.thinking
         if thinking is not None and not thinking.done:
             thinking.took(self._piece_text(tok))

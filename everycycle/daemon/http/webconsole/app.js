@@ -106,11 +106,12 @@ async function refreshFleet() {
     const bar = el("span", { class: "bar", title: bytes(used) + " of " + bytes(x.memory_total) + " in use" }, fillBar);
     return [x.name, x.vendor, el("span", {}, bar, " " + bytes(x.memory_free) + " free")];
   }));
-  // a draft model's acceptance rate (speculative decoding); prompt lookup's where it drafts
-  const rate = (accepted, drafted) => Math.round(100 * (accepted || 0) / drafted) + "% of " + drafted;
-  const drafts = (m) => m.draft_model
-    ? m.draft_model + ": " + (m.draft_drafted ? rate(m.draft_accepted, m.draft_drafted) : "none yet")
-    : m.lookup_drafted ? "lookup: " + rate(m.lookup_accepted, m.lookup_drafted) : "";
+  // each speculative method's acceptance rate, where it drafted; the draft model's name
+  const rate = (d) => d.method + ": " + Math.round(100 * d.accepted / d.drafted) + "% of " + d.drafted;
+  const drafts = (m) => [
+    ...(m.draft_model ? [m.draft_model] : []),
+    ...(m.drafts || []).filter((d) => d.drafted).map(rate),
+  ].join(", ");
   fill("loaded", s.loaded_models.map((m) => [
     m.name,
     (m.state || "resident") + (m.unload_in_ms ? " (unloads in " + age(m.unload_in_ms) + ")" : ""),

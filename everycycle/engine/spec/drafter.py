@@ -1,0 +1,109 @@
+"""Drafts: tokens put in a step's batch after a slot's own row, for the model to confirm
+in that one step. Each method is a ``Proposer`` (``proposer.py``); ``methods.py`` lists
+them. The scheduler asks the ``Drafter`` for a slot's draft as it plans a step, and the
+Drafter asks each method in order, each weighing its draft against the best so far; a
+method whose tokens are made once the plan is laid out (a draft model's) asks for rows,
+and ``fill`` makes them. The step verifies a draft by choosing each row's token exactly
+as one-at-a-time decoding would (greedy or sampled, within the grammar), so a draft
+changes no choice, only how many steps they take (and, where a batch's rows are not
+bit-exact, llama.cpp's numerics). Engine thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from ...errors import EverycycleError
+from ..core.plan import NO_DRAFT, Draft, Work
+from ..core.slots import Run
+from ..core.stepcost import Costs, Rows
+from .proposer import DraftCount, Proposer, Weighing
+
+log = logging.getLogger(__name__)
+
+
+class Drafter:
+    """Asks the methods for drafts, makes the ones asked for, keeps each run's state per
+    method (``Run.drafting``), and counts what each drafted and the model confirmed."""
+
+    def __init__(self, costs: Costs, proposers: Sequence[Proposer], label: str = "") -> None:
+        self._costs = costs
+        self.proposers = list(proposers)
+        """The methods asked, in order (one that fails is dropped from it)."""
+        self._by_name = {p.name: p for p in proposers}
+        self._label = label
+
+    def start(self, run: Run) -> None:
+        """A run is seated: each method that drafts for it keeps its state there."""
+        for p in self.proposers:
+            state = p.start(run)
+            if state is not None:
+                run.drafting[p.name] = state
+
+    def propose(self, run: Run, room: int, rows: Rows, expected: float) -> Draft:
+        """``run``'s draft for a step of ``rows`` so far (the decoding slots'), expected to
+        yield ``expected`` tokens, with room for ``room`` more rows: each method's, where
+        it pays more than the earlier ones' (a method's ``final`` draft ends the asking)."""
+        own = room if rows.lead else min(room, rows.joinable - 1)
+        weighing = Weighing(room, own, rows, expected, self._costs.decode)
+        best = NO_DRAFT
+        for p in self.proposers:
+            state = run.drafting.get(p.name)
+            if state is not None:
+                best = p.propose(state, weighing, best)
+                if best.final:
+                    break
+        return best
+
+    def offers(self, run: Run, n_batch: int) -> bool:
+        return any(p.offers(s, n_batch) for p, s in self._states(run))
+
+    def joins(self, run: Run) -> bool:
+        return any(p.joins(s) for p, s in self._states(run))
+
+    def fill(self, works: Sequence[Work], rows: int) -> None:
+        """Make the tokens ``works`` asked for, each method its own in one go, for a step
+        of ``rows`` rows. A method that fails is dropped (said once in the log): its works
+        draft nothing this step, and it is asked no more."""
+        for p in list(self.proposers):
+            asked = [w for w in works if w.source == p.name]
+            if not asked:
+                continue
+            try:
+                p.fill(asked, rows)
+            except EverycycleError as exc:
+                log.error("%s: %s drafting stops: %s", self._label, p.name, exc.message)
+                self.proposers.remove(p)
+                for w in asked:
+                    w.ask = 0
+                    del w.run.drafting[p.name]
+
+    def took(self, run: Run, token: int) -> None:
+        for p, state in self._states(run):
+            p.took(state, token)
+
+    def verified(self, run: Run, drafted: int, accepted: int, source: str) -> None:
+        """``run``'s draft of ``drafted`` tokens (by method ``source``) had its first
+        ``accepted`` confirmed."""
+        run.job.n_drafted += drafted
+        run.job.n_draft_accepted += accepted
+        p = self._by_name[source]
+        p.count.drafted += drafted
+        p.count.accepted += accepted
+        state = run.drafting.get(source)
+        if state is not None:
+            p.verified(state, drafted, accepted)
+
+    def ended(self, run: Run, cached: Sequence[int]) -> None:
+        """``run`` ended cleanly with ``cached`` in its slot."""
+        for p, state in self._states(run):
+            p.ended(state, cached, run.job.n_prompt)
+
+    def counts(self) -> tuple[DraftCount, ...]:
+        """Each method's counts since the model loaded (a dropped one's too)."""
+        return tuple(DraftCount(p.name, p.count.drafted, p.count.accepted)
+                     for p in self._by_name.values())
+
+    def _states(self, run: Run) -> list[tuple[Proposer, object]]:
+        return [(p, run.drafting[p.name]) for p in self.proposers if p.name in run.drafting]

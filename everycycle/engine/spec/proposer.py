@@ -1,0 +1,86 @@
+"""The one interface every speculative method implements (``Proposer``), what a slot's
+draft is weighed against as a step is planned (``Weighing``), and the counts each
+method keeps (``DraftCount``). No llama.cpp here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..core.plan import Draft, Work
+from ..core.slots import Run
+from ..core.stepcost import Rows, StepCost
+
+
+@dataclass(frozen=True)
+class Weighing:
+    """What a slot's draft is weighed against: the step's rows so far (``rows``: the
+    decoding slots'), the tokens it is expected to yield, what a step costs by its rows,
+    the rows left (``room``) and those the slot may fill without a micro-batch of its own
+    (``own``: a slot that is not the one with the most left may only join the rows of
+    other slots' drafts, since a micro-batch of its own makes the step longer for every
+    slot while the batch ends no sooner for its draft)."""
+
+    room: int
+    own: int
+    rows: Rows
+    expected: float
+    cost: StepCost
+
+    def length(self, rate: float, most: int) -> int:
+        """The length of a draft of tokens each right with chance ``rate`` (``most`` at
+        most) that gives the most tokens a second; 0 where none beats not drafting."""
+        return self.cost.draft_len(self.rows, self.expected, rate, most)
+
+
+@dataclass
+class DraftCount:
+    """A method's draft tokens the model verified so far, and those it confirmed."""
+
+    method: str
+    drafted: int = 0
+    accepted: int = 0
+
+
+class Proposer(Protocol):
+    """One speculative method. ``name`` keys its state in a run (``Run.drafting``), its
+    drafts (``Draft.source``) and its counts. Engine thread only."""
+
+    name: str
+    count: DraftCount
+
+    def start(self, run: Run) -> Any:
+        """Its state for a newly seated run; None where it drafts nothing for it."""
+        ...
+
+    def propose(self, state: Any, weighing: Weighing, best: Draft) -> Draft:
+        """Its draft for the run whose ``state`` this is, or ``best`` (the earlier
+        methods' best so far) where that pays more."""
+        ...
+
+    def offers(self, state: Any, n_batch: int) -> bool:
+        """Whether it has a draft ready for the run now (its rows may lengthen a step)."""
+        ...
+
+    def joins(self, state: Any) -> bool:
+        """Whether its draft for the run would be made in one batch with others'."""
+        ...
+
+    def fill(self, works: Sequence[Work], rows: int) -> None:
+        """Make the tokens ``works`` asked for (``Work.ask``), for a step of ``rows``
+        rows. Raises EverycycleError where it cannot (the method is then dropped)."""
+        ...
+
+    def took(self, state: Any, token: int) -> None:
+        """The run took ``token`` (generated, or confirmed from a draft)."""
+        ...
+
+    def verified(self, state: Any, drafted: int, accepted: int) -> None:
+        """Its draft of ``drafted`` tokens had its first ``accepted`` confirmed."""
+        ...
+
+    def ended(self, state: Any, cached: Sequence[int], n_prompt: int) -> None:
+        """The run ended cleanly with ``cached`` in its slot (``n_prompt`` of them its
+        prompt)."""
+        ...
