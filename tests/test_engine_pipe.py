@@ -20,6 +20,7 @@ from everycycle.engine.host.contract import (
     WireError,
     send_message,
 )
+from everycycle.engine.spec.proposer import DraftCount
 
 
 @pytest.fixture
@@ -48,15 +49,16 @@ def test_a_steps_outputs_come_back_as_the_same_typed_messages(
     sender, receiver = pipe
     step = Outputs([output(1), output(2, "é", finished=True, reason="eos",
                                     logprobs=(("é", -0.5, (("é", -0.5), ("a", -2.0))),))],
-                   3, 2, 1)
+                   (DraftCount("lookup", 3, 2),), 1)
     failed = Outputs([output(3, "", finished=True, reason="error",
-                             error=WireError("Invalid", "bad grammar"))], 0, 0)
+                             error=WireError("Invalid", "bad grammar"))])
     for message in (step, Heartbeat(7), failed, Returned(4, [1, 2], None)):
         send_message(sender, message)
     got = read_all(MessageReader(receiver.fileno()), 4)
     assert got == [step, Heartbeat(7), failed, Returned(4, [1, 2], None)]
     first, _, third, _ = got
     assert isinstance(first, Outputs) and type(first.items[0]) is JobOutput
+    assert type(first.draft_counts[0]) is DraftCount
     assert isinstance(third, Outputs) and third.items[0].error is not None
     assert third.items[0].error.exception().message == "bad grammar"
 
