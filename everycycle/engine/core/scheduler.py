@@ -185,8 +185,9 @@ class Scheduler:
         # step (the others join its rows: all get ahead together); else only the slot
         # with the most left may (``Rows.lead``).
         together = len(decoding) > 1 and all(
-            self.drafter.offers(x.run, self.n_batch) for x in decoding)
+            x.run.drafting and self.drafter.offers(x.run, self.n_batch) for x in decoding)
         left = [self._left(x.run) for x in decoding]
+        joins = [bool(x.run.drafting) and self.drafter.joins(x.run) for x in decoding]
         for at, w in enumerate(decoding):  # drafts after every slot has its row
             r = w.run
             if not r.drafting or r.forced or (r.thinking is not None and not r.thinking.done):
@@ -196,8 +197,7 @@ class Scheduler:
             rows = Rows(tuple((x.slot.seq, len(x.tokens) + x.ask) for x in decoding), at,
                         lead=together or all(left[at] > v for i, v in enumerate(left)
                                              if i != at),
-                        peers=tuple(i for i in range(at + 1, len(decoding))
-                                    if self.drafter.joins(decoding[i].run)))
+                        peers=tuple(i for i in range(at + 1, len(decoding)) if joins[i]))
             draft = self.drafter.propose(r, room, rows, expected)
             length = len(draft.tokens) or draft.ask
             if not length:

@@ -32,6 +32,8 @@ class Drafter:
         self.proposers = list(proposers)
         """The methods asked, in order (one that fails is dropped from it)."""
         self._by_name = {p.name: p for p in proposers}
+        self._asked = dict(self._by_name)
+        """The methods still asked, by name."""
         self._label = label
 
     def start(self, run: Run) -> None:
@@ -57,10 +59,14 @@ class Drafter:
         return best
 
     def offers(self, run: Run, n_batch: int) -> bool:
-        return any(p.offers(s, n_batch) for p, s in self._states(run))
+        asked = self._asked
+        return any((p := asked.get(name)) is not None and p.offers(state, n_batch)
+                   for name, state in run.drafting.items())
 
     def joins(self, run: Run) -> bool:
-        return any(p.joins(s) for p, s in self._states(run))
+        asked = self._asked
+        return any((p := asked.get(name)) is not None and p.joins(state)
+                   for name, state in run.drafting.items())
 
     def fill(self, works: Sequence[Work], rows: int) -> None:
         """Make the tokens ``works`` asked for, each method its own in one go, for a step
@@ -75,13 +81,17 @@ class Drafter:
             except EverycycleError as exc:
                 log.error("%s: %s drafting stops: %s", self._label, p.name, exc.message)
                 self.proposers.remove(p)
+                del self._asked[p.name]
                 for w in asked:
                     w.ask = 0
                     del w.run.drafting[p.name]
 
     def took(self, run: Run, token: int) -> None:
-        for p, state in self._states(run):
-            p.took(state, token)
+        asked = self._asked
+        for name, state in run.drafting.items():
+            p = asked.get(name)
+            if p is not None:
+                p.took(state, token)
 
     def verified(self, run: Run, drafted: int, accepted: int, source: str) -> None:
         """``run``'s draft of ``drafted`` tokens (by method ``source``) had its first
@@ -97,13 +107,12 @@ class Drafter:
 
     def ended(self, run: Run, cached: Sequence[int]) -> None:
         """``run`` ended cleanly with ``cached`` in its slot."""
-        for p, state in self._states(run):
-            p.ended(state, cached, run.job.n_prompt)
+        for name, state in run.drafting.items():
+            p = self._asked.get(name)
+            if p is not None:
+                p.ended(state, cached, run.job.n_prompt)
 
     def counts(self) -> tuple[DraftCount, ...]:
         """Each method's counts since the model loaded (a dropped one's too)."""
         return tuple(DraftCount(p.name, p.count.drafted, p.count.accepted)
                      for p in self._by_name.values())
-
-    def _states(self, run: Run) -> list[tuple[Proposer, object]]:
-        return [(p, run.drafting[p.name]) for p in self.proposers if p.name in run.drafting]
