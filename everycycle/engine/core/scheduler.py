@@ -187,13 +187,15 @@ class Scheduler:
         together = len(decoding) > 1 and all(
             x.run.drafting and self.drafter.offers(x.run, self.n_batch) for x in decoding)
         left = [self._left(x.run) for x in decoding]
-        joins = [bool(x.run.drafting) and self.drafter.joins(x.run) for x in decoding]
+        joins: list[bool] = []  # (whether each may draft with its peers: asked once)
         for at, w in enumerate(decoding):  # drafts after every slot has its row
             r = w.run
             if not r.drafting or r.forced or (r.thinking is not None and not r.thinking.done):
                 continue  # (nothing drafts; or a thinking budget counts token by token)
             room = min(self.n_batch - n, self.n_ctx_slot - r.n_past - 1,
                        r.job.spec.max_tokens - r.job.n_generated - 1)
+            if not joins:
+                joins = [bool(x.run.drafting) and self.drafter.joins(x.run) for x in decoding]
             rows = Rows(tuple((x.slot.seq, len(x.tokens) + x.ask) for x in decoding), at,
                         lead=together or all(left[at] > v for i, v in enumerate(left)
                                              if i != at),

@@ -331,7 +331,8 @@ class StepLoop:
             return True
         job.n_generated += 1
         run.last = tok
-        self.drafter.took(run, tok)
+        if run.drafting:
+            self.drafter.took(run, tok)
         thinking = run.thinking
         if thinking is not None and not thinking.done:
             thinking.took(self._piece_text(tok))
