@@ -36,7 +36,7 @@ from everycycle.engine.core.stepcost import Costs, Rows, StepCost
 from everycycle.engine.spec.drafter import Drafter
 from everycycle.engine.spec.draftmodel import Ask, DraftLimits, DraftModel
 from everycycle.engine.spec.lookup import Acceptance
-from everycycle.engine.spec.modeldrafts import PROBE, REST_FIRST, ModelDrafts, Pace
+from everycycle.engine.spec.paced import PROBE, REST_FIRST, Pace, PacedDrafts
 from everycycle.engine.worker.runner import Runner
 from everycycle.errors import ConfigError, InvalidRequestError
 from everycycle.models.drafting import parse
@@ -288,7 +288,7 @@ def _run(rate: float) -> Run:
 
 def _drafter(costs: Costs, model: DraftModel) -> Drafter:
     """A drafter with the draft model alone."""
-    return Drafter(costs, [ModelDrafts(costs, model)])
+    return Drafter(costs, [PacedDrafts("model", costs, model)])
 
 
 def _costs(step: float, per_row: float) -> Costs:

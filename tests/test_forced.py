@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from enginehelp import Collector
+from enginehelp import Collector, Flat
 
 from everycycle.chatfmt import constraint
 from everycycle.engine.core.jobs import Job, JobSpec, Sampling
@@ -31,15 +31,6 @@ SCHEMA = {
                  "and_the_third_one_here"],
     "additionalProperties": False,
 }
-
-
-class Flat(StepCost):
-    """Every step costs the same, whatever its rows: every forced token pays."""
-
-    def observe(self, rows: int, seconds: float) -> None:
-        if not self._seen:
-            for n in (1, 2, 64):
-                super().observe(n, 0.01)
 
 
 class Forcing(Runner):

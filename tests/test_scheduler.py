@@ -303,7 +303,8 @@ def test_only_the_slot_with_most_left_may_lengthen_a_step_of_several_unless_all_
     costs = Costs()
     costs.decode = StepCost.fit([(n, 0.010) for n in (1, 2, 4, 8, 16, 32)] * 3)  # (a GPU)
     sched = Scheduler(n_batch=64, n_ctx_slot=256, parallel=2, costs=costs,
-                      drafter=Drafter(costs, [ForcedTokens(), LookupDrafts(History())]))
+                      drafter=Drafter(costs, [ForcedTokens("forced"),
+                                                LookupDrafts("lookup", History())]))
     short = running(0, job(max_tokens=10), cached=[1])
     long = running(1, job(max_tokens=50), cached=[1])
     grammars = {}

@@ -4,6 +4,7 @@ context for N slots. The Runner owns what these return."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,27 +12,27 @@ from typing import Any
 from ...errors import AllocationError, InternalError, InvalidRequestError
 from ...hardware.cpukernels import crash_if_simulated
 from ...hardware.memory import kv_type_id
-from ..host.contract import LoadOptions
 from .llamalog import backend_init, log_capture
 
 
-def devices_for(options: LoadOptions) -> list[int]:
-    """The ggml device handles ``options`` names: its RPC servers' (registered here), or
-    the executor's; none for the CPU."""
+def devices_for(executor: str, device_indices: Sequence[int],
+                rpc_endpoints: Sequence[str]) -> list[int]:
+    """The ggml device handles a model's load options name: its RPC servers' (registered
+    here), or the executor's devices; none for the CPU."""
     from ...hardware import executors as ex
 
     backend_init()
-    if options.rpc_endpoints:
+    if rpc_endpoints:
         from ...hardware import rpc
 
         devices: list[int] = []
-        for i, endpoint in enumerate(options.rpc_endpoints):
+        for i, endpoint in enumerate(rpc_endpoints):
             handles = rpc.register(endpoint)
             if i == 0:
-                devices = [handles[options.device_indices[0]]]
+                devices = [handles[device_indices[0]]]
         return devices
-    if options.device_indices:
-        return ex.device_handles(options.executor, options.device_indices)
+    if device_indices:
+        return ex.device_handles(executor, list(device_indices))
     return []
 
 
@@ -55,9 +56,11 @@ class Weights:
 
 
 def load_model(L: Any, path: Path, *, gpu_devices: list[int], n_gpu_layers: int | None,
-               tensor_split: tuple[float, ...] | list[float], extra_bufts: bool) -> Weights:
+               tensor_split: tuple[float, ...] | list[float], extra_bufts: bool,
+               load_mtp: bool = False) -> Weights:
     """``path``'s weights, the last ``n_gpu_layers`` layers (all: None) on
-    ``gpu_devices``. Raises InvalidRequestError for a file llama.cpp cannot load."""
+    ``gpu_devices``; ``load_mtp``: its multi-token-prediction layers too (``spec/mtp.py``).
+    Raises InvalidRequestError for a file llama.cpp cannot load."""
     backend_init()
     mparams = L.llama_model_default_params()
     # Pin the model to the executor's devices: a NULL-terminated list (empty = CPU).
@@ -70,6 +73,7 @@ def load_model(L: Any, path: Path, *, gpu_devices: list[int], n_gpu_layers: int 
     # The CPU's extra buffer types (AMX, repacked weights): only where a child process
     # showed they run on this CPU (hardware/cpukernels.py).
     mparams.use_extra_bufts = extra_bufts
+    mparams.load_mtp = load_mtp
     crash_if_simulated(extra_bufts)
     split: Any = None
     if tensor_split and len(gpu_devices) > 1:
@@ -90,10 +94,16 @@ def load_model(L: Any, path: Path, *, gpu_devices: list[int], n_gpu_layers: int 
 
 
 def create_context(L: Any, weights: Weights, path: Path, *, context: int, parallel: int,
-                   n_batch: int, threads: int, kv_cache_type: str) -> tuple[Any, int]:
+                   n_batch: int, threads: int, kv_cache_type: str,
+                   mtp_of: Any = None) -> tuple[Any, int]:
     """(a llama_context for ``parallel`` slots of ``context`` tokens, its KV cache size
-    as llama.cpp reported it). Frees the model and raises InternalError on failure."""
+    as llama.cpp reported it); ``mtp_of``: the target context whose model's MTP layers
+    this one runs (``LLAMA_CONTEXT_TYPE_MTP``). Frees the model and raises InternalError
+    on failure (an MTP context's failure frees nothing: ``InternalError`` alone)."""
     cparams = L.llama_context_default_params()
+    if mtp_of is not None:
+        cparams.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
+        cparams.ctx_other = mtp_of
     cparams.n_ctx = context * parallel
     cparams.n_batch = n_batch
     cparams.n_ubatch = n_batch
@@ -112,6 +122,8 @@ def create_context(L: Any, weights: Weights, path: Path, *, context: int, parall
         cparams.flash_attn_type = 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED
     with log_capture() as reported:
         ctx = L.llama_init_from_model(weights.model, cparams)
+    if not ctx and mtp_of is not None:
+        raise InternalError(f"llama.cpp could not create the MTP context of {path}")
     if not ctx:
         L.llama_model_free(weights.model)
         cause = _allocation_failure(reported.errors)

@@ -12,7 +12,7 @@ import numpy as np
 
 from ...errors import InternalError
 from ..core.stepcost import StepCost
-from ..worker.batchrow import put
+from .batchrow import put
 
 
 def batch_probe(L: Any, ctx: Any, mem: Any, batch: Any, *, n_vocab: int, n_batch: int,

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence
 
 from ...errors import EverycycleError
-from ..core.plan import NO_DRAFT, Draft, Work
+from ..core.plan import NO_DRAFT, Draft, StepPlan, Work
 from ..core.slots import Run
 from ..core.stepcost import Costs, Rows
 from .proposer import DraftCount, Proposer, Weighing
@@ -79,12 +79,19 @@ class Drafter:
             try:
                 p.fill(asked, rows)
             except EverycycleError as exc:
-                log.error("%s: %s drafting stops: %s", self._label, p.name, exc.message)
-                self.proposers.remove(p)
-                del self._asked[p.name]
+                self._drop(p, exc)
                 for w in asked:
                     w.ask = 0
                     del w.run.drafting[p.name]
+
+    def decoded(self, plan: StepPlan) -> None:
+        """The target decoded ``plan``: the methods that follow its cells see it. One
+        that fails is dropped, as in ``fill``."""
+        for p in list(self.proposers):
+            try:
+                p.decoded(plan)
+            except EverycycleError as exc:
+                self._drop(p, exc)
 
     def took(self, run: Run, token: int) -> None:
         asked = self._asked
@@ -116,3 +123,8 @@ class Drafter:
         """Each method's counts since the model loaded (a dropped one's too)."""
         return tuple(DraftCount(p.name, p.count.drafted, p.count.accepted)
                      for p in self._by_name.values())
+
+    def _drop(self, p: Proposer, exc: EverycycleError) -> None:
+        log.error("%s: %s drafting stops: %s", self._label, p.name, exc.message)
+        self.proposers.remove(p)
+        del self._asked[p.name]

@@ -24,10 +24,11 @@ import numpy as np
 
 from ...errors import InternalError, InvalidRequestError
 from ..core.jobs import common_prefix
+from ..core.plan import StepPlan
 from ..core.stepcost import StepCost
+from ..llama.batchrow import put
 from ..llama.llamaload import create_context, load_model
-from ..worker.batchrow import put
-from ..worker.logits import RowLogits
+from ..llama.logits import RowLogits
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128
 VOCAB_CHECK_START_TOKEN_ID = 5
@@ -194,6 +195,9 @@ class DraftModel:
             raise InternalError(f"the draft model '{self.label}' failed to decode")
         if timed:
             self.cost.observe(rows, time.perf_counter() - started)
+
+    def decoded(self, plan: StepPlan) -> None:
+        pass  # (it catches up as it drafts: ``draft``)
 
     def close(self) -> None:
         L = self._L

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..core.matcher import Matcher
-from ..core.plan import Draft, Work
+from ..core.plan import Draft, StepPlan, Work
 from ..core.slots import Run
 from .proposer import DraftCount, Weighing
 
@@ -20,10 +20,9 @@ the same text with other tokens (llguidance forces the canonical ones)."""
 class ForcedTokens:
     """Drafts what a run's grammar forces."""
 
-    name = "forced"
-
-    def __init__(self) -> None:
-        self.count = DraftCount(self.name)
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.count = DraftCount(name)
 
     def start(self, run: Run) -> Matcher | None:
         return run.grammar
@@ -48,6 +47,9 @@ class ForcedTokens:
 
     def took(self, state: Matcher, token: int) -> None:
         pass  # (the step's choice consumed it in the matcher)
+
+    def decoded(self, plan: StepPlan) -> None:
+        pass
 
     def verified(self, state: Matcher, drafted: int, accepted: int) -> None:
         pass

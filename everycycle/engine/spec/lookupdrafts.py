@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from ..core.plan import Draft, Work
+from ..core.plan import Draft, StepPlan, Work
 from ..core.slots import Run
 from .lookup import History, PromptLookup
 from .proposer import DraftCount, Weighing
@@ -17,10 +17,9 @@ from .proposer import DraftCount, Weighing
 class LookupDrafts:
     """Drafts from a run's own text and the model's recent answers."""
 
-    name = "lookup"
-
-    def __init__(self, history: History,
+    def __init__(self, name: str, history: History,
                  kind: Callable[[], type[PromptLookup]] = lambda: PromptLookup) -> None:
+        self.name = name
         self.history = history
         """Recent finished sequences, for drafts across requests."""
         self._kind = kind
@@ -49,6 +48,9 @@ class LookupDrafts:
 
     def took(self, state: PromptLookup, token: int) -> None:
         state.append(token)
+
+    def decoded(self, plan: StepPlan) -> None:
+        pass
 
     def verified(self, state: PromptLookup, drafted: int, accepted: int) -> None:
         state.verified(drafted, accepted)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..core.plan import Draft, Work
+from ..core.plan import Draft, StepPlan, Work
 from ..core.slots import Run
 from ..core.stepcost import Rows, StepCost
 
@@ -45,8 +45,9 @@ class DraftCount:
 
 
 class Proposer(Protocol):
-    """One speculative method. ``name`` keys its state in a run (``Run.drafting``), its
-    drafts (``Draft.source``) and its counts. Engine thread only."""
+    """One speculative method. ``name`` (given by ``methods.py``, the list of them) keys
+    its state in a run (``Run.drafting``), its drafts (``Draft.source``) and its counts.
+    Engine thread only."""
 
     name: str
     count: DraftCount
@@ -75,6 +76,12 @@ class Proposer(Protocol):
 
     def took(self, state: Any, token: int) -> None:
         """The run took ``token`` (generated, or confirmed from a draft)."""
+        ...
+
+    def decoded(self, plan: StepPlan) -> None:
+        """The target decoded ``plan`` (before its slots take it: a method that keeps
+        its own copy of the slots' cells, as MTP heads do, follows them). Raises
+        EverycycleError where it cannot (the method is then dropped)."""
         ...
 
     def verified(self, state: Any, drafted: int, accepted: int) -> None:

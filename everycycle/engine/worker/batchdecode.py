@@ -15,7 +15,7 @@ from typing import Any
 from ..core.jobs import Job
 from ..core.plan import StepPlan
 from ..core.stepcost import Costs, ubatches
-from .batchrow import put
+from ..llama.batchrow import put
 from .lora import Adapters
 from .preempt import Preempt
 

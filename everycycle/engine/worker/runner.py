@@ -41,16 +41,17 @@ from ..core.stepcost import Costs, StepCost
 from ..host.contract import CacheStats, LoadOptions, Notify, VocabFacts
 from ..kvcache import kvdisk, promptcache
 from ..llama.llamaload import create_context, devices_for, load_model
+from ..llama.logits import RowLogits
 from ..llama.probes import batch_probe
 from ..llama.vocab import Vocab
 from ..spec.drafter import Drafter
 from ..spec.draftmodel import DraftLimits, DraftModel
 from ..spec.lookup import History, PromptLookup
 from ..spec.methods import proposers
+from ..spec.mtp import MtpHeads, mtp_layers
 from ..spec.proposer import DraftCount
 from .batchdecode import BatchDecoder
 from .constraint import Constraints
-from .logits import RowLogits
 from .lora import Adapters
 from .preempt import Preempt
 from .rerank import Pairs
@@ -84,7 +85,9 @@ class Runner:
     def load(cls, path: Path, options: LoadOptions, notify: Notify) -> Runner:
         """A Runner for ``options``: RPC servers registered, devices looked up here."""
         return cls(path, context=options.context, parallel=options.parallel, notify=notify,
-                   gpu_devices=devices_for(options), n_gpu_layers=options.n_gpu_layers,
+                   gpu_devices=devices_for(options.executor, options.device_indices,
+                                           options.rpc_endpoints),
+                   n_gpu_layers=options.n_gpu_layers,
                    tensor_split=options.tensor_split, n_threads=options.n_threads,
                    kv_cache_type=options.kv_cache_type, extra_bufts=options.extra_bufts,
                    mmproj=Path(options.mmproj) if options.mmproj else None,
@@ -118,6 +121,7 @@ class Runner:
         draft: Path | None = None,
         draft_label: str = "",
         draft_limits: DraftLimits | None = None,
+        mtp: bool = True,
     ) -> None:
         import llama_cpp as L
 
@@ -131,9 +135,11 @@ class Runner:
         self.path = path
         self.parallel = parallel
         self._n_batch = n_batch
+        # A GGUF with MTP layers drafts for itself (spec/mtp.py), text only.
+        mtp = mtp and mmproj is None and path.is_file() and mtp_layers(path) > 0
         self._weights = load_model(L, path, gpu_devices=list(gpu_devices),
                                    n_gpu_layers=n_gpu_layers, tensor_split=list(tensor_split),
-                                   extra_bufts=extra_bufts)
+                                   extra_bufts=extra_bufts, load_mtp=mtp)
         model = self._weights.model
         self.offloaded = self._weights.offloaded
         """(layers on the devices, layers + output head), as llama.cpp reported them."""
@@ -161,7 +167,15 @@ class Runner:
         self._vision: Vision | None = None
         adapters: Adapters | None = None
         drafts: DraftModel | None = None
+        heads: MtpHeads | None = None
         try:
+            if mtp:
+                import llama_cpp.llama_cpp_ext as X
+
+                heads = MtpHeads(L, X, self._weights, ctx, path, context=context,
+                                 parallel=parallel, n_batch=n_batch, threads=threads,
+                                 kv_cache_type=kv_cache_type,
+                                 limits=draft_limits or DraftLimits())
             if mmproj is not None:
                 self._vision = Vision(model, mmproj, n_threads=threads,
                                       use_gpu=bool(gpu_devices))
@@ -180,11 +194,17 @@ class Runner:
         except BaseException:
             if self._vision is not None:
                 self._vision.close()
+            if heads is not None:
+                heads.close()
             L.llama_free(ctx)
             L.llama_model_free(model)
             raise
         self.draft_model = drafts
         """Its draft model (None: none): its weights and KV cache count as the model's."""
+        self.mtp = heads
+        """Its MTP heads' context (None: it has none, or they are off)."""
+        if heads is not None:
+            self.kv_bytes += heads.kv_bytes
         if drafts is not None:
             self.weights_bytes += drafts.weights_bytes
             self.kv_bytes += drafts.kv_bytes
@@ -214,7 +234,8 @@ class Runner:
         preempt = Preempt(L, ctx, self._cond) if plain else None
         """Stops a background step for an arriving interactive job (None: never)."""
         self._drafter = self.drafter_type(self.costs, proposers(
-            self.costs, history=history, lookup=lambda: self.lookup_type, draft_model=drafts),
+            self.costs, history=history, lookup=lambda: self.lookup_type, draft_model=drafts,
+            mtp=heads),
             self.label)
         self._seating = Seating(
             L, ctx, self._mem, samplers=self._samplers, constraints=self._constraints,
@@ -248,6 +269,8 @@ class Runner:
             "The quick brown fox jumps over the lazy dog again and again", special=False)
         if self.draft_model is not None:
             self.draft_model.probe()
+        if self.mtp is not None:
+            self.mtp.probe()
         return batch_probe(self._L, self._ctx, self._mem, self._batch, n_vocab=self._n_vocab,
                            n_batch=self._n_batch, n_ctx_slot=self.n_ctx_slot, toks=toks)
 
@@ -459,6 +482,8 @@ class Runner:
                     promptcache.copy_state, L, self._ctx, slot.seq)) for slot in self.loop.slots])
             if self.draft_model is not None:
                 self.draft_model.close()
+            if self.mtp is not None:
+                self.mtp.close()
             L.llama_batch_free(self._batch)
             L.llama_free(self._ctx)
             L.llama_model_free(self._model)

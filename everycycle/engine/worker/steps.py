@@ -35,11 +35,11 @@ from ..core.scheduler import Scheduler
 from ..core.slots import Parked, Run, Slot
 from ..core.stepcost import Costs, StepCost
 from ..host.contract import Notify
+from ..llama.logits import RowLogits, logprob
 from ..llama.vocab import Vocab
 from ..spec.drafter import Drafter
 from ..spec.lookup import accepted_prefix
 from .batchdecode import BatchDecoder
-from .logits import RowLogits, logprob
 from .sampling import Samplers
 from .seating import Outputs, Seating
 
@@ -158,6 +158,7 @@ class StepLoop:
                     if s.run is not None:
                         self._finish(s, out, "error", err)
             else:
+                self.drafter.decoded(plan)
                 self._apply(plan, out)
         self._safe_notify(out)
         return True

@@ -1,20 +1,22 @@
-"""A draft model as a proposer (llama-server's ``-md``): it drafts for a slot only where
-its expected confirmed tokens pay for the rows they add to the step and for the draft
-model's own decoding (``StepCost.joint_plan``), and only where that pays more than the
-earlier methods' draft (prompt lookup's). Its tokens are made once the plan is laid out
-(``fill``: one batched drafting for every slot that asked). A slot whose model drafts
-stop paying rests from them (8 steps, doubling to 256 while they keep failing), then
-tries a short one."""
+"""Drafts a model makes once the plan is laid out, paced per run: a draft model beside
+the target (``draftmodel.py``, llama-server's ``-md``) or the target's own next-token
+heads (``mtp.py``). A run drafts only where its expected confirmed tokens pay for the
+rows they add to the step and for the drafter's own decoding (``StepCost.joint_plan``),
+and only where that pays more than the earlier methods' draft (prompt lookup's). The
+tokens are made once the plan is laid out (``fill``: one batched drafting for every run
+that asked). A run whose drafts stop paying rests from them (8 steps, doubling to 256
+while they keep failing), then tries a short one."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from ..core.plan import Draft, Work
+from ..core.plan import Draft, StepPlan, Work
 from ..core.slots import Run
-from ..core.stepcost import Costs
-from .draftmodel import Ask, DraftModel
+from ..core.stepcost import Costs, StepCost
+from .draftmodel import Ask, DraftLimits
 from .lookup import Acceptance
 from .proposer import DraftCount, Weighing
 
@@ -45,12 +47,28 @@ class Pace:
     own rate at once, where the model's so far says not to draft)."""
 
 
-class ModelDrafts:
-    """Drafts from a draft model beside the target, paced per run."""
+class Maker(Protocol):
+    """What makes the drafts (a ``DraftModel``, ``MtpHeads``): its limits, what its
+    drafting steps cost, the drafts."""
 
-    name = "model"
+    limits: DraftLimits
+    cost: StepCost
 
-    def __init__(self, costs: Costs, model: DraftModel) -> None:
+    def draft(self, asks: Sequence[Ask], budget: int) -> list[list[int]]:
+        """Each ask's draft (reading at most ``budget`` tokens to catch up). Raises
+        EverycycleError where llama.cpp fails."""
+        ...
+
+    def decoded(self, plan: StepPlan) -> None:
+        """The target decoded ``plan`` (before its slots take it)."""
+        ...
+
+
+class PacedDrafts:
+    """Drafts ``model`` makes, paced per run; ``name`` is the method's."""
+
+    def __init__(self, name: str, costs: Costs, model: Maker) -> None:
+        self.name = name
         self._costs = costs
         self.model = model
         self.acceptance = Acceptance()
@@ -128,6 +146,9 @@ class ModelDrafts:
 
     def took(self, pace: Pace, token: int) -> None:
         pass
+
+    def decoded(self, plan: StepPlan) -> None:
+        self.model.decoded(plan)
 
     def verified(self, pace: Pace, drafted: int, accepted: int) -> None:
         self.acceptance.learn(drafted, accepted)
