@@ -109,6 +109,7 @@ def test_mtp_heads_can_be_left_off(models: dict[str, Path]) -> None:
 def url(spawn_daemon: SpawnDaemon, models: dict[str, Path], tmp_path: Path) -> Iterator[str]:
     spawn_daemon("--http", "127.0.0.1:0", models=models_toml(
         tmp_path / "models.toml", Entry("heads", models["perfect"], context=256, parallel=2),
+        Entry("headless", models["perfect"], context=256, more={"mtp": False}),
         default="heads"))
     yield fleet_http()
 
@@ -119,6 +120,9 @@ def test_the_fleet_view_and_metrics_count_the_mtp_method(url: str) -> None:
                                  temperature=0.0))
         assert sum(len(e.chunk.ids) for e in events if isinstance(e, Tokens)) == 30
         (model,) = c.describe_fleet().loaded_models
+        list(c.generate("headless", PROMPT, format=Format.RAW, max_tokens=2))
+        off = next(m for m in c.describe_fleet().loaded_models if m.name == "headless")
+    assert "mtp" not in {d.method for d in off.drafts or ()}  # (``mtp = false``)
     assert {d.method for d in model.drafts or ()} >= {"forced", "lookup", "mtp"}
     drafted, accepted = model.drafted("mtp")
     assert accepted <= drafted  # (whether they pay on this CPU is the policy's call)

@@ -48,6 +48,7 @@ _KEYS = {
     "keep_alive": object,
     "gpu_layers": int,
     "speculative": bool,
+    "mtp": bool,
     "threads": int,
     "pin": bool,
     "mmproj": str,
@@ -97,6 +98,9 @@ class ModelSpec:
     """Seconds it stays loaded once idle (-1: always); None: the daemon's default."""
     speculative: bool = True
     """Prompt-lookup decoding for greedy requests (``speculative = false`` turns it off)."""
+    mtp: bool = True
+    """Its own MTP heads draft for it, where the GGUF has them (``mtp = false``: they are
+    not loaded)."""
     gpu_layers: int | None = None
     """At most this many layers on a GPU (llama.cpp's -ngl, Ollama's num_gpu); None:
     as many as its free memory holds."""
@@ -294,6 +298,7 @@ def _parse_entry(name: str, raw: Any, origin: Path) -> ModelSpec:
         gpu_layers=raw.get("gpu_layers"),
         threads=raw.get("threads"),
         speculative=raw.get("speculative", True),
+        mtp=raw.get("mtp", True),
         pin=raw.get("pin", False),
         mmproj=mmproj,
         mmproj_sha256=raw.get("mmproj_sha256"),

@@ -401,7 +401,8 @@ def load_options(res: Host, spec: ModelSpec, placement: ex.Placement,
                          kv_cache_disk=max(spec.kv_cache_disk, 0) << 20,
                          kv_cache_ram=promptcache.ram_limit(spec.kv_cache_ram),
                          mmproj=str(projector) if projector is not None else None,
-                         lora=tuple(str(adapters.local(a)) for a in spec.lora))
+                         lora=tuple(str(adapters.local(a)) for a in spec.lora),
+                         mtp=spec.mtp)
     if draft is not None and limits is not None:
         common = replace(common, draft=str(draft[1]), draft_name=draft[0],
                          draft_max=limits.max, draft_min=limits.min, draft_p_min=limits.p_min)

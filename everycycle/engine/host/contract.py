@@ -185,6 +185,8 @@ class LoadOptions:
     """llama-server's --spec-draft-n-max, --spec-draft-n-min, --draft-p-min."""
     draft_min: int = 0
     draft_p_min: float = 0.0
+    mtp: bool = True
+    """Load the GGUF's MTP layers, where it has them, to draft with (spec/mtp.py)."""
 
 
 # ---------------------------------------------------------------------- the pipe

@@ -97,7 +97,8 @@ class Runner:
                    lora=tuple(Path(p) for p in options.lora),
                    draft=Path(options.draft) if options.draft else None,
                    draft_label=options.draft_name, draft_limits=DraftLimits(
-                       options.draft_max, options.draft_min, options.draft_p_min))
+                       options.draft_max, options.draft_min, options.draft_p_min),
+                   mtp=options.mtp)
 
     def __init__(
         self,
