@@ -38,10 +38,14 @@ class Collector:
 
 
 class Flat(StepCost):
-    """Every step costs the same, whatever its rows (a GPU's profile): every draft the
-    model is likely to confirm pays."""
+    """Every step costs ``seconds``, whatever its rows (a GPU's profile), whatever is
+    measured: every draft the model is likely to confirm pays."""
+
+    def __init__(self, seconds: float = 0.01) -> None:
+        super().__init__()
+        self._seconds = seconds
 
     def observe(self, rows: int, seconds: float) -> None:
         if not self._seen:
             for n in (1, 2, 64):
-                super().observe(n, 0.01)
+                super().observe(n, self._seconds)

@@ -40,13 +40,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 class GpuPriced(Runner):
-    """The real engine, its steps priced as a GPU's (a row costs nothing more), so that
-    drafts pay; the MTP heads' own steps as measured."""
+    """The real engine, its steps priced as a GPU's (a row costs nothing more) and its
+    MTP steps at a tenth of one, whatever this machine measures (busy or not), so that
+    drafts pay: the plumbing is under test here, the policy in test_draft_model.py."""
 
     def _probe(self) -> tuple[bool, StepCost]:
         exact, _ = super()._probe()
-        flat = Flat()
+        flat = Flat(0.01)
         flat.observe(1, 0.0)
+        if self.mtp is not None:
+            self.mtp.cost = Flat(0.001)
+            self.mtp.cost.observe(1, 0.0)
         return exact, flat
 
 

@@ -65,13 +65,18 @@ class Work:
         verified row by row), the last of a prompt read through."""
         return self.decode or (self.sample is not None and i == len(self.tokens) - 1)
 
-    def commit(self) -> None:
-        """The step ran: the slot's cells now hold these tokens."""
+    def commit(self, accepted: int | None = None) -> int | None:
+        """The step ran: the slot's cells hold its tokens, a decode's draft only as far
+        as its first ``accepted`` tokens were confirmed (None: all of them). The one
+        place a step changes what a slot holds. Returns the position from which the
+        slot's KV cells must go (a rejected draft's), or None."""
         run = self.run
-        run.n_past = self.start + len(self.tokens)
-        self.slot.cached.extend(self.tokens)
+        kept = self.tokens if accepted is None else self.tokens[:1 + accepted]
+        run.n_past = self.start + len(kept)
+        self.slot.cached.extend(kept)
         if self.prompt:
             del run.todo[:self.prompt]
+        return run.n_past if len(kept) < len(self.tokens) else None
 
 
 @dataclass(eq=False)

@@ -190,8 +190,8 @@ class Scheduler:
         joins: list[bool] = []  # (whether each may draft with its peers: asked once)
         for at, w in enumerate(decoding):  # drafts after every slot has its row
             r = w.run
-            if not r.drafting or r.forced or (r.thinking is not None and not r.thinking.done):
-                continue  # (nothing drafts; or a thinking budget counts token by token)
+            if not r.drafting or r.forced or not all(f.may_draft() for f in r.features):
+                continue  # (nothing drafts; or a feature takes token by token)
             room = min(self.n_batch - n, self.n_ctx_slot - r.n_past - 1,
                        r.job.spec.max_tokens - r.job.n_generated - 1)
             if not joins:

@@ -8,14 +8,18 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NewType
 
+from .features import Feature
 from .jobs import Job, Logprob, common_prefix, stop_split
 from .matcher import Matcher
-from .thinking import Thinking
+
+SamplerChain = NewType("SamplerChain", object)
+"""A llama.cpp sampler chain (``llama_sampler *``), made and freed by the worker's
+``Samplers``."""
 
 
-def _utf8() -> Any:
+def _utf8() -> codecs.IncrementalDecoder:
     return codecs.getincrementaldecoder("utf-8")("replace")
 
 
@@ -30,20 +34,22 @@ class Run:
     """Prompt tokens left to read."""
     last: int = -1
     """The last token taken: the next decode row's."""
-    sampler: Any = None
+    sampler: SamplerChain | None = None
     """Its llama.cpp sampler chain (None: plain greedy)."""
     grammar: Matcher | None = None
     """Under a constraint: the job's matcher (``constraint.py``)."""
     drafting: dict[str, Any] = field(default_factory=dict)
     """Each speculative method's state for this run, by the method's name (only the
     methods that draft for it: ``spec/drafter.py``)."""
-    prompt: Any = None
-    """A job with images: its libmtmd prompt, once read (vision.Prompt)."""
-    thinking: Thinking | None = None
-    """Its thinking, counted against its budget (None: no budget)."""
+    prompt: object = None
+    """A job with images: its libmtmd prompt, once read (the worker's ``vision.Prompt``,
+    opaque here)."""
+    features: list[Feature] = field(default_factory=list)
+    """Its request's features that act token by token (a reasoning budget)."""
     forced: list[int] = field(default_factory=list)
-    """Tokens it takes next whatever the model says (a thinking budget's ending)."""
-    decoder: Any = field(default_factory=_utf8)
+    """Tokens it takes next whatever the model says (a feature's: a thinking budget's
+    ending)."""
+    decoder: codecs.IncrementalDecoder = field(default_factory=_utf8)
     held_text: str = ""
     held_ids: list[int] = field(default_factory=list)
     held_logprobs: list[Logprob] = field(default_factory=list)

@@ -5,7 +5,8 @@ after an optional message (llama-server's ``--reasoning-budget-message``).
 Thinking is found by text, as the output streams: the prompt may open the section
 (DeepSeek-R1's template ends with ``<think>``), else the model opens it with its own
 first tokens. A marker may span several tokens; a token's piece is read with control
-tokens rendered (``</think>`` is one in Qwen3's vocabulary). No llama.cpp here.
+tokens rendered (``</think>`` is one in Qwen3's vocabulary). ``features.ThinkingBudget`` is
+the run's feature that counts it and forces the ending. No llama.cpp here.
 """
 
 from __future__ import annotations

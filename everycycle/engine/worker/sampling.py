@@ -14,6 +14,7 @@ from ...errors import InvalidRequestError
 from ...protocol import sampling as P
 from ..core.jobs import Sampling
 from ..core.matcher import Matcher
+from ..core.slots import SamplerChain
 
 DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
 
@@ -36,7 +37,7 @@ class Samplers:
         self.eog = eog
         """Its end-of-generation tokens (``ignore_eos`` bars them)."""
 
-    def chain(self, s: Sampling, n_ctx: int) -> Any:
+    def chain(self, s: Sampling, n_ctx: int) -> SamplerChain | None:
         """llama.cpp's sampler chain for ``s`` (a constraint aside: see ``sample_constrained``), in
         llama-server's order; None for plain greedy decoding. ``n_ctx`` is what a
         ``-1`` look-back means.
@@ -94,7 +95,7 @@ class Samplers:
                 if name in GREEDY_STEPS and (step := steps[name]) is not None:
                     add(step())
             add(L.llama_sampler_init_greedy())
-            return chain
+            return SamplerChain(chain)
         if s[P.MIROSTAT]:  # (its own chain, whatever the order: llama-server's)
             for name in ("penalties", "dry"):
                 if name in order and (step := steps[name]) is not None:
@@ -106,12 +107,12 @@ class Samplers:
             else:
                 add(L.llama_sampler_init_mirostat_v2(seed, s[P.MIROSTAT_TAU],
                                                      s[P.MIROSTAT_ETA]))
-            return chain
+            return SamplerChain(chain)
         for name in order:
             if (step := steps[name]) is not None:
                 add(step())
         add(L.llama_sampler_init_dist(seed))
-        return chain
+        return SamplerChain(chain)
 
     def check(self, s: Sampling) -> None:
         """Raises InvalidRequestError for a logit bias on a token the vocabulary lacks."""
@@ -120,11 +121,11 @@ class Samplers:
                 raise InvalidRequestError(f"logit_bias: token {b.token} is not in this "
                                           f"model's vocabulary of {self._n_vocab}")
 
-    def free(self, sampler: Any) -> None:
+    def free(self, sampler: SamplerChain | None) -> None:
         if sampler is not None:
             self._L.llama_sampler_free(sampler)
 
-    def sample_constrained(self, chain: Any, matcher: Matcher, logits: np.ndarray) -> int:
+    def sample_constrained(self, chain: SamplerChain, matcher: Matcher, logits: np.ndarray) -> int:
         """Sample with ``chain`` from ``logits`` masked by ``matcher`` (every token its
         grammar refuses at -inf, before the chain runs), consumed by both. Raises
         InvalidRequestError when the grammar allows no token. Engine thread only."""
@@ -136,7 +137,7 @@ class Samplers:
         L.llama_sampler_accept(chain, tok)
         return tok
 
-    def sample_with_probs(self, chain: Any, logits: np.ndarray, top: int
+    def sample_with_probs(self, chain: SamplerChain, logits: np.ndarray, top: int
                           ) -> tuple[int, list[tuple[int, float]]]:
         """Sample with ``chain`` from ``logits`` as ``llama_sampler_sample`` does (the
         same candidates, the same RNG draw, accepted by the chain), and report the

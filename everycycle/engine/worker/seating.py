@@ -12,9 +12,9 @@ from functools import partial
 from typing import Any
 
 from ...errors import InvalidRequestError
+from ..core.features import ThinkingBudget
 from ..core.jobs import Job, Output, common_prefix
 from ..core.slots import Parked, Run, Slot, cells
-from ..core.thinking import Thinking
 from ..kvcache import kvdisk, promptcache
 from ..spec.drafter import Drafter
 from . import parking
@@ -91,21 +91,15 @@ class Seating:
             grammar=matcher,
             sampler=self._samplers.chain(job.spec.sampling, self._n_ctx_slot))
         self._drafter.start(slot.run)
-        think = job.spec.think
-        if think is not None:
-            slot.run.thinking = Thinking(think)
-            if slot.run.thinking.due:  # (a budget of 0, the prompt having opened it)
-                slot.run.forced = self.ending(slot.run.thinking)
+        if job.spec.think is not None:
+            slot.run.features.append(ThinkingBudget(job.spec.think, self._tokenize))
+        for feature in slot.run.features:
+            slot.run.forced = feature.started(job) or slot.run.forced
         slot.used = step
         job.n_prompt, job.n_reused, job.n_generated = len(job.spec.tokens), reuse, 0
         job.n_thought = 0
         if job.spec.progress and slot.run.todo:
             out.append((job, Output("", (), progress=reuse)))
-
-    def ending(self, thinking: Thinking) -> list[int]:
-        """The tokens that end ``thinking`` now (its budget is spent)."""
-        thinking.forced()
-        return self._tokenize(thinking.spec.ending)
 
     def _restore(self, slot: Slot, job: Job, reuse: int) -> int:
         """Restore a prefix kept in the prompt cache into ``slot`` when it is longer

@@ -229,7 +229,8 @@ class StepLoop:
         """The step ran: its slots hold its tokens now; each slot whose row has logits
         takes its next tokens."""
         for w in plan.work:
-            w.commit()
+            if not w.draft:  # (a draft is committed as far as it is confirmed: _verify)
+                w.commit()
         for w in plan.work:  # (the last one says the whole prompt is read, as llama-server)
             if w.prompt and w.run.job.spec.progress:
                 out.append((w.run.job, Output("", (), progress=w.run.n_past)))
@@ -310,10 +311,9 @@ class StepLoop:
             self._finish(w.slot, out, "error", exc)
             return
         accepted = len(taken) - 1  # draft tokens confirmed
-        if accepted < k:
-            self.batches.forget(w.slot.seq, w.start + 1 + accepted)
-            del w.slot.cached[len(w.slot.cached) - (k - accepted):]
-            run.n_past = w.start + 1 + accepted
+        cut = w.commit(accepted)
+        if cut is not None:
+            self.batches.forget(w.slot.seq, cut)
         self.drafter.verified(run, k, accepted, w.source)
         for i, tok in enumerate(taken):
             if self._take(w.slot, tok, w.start + 1 + i, out):
@@ -334,12 +334,10 @@ class StepLoop:
         run.last = tok
         if run.drafting:
             self.drafter.took(run, tok)
-        thinking = run.thinking
-        if thinking is not None and not thinking.done:
-            thinking.took(self._piece_text(tok))
-            job.n_thought = thinking.count
-            if thinking.due:
-                run.forced = self.seating.ending(thinking)
+        if run.features:
+            text = self._piece_text(tok)
+            for feature in run.features:
+                run.forced = feature.took(job, text) or run.forced
         spec = job.spec
         piece = self._vocab.piece(tok, spec.special)
         if job.n_generated == 1:

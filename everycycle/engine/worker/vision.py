@@ -167,7 +167,8 @@ class Vision:
             self.images_encoded += 1
         return int(new.value)
 
-    def free_prompt(self, prompt: Prompt) -> None:
+    def free_prompt(self, prompt: object) -> None:
+        assert isinstance(prompt, Prompt)
         if prompt.chunks:
             self._M.mtmd_input_chunks_free(prompt.chunks)
             prompt.chunks = None
