@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import subprocess
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from tinymodel import write_tiny_gguf
 
 from everycycle.client import SyncClient
 from everycycle.engine.core.jobs import Job, JobSpec, Sampling
-from everycycle.engine.core.slots import Run
+from everycycle.engine.core.slots import Run, Slot
 from everycycle.engine.core.stepcost import Costs, Rows, StepCost
 from everycycle.engine.spec.drafter import Drafter
 from everycycle.engine.spec.draftmodel import Ask, DraftLimits, DraftModel
@@ -269,21 +269,28 @@ def test_a_vocabulary_of_other_size_is_refused_naming_both_models(
 
 
 class Priced(DraftModel):
-    """A draft model with its costs and limits only (no weights): the policy's input."""
+    """A draft model with its costs and limits only (no weights): the policy's input. Its
+    drafts are ``n`` sevens; it keeps what it was asked for."""
 
     def __init__(self, seconds: float, n_max: int = 4) -> None:
         self.limits = DraftLimits(n_max)
         self.cost = StepCost.fit([(1, seconds)] * 3 + [(2, seconds * 1.2)] * 3)
+        self.asked: list[int] = []
+
+    def draft(self, asks: Sequence[Ask], budget: int) -> list[list[int]]:
+        self.asked.extend(a.n for a in asks)
+        return [[7] * a.n for a in asks]
 
 
 ALONE = Rows(((0, 1),), 0)
 """One slot decoding, its own row so far."""
 
 
-def _run(rate: float) -> Run:
-    run = Run(Job(JobSpec(tokens=[1, 2, 3], max_tokens=100)))
+def _slot(rate: float) -> Slot:
+    """A slot whose run drafts with the draft model, confirming ``rate`` of its tokens."""
+    run = Run(Job(JobSpec(tokens=[1, 2, 3], max_tokens=100)), n_past=3, last=9)
     run.drafting["model"] = Pace(Acceptance(rate * 10, 10.0))
-    return run
+    return Slot(0, cached=[1, 2, 3], run=run)
 
 
 def _drafter(costs: Costs, model: DraftModel) -> Drafter:
@@ -297,37 +304,74 @@ def _costs(step: float, per_row: float) -> Costs:
     return costs
 
 
+def _asked(drafter: Drafter, slot: Slot) -> int:
+    """Tokens the draft model was asked for the slot's next step (0: none), and made."""
+    model = drafter.proposers[0].model  # type: ignore[attr-defined]
+    before = len(model.asked)
+    drafter.prepare([(slot, 50, ALONE, 1.0)])
+    return int(model.asked[before]) if len(model.asked) > before else 0
+
+
+def _took(drafter: Drafter, slot: Slot) -> None:
+    """The run took a token: what was made for it is stale."""
+    assert slot.run is not None
+    drafter.took(slot.run, 9)
+
+
 def test_a_cheap_draft_that_agrees_is_asked_for_and_a_dear_one_is_not() -> None:
     # A target step of 20 ms whose rows are nearly free (a GPU), a 1 ms draft step:
     drafter = _drafter(_costs(0.020, 0.0005), Priced(0.001))
-    draft = drafter.propose(_run(0.8), room=50, rows=ALONE, expected=1.0)
-    assert draft.source == "model" and draft.ask == 4 and not draft.tokens
+    slot = _slot(0.8)
+    assert slot.run is not None
+    assert _asked(drafter, slot) == 4
+    # The next plan takes what was made, as it pays in the step's rows then.
+    draft = drafter.propose(slot.run, room=50, rows=ALONE, expected=1.0)
+    assert draft.source == "model" and draft.tokens == [7, 7, 7, 7]
+    assert drafter.propose(slot.run, room=2, rows=ALONE, expected=1.0).tokens == [7, 7]
+    _took(drafter, slot)
+    assert drafter.propose(slot.run, room=50, rows=ALONE, expected=1.0).tokens == []
     # Each draft token as dear as the target's own step: no length pays.
     dear = _drafter(_costs(0.020, 0.0005), Priced(0.020))
-    assert dear.propose(_run(0.8), room=50, rows=ALONE, expected=1.0).ask == 0
+    assert _asked(dear, _slot(0.8)) == 0
     # A CPU where each row costs what a step does: drafting loses.
     cpu = _drafter(_costs(0.001, 0.010), Priced(0.001))
-    assert cpu.propose(_run(0.8), room=50, rows=ALONE, expected=1.0).ask == 0
+    assert _asked(cpu, _slot(0.8)) == 0
 
 
 def test_a_slot_whose_drafts_fail_rests_then_tries_a_short_one_then_rests_longer() -> None:
     drafter = _drafter(_costs(0.020, 0.0005), Priced(0.001))
-    run = _run(0.02)
-    assert drafter.propose(run, 50, ALONE, 1.0).ask == PROBE  # a new request tries at once
-    drafter.verified(run, PROBE, 0, "model")
-    assert drafter.propose(run, 50, ALONE, 1.0).ask == 0
-    assert run.drafting["model"].rest == REST_FIRST
+    slot = _slot(0.02)
+    assert slot.run is not None
+    assert _asked(drafter, slot) == PROBE  # a new request tries at once
+    drafter.verified(slot.run, PROBE, 0, "model")
+    _took(drafter, slot)
+    assert _asked(drafter, slot) == 0
+    assert slot.run.drafting["model"].rest == REST_FIRST
     for _ in range(REST_FIRST):
-        assert drafter.propose(run, 50, ALONE, 1.0).ask == 0
-    assert drafter.propose(run, 50, ALONE, 1.0).ask == PROBE  # a short try once rested
-    drafter.verified(run, PROBE, 0, "model")
-    assert drafter.propose(run, 50, ALONE, 1.0).ask == 0
-    assert run.drafting["model"].rest == 2 * REST_FIRST  # it failed: the next rest is longer
+        assert _asked(drafter, slot) == 0
+    assert _asked(drafter, slot) == PROBE  # a short try once rested
+    drafter.verified(slot.run, PROBE, 0, "model")
+    _took(drafter, slot)
+    assert _asked(drafter, slot) == 0
+    assert slot.run.drafting["model"].rest == 2 * REST_FIRST  # it failed: the next rest is longer
     # Where not even a draft always confirmed pays, it rests without trying.
     cpu = _drafter(_costs(0.001, 0.010), Priced(0.001))
-    idle = _run(0.5)
-    assert [cpu.propose(idle, 50, ALONE, 1.0).ask for _ in range(40)] == [0] * 40
-    assert idle.drafting["model"].backoff > REST_FIRST
+    idle = _slot(0.5)
+    assert idle.run is not None
+    assert [_asked(cpu, idle) for _ in range(40)] == [0] * 40
+    assert idle.run.drafting["model"].backoff > REST_FIRST
+
+
+def test_a_draft_made_for_the_next_step_waits_out_a_stopped_one() -> None:
+    """A step stopped and undone (preempted) takes nothing: the draft made for it is
+    still the run's, and the plan after takes it."""
+    drafter = _drafter(_costs(0.020, 0.0005), Priced(0.001))
+    slot = _slot(0.8)
+    assert slot.run is not None and _asked(drafter, slot) == 4
+    first = drafter.propose(slot.run, room=50, rows=ALONE, expected=1.0)
+    again = drafter.propose(slot.run, room=50, rows=ALONE, expected=1.0)  # (undone: no took)
+    assert first.tokens == again.tokens == [7, 7, 7, 7]
+    assert _asked(drafter, slot) == 0  # (made already: nothing asked again)
 
 
 def test_draft_keys_are_checked_in_models_toml(tmp_path: Path) -> None:

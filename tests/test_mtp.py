@@ -19,8 +19,8 @@ from mtpmodel import write_mtp_gguf
 
 from everycycle.client import SyncClient
 from everycycle.engine.core.jobs import Job, JobSpec, Sampling
-from everycycle.engine.core.plan import Draft, StepPlan, Work
-from everycycle.engine.core.slots import Run
+from everycycle.engine.core.plan import Draft, StepPlan
+from everycycle.engine.core.slots import Run, Slot
 from everycycle.engine.core.stepcost import Costs, Rows, StepCost
 from everycycle.engine.spec.drafter import Drafter
 from everycycle.engine.spec.mtp import mtp_layers
@@ -139,7 +139,7 @@ class Failing:
     """A method whose following of the target fails: llama.cpp refusing its batch."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.count = name, DraftCount(name)
+        self.name, self.count, self.makes = name, DraftCount(name), True
 
     def start(self, run: Run) -> object:
         return object()
@@ -153,7 +153,7 @@ class Failing:
     def joins(self, state: object) -> bool:
         return False
 
-    def fill(self, works: Sequence[Work], rows: int) -> None:
+    def prepare(self, items: Sequence[tuple[Slot, object, Weighing]]) -> None:
         raise InternalError("the MTP layers failed to decode")
 
     def decoded(self, plan: StepPlan) -> None:
@@ -173,11 +173,14 @@ def test_a_method_that_fails_is_dropped_and_the_others_go_on(
         caplog: pytest.LogCaptureFixture) -> None:
     failing, kept = Failing("heads"), Failing("other")
     kept.decoded = lambda plan: None  # type: ignore[method-assign]
+    kept.prepare = lambda items: None  # type: ignore[method-assign]
     drafter = Drafter(Costs(), [failing, kept], label="m")
     run = Run(Job(JobSpec(tokens=[1, 2], max_tokens=5)))
     drafter.start(run)
     assert set(run.drafting) == {"heads", "other"}
     drafter.decoded(StepPlan())
+    assert drafter.proposers == [kept]
+    drafter.prepare([(Slot(0, run=run), 4, Rows(((0, 1),), 0), 1.0)])
     assert drafter.proposers == [kept]
     assert "m: heads drafting stops: the MTP layers failed to decode" in caplog.text
     assert not drafter.joins(run) and drafter.propose(run, 4, Rows(((0, 1),), 0), 1.0).tokens == []

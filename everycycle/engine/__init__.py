@@ -15,7 +15,8 @@ llama/    llama.cpp itself: loading, its log, the vocabulary, the load-time prob
 core/     what a step decides, as plain data: jobs, slots, the scheduler and its plan,
           step costs, thinking budgets, grammar matchers (no llama.cpp: tested)
 
-A step, top to bottom: ``worker/steps.py`` (admit → plan → decode → apply), the plan
-from ``core/scheduler.py``, drafts from ``spec/drafter.py``, the decode in
+A step, top to bottom: ``worker/steps.py`` (admit → plan → decode → apply → prepare),
+the plan from ``core/scheduler.py`` (final as returned), drafts from
+``spec/drafter.py`` (a model's made after a step for the next), the decode in
 ``worker/batchdecode.py``.
 """

@@ -20,14 +20,12 @@ from .slots import Parked, Run, Slot
 @dataclass(frozen=True)
 class Draft:
     """A slot's draft for one step: its tokens, the chance each is right given the ones
-    before it were, and the method that proposed it (a proposer's ``name``). A method
-    whose tokens are made once the plan is laid out (a draft model's) asks for ``ask``
-    tokens instead; ``final``: no other method is asked after this one."""
+    before it were, and the method that proposed it (a proposer's ``name``); ``final``:
+    no other method is asked after this one."""
 
     tokens: list[int]
     rate: float = 0.0
     source: str = ""
-    ask: int = 0
     final: bool = False
 
 
@@ -51,8 +49,6 @@ class Work:
     """A decode's draft: the last ``draft`` tokens, after the run's own last token."""
     source: str = ""
     """The method that proposed the draft (``Draft.source``)."""
-    ask: int = 0
-    """Draft tokens asked for, not made yet (``Drafter.fill`` makes them)."""
     sample: int | None = None
     """The row whose logits choose the next token (None: the prompt is still read)."""
 
@@ -88,11 +84,6 @@ class StepPlan:
     """Batch rows in all."""
     lora: tuple[float, ...] = ()
     """The LoRA scales of every job in it (``lora.cells``): the context applies them."""
-
-    @property
-    def asks(self) -> list[Work]:
-        """The work waiting for a draft model's tokens (``ask``)."""
-        return [w for w in self.work if w.ask]
 
     def settle(self) -> None:
         """Lay out the batch rows from the work's tokens: each decoding slot's own row

@@ -4,8 +4,9 @@
 background job to take its slot, so it waits at most one step; a parked job resumes
 before any pending background job; a job parked for longer than its
 ``background_age`` is served as interactive. ``plan`` lays out the one
-``llama_decode``: a row per decoding slot, then drafts (``Drafter``; a draft model's
-asked for, its rows held, made once the plan is laid out), then prompt chunks; while
+``llama_decode``: a row per decoding slot, then drafts (``Drafter``: a grammar's forced
+tokens, prompt lookup's, a draft model's made after the step before), then prompt
+chunks; the plan it returns is final; while
 an interactive job reads its prompt, background jobs sit the step out (its first token
 comes as soon as on an idle engine), and a background prompt reads only as many tokens
 as keep the step short (``background_room``).
@@ -49,9 +50,10 @@ class Drafts(Protocol):
         ...
 
     def joins(self, run: Run) -> bool:
-        """Whether ``run`` may draft with a method that drafts for several slots in one
-        batch (its draft's making is shared)."""
+        """Whether ``run`` has a draft made for this step (a draft model's), which may
+        grow with the slot's before it, all in one micro-batch."""
         ...
+
 
 
 @dataclass
@@ -181,33 +183,25 @@ class Scheduler:
                 n += 1
         expected = float(n)  # the tokens this step should yield
         decoding = list(plan.work)
-        # Where every decoding slot has a lookup draft to offer, any may lengthen the
-        # step (the others join its rows: all get ahead together); else only the slot
-        # with the most left may (``Rows.lead``).
-        together = len(decoding) > 1 and all(
-            x.run.drafting and self.drafter.offers(x.run, self.n_batch) for x in decoding)
-        left = [self._left(x.run) for x in decoding]
-        joins: list[bool] = []  # (whether each may draft with its peers: asked once)
+        leads = self._leads([w.run for w in decoding])
+        joins: list[bool] = []  # (whether each has a draft made to join others' with)
         for at, w in enumerate(decoding):  # drafts after every slot has its row
             r = w.run
-            if not r.drafting or r.forced or not all(f.may_draft() for f in r.features):
-                continue  # (nothing drafts; or a feature takes token by token)
-            room = min(self.n_batch - n, self.n_ctx_slot - r.n_past - 1,
-                       r.job.spec.max_tokens - r.job.n_generated - 1)
-            if not joins:
-                joins = [bool(x.run.drafting) and self.drafter.joins(x.run) for x in decoding]
-            rows = Rows(tuple((x.slot.seq, len(x.tokens) + x.ask) for x in decoding), at,
-                        lead=together or all(left[at] > v for i, v in enumerate(left)
-                                             if i != at),
-                        peers=tuple(i for i in range(at + 1, len(decoding)) if joins[i]))
-            draft = self.drafter.propose(r, room, rows, expected)
-            length = len(draft.tokens) or draft.ask
-            if not length:
+            if not self._may_draft(r):
                 continue
-            expected += expected_accepted(draft.rate, length)
+            if not joins:
+                joins = [self._may_draft(x.run) and self.drafter.joins(x.run)
+                         for x in decoding]
+            rows = Rows(tuple((x.slot.seq, len(x.tokens)) for x in decoding), at,
+                        lead=leads[at],
+                        peers=tuple(i for i in range(at + 1, len(decoding)) if joins[i]))
+            draft = self.drafter.propose(r, self._room(r, n), rows, expected)
+            if not draft.tokens:
+                continue
+            expected += expected_accepted(draft.rate, len(draft.tokens))
             w.tokens.extend(draft.tokens)
-            w.draft, w.source, w.ask = len(draft.tokens), draft.source, draft.ask
-            n += length  # (a draft model's rows held for it: it may make fewer)
+            w.draft, w.source = len(draft.tokens), draft.source
+            n += len(draft.tokens)
         background_room = self.background_room(n)
         for s, r in runs:
             if not r.todo or n >= self.n_batch:
@@ -224,6 +218,44 @@ class Scheduler:
                                   sample=0 if len(take) == len(r.todo) else None))
         plan.settle()
         return plan
+
+    def draft_rows(self, slots: Sequence[Slot]) -> list[tuple[Slot, int, Rows, float]]:
+        """For the drafts made before the next step (``Drafter.prepare``): each of
+        ``slots`` (decoding next) that may draft, with its room and its rows in a step of
+        one row for each of them (its peers: the others after it), and the tokens such a
+        step should yield."""
+        runs = [s.run for s in slots if s.run is not None]
+        leads = self._leads(runs)
+        shape = tuple((s.seq, 1) for s in slots)
+        return [(s, self._room(r, len(slots)), Rows(shape, at, lead=leads[at],
+                                                    peers=tuple(range(at + 1, len(slots)))),
+                 float(len(slots)))
+                for at, (s, r) in enumerate(zip(slots, runs, strict=True))
+                if self._may_draft(r)]
+
+    @staticmethod
+    def _may_draft(run: Run) -> bool:
+        """Whether ``run`` may draft: some method drafts for it, nothing is forced on it,
+        and none of its features takes token by token now."""
+        return bool(run.drafting) and not run.forced and all(
+            f.may_draft() for f in run.features)
+
+    def _room(self, run: Run, rows: int) -> int:
+        """Draft rows ``run`` may have in a step of ``rows`` rows so far: within the
+        batch, its context, and its ``max_tokens``."""
+        return min(self.n_batch - rows, self.n_ctx_slot - run.n_past - 1,
+                   run.job.spec.max_tokens - run.job.n_generated - 1)
+
+    def _leads(self, runs: Sequence[Run]) -> list[bool]:
+        """Whether each of the decoding ``runs`` may lengthen the step with its draft:
+        where every one has a lookup draft to offer, any may (the others join its rows:
+        all get ahead together); else only the one with the most left (``Rows.lead``)."""
+        if len(runs) > 1 and all(r.drafting and self.drafter.offers(r, self.n_batch)
+                                 for r in runs):
+            return [True] * len(runs)
+        left = [self._left(r) for r in runs]
+        return [all(left[at] > v for i, v in enumerate(left) if i != at)
+                for at in range(len(runs))]
 
     def _left(self, run: Run) -> int:
         """Tokens ``run`` may make yet: to its ``max_tokens``, or its context's end."""

@@ -2,8 +2,8 @@
 in that one step. Each method is a ``Proposer`` (``proposer.py``); ``methods.py`` lists
 them. The scheduler asks the ``Drafter`` for a slot's draft as it plans a step, and the
 Drafter asks each method in order, each weighing its draft against the best so far; a
-method whose tokens are made once the plan is laid out (a draft model's) asks for rows,
-and ``fill`` makes them. The step verifies a draft by choosing each row's token exactly
+method that drafts with a model makes its tokens after each step for the next
+(``prepare``), so the plan is final as the scheduler returns it. The step verifies a draft by choosing each row's token exactly
 as one-at-a-time decoding would (greedy or sampled, within the grammar), so a draft
 changes no choice, only how many steps they take (and, where a batch's rows are not
 bit-exact, llama.cpp's numerics). Engine thread only.
@@ -15,8 +15,8 @@ import logging
 from collections.abc import Sequence
 
 from ...errors import EverycycleError
-from ..core.plan import NO_DRAFT, Draft, StepPlan, Work
-from ..core.slots import Run
+from ..core.plan import NO_DRAFT, Draft, StepPlan
+from ..core.slots import Run, Slot
 from ..core.stepcost import Costs, Rows
 from .proposer import DraftCount, Proposer, Weighing
 
@@ -47,8 +47,7 @@ class Drafter:
         """``run``'s draft for a step of ``rows`` so far (the decoding slots'), expected to
         yield ``expected`` tokens, with room for ``room`` more rows: each method's, where
         it pays more than the earlier ones' (a method's ``final`` draft ends the asking)."""
-        own = room if rows.lead else min(room, rows.joinable - 1)
-        weighing = Weighing(room, own, rows, expected, self._costs.decode)
+        weighing = self._weighing(room, rows, expected)
         best = NO_DRAFT
         for p in self.proposers:
             state = run.drafting.get(p.name)
@@ -68,21 +67,26 @@ class Drafter:
         return any((p := asked.get(name)) is not None and p.joins(state)
                    for name, state in run.drafting.items())
 
-    def fill(self, works: Sequence[Work], rows: int) -> None:
-        """Make the tokens ``works`` asked for, each method its own in one go, for a step
-        of ``rows`` rows. A method that fails is dropped (said once in the log): its works
-        draft nothing this step, and it is asked no more."""
+    @property
+    def makes(self) -> bool:
+        """Whether a method makes drafts before each step (``prepare`` has work)."""
+        return any(p.makes for p in self.proposers)
+
+    def prepare(self, entries: Sequence[tuple[Slot, int, Rows, float]]) -> None:
+        """After a step, before the next: the methods that draft with a model make their
+        drafts for the runs on ``entries``' slots (each with its room, its rows in the
+        next step and the tokens that step should yield: ``Scheduler.draft_rows``). A
+        method that fails is dropped (said once in the log); the next step goes on."""
         for p in list(self.proposers):
-            asked = [w for w in works if w.source == p.name]
-            if not asked:
+            items = [(slot, slot.run.drafting[p.name], self._weighing(room, rows, expected))
+                     for slot, room, rows, expected in entries
+                     if slot.run is not None and p.name in slot.run.drafting]
+            if not items:
                 continue
             try:
-                p.fill(asked, rows)
+                p.prepare(items)
             except EverycycleError as exc:
                 self._drop(p, exc)
-                for w in asked:
-                    w.ask = 0
-                    del w.run.drafting[p.name]
 
     def decoded(self, plan: StepPlan) -> None:
         """The target decoded ``plan``: the methods that follow its cells see it. One
@@ -128,3 +132,9 @@ class Drafter:
         log.error("%s: %s drafting stops: %s", self._label, p.name, exc.message)
         self.proposers.remove(p)
         del self._asked[p.name]
+
+    def _weighing(self, room: int, rows: Rows, expected: float) -> Weighing:
+        # A slot that is not the one with the most left may only join the rows of other
+        # slots' drafts (``Weighing.own``).
+        own = room if rows.lead else min(room, rows.joinable - 1)
+        return Weighing(room, own, rows, expected, self._costs.decode)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..core.matcher import Matcher
-from ..core.plan import Draft, StepPlan, Work
-from ..core.slots import Run
+from ..core.plan import Draft, StepPlan
+from ..core.slots import Run, Slot
 from .proposer import DraftCount, Weighing
 
 FORCED_RATE = 0.95
@@ -23,6 +23,7 @@ class ForcedTokens:
     def __init__(self, name: str) -> None:
         self.name = name
         self.count = DraftCount(name)
+        self.makes = False
 
     def start(self, run: Run) -> Matcher | None:
         return run.grammar
@@ -42,8 +43,8 @@ class ForcedTokens:
     def joins(self, state: Matcher) -> bool:
         return False
 
-    def fill(self, works: Sequence[Work], rows: int) -> None:
-        raise AssertionError("forced tokens are known as the plan is made")
+    def prepare(self, items: Sequence[tuple[Slot, Matcher, Weighing]]) -> None:
+        pass  # (its drafts are known as the plan is made)
 
     def took(self, state: Matcher, token: int) -> None:
         pass  # (the step's choice consumed it in the matcher)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from ..core.plan import Draft, StepPlan, Work
-from ..core.slots import Run
+from ..core.plan import Draft, StepPlan
+from ..core.slots import Run, Slot
 from .lookup import History, PromptLookup
 from .proposer import DraftCount, Weighing
 
@@ -25,6 +25,7 @@ class LookupDrafts:
         self._kind = kind
         """What drafts for a run (tests put an oracle here, through the Runner)."""
         self.count = DraftCount(self.name)
+        self.makes = False
 
     def start(self, run: Run) -> PromptLookup | None:
         spec = run.job.spec
@@ -43,8 +44,8 @@ class LookupDrafts:
     def joins(self, state: PromptLookup) -> bool:
         return False
 
-    def fill(self, works: Sequence[Work], rows: int) -> None:
-        raise AssertionError("lookup drafts are known as the plan is made")
+    def prepare(self, items: Sequence[tuple[Slot, PromptLookup, Weighing]]) -> None:
+        pass  # (its drafts are known as the plan is made)
 
     def took(self, state: PromptLookup, token: int) -> None:
         state.append(token)

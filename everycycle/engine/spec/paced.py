@@ -1,21 +1,22 @@
-"""Drafts a model makes once the plan is laid out, paced per run: a draft model beside
-the target (``draftmodel.py``, llama-server's ``-md``) or the target's own next-token
-heads (``mtp.py``). A run drafts only where its expected confirmed tokens pay for the
-rows they add to the step and for the drafter's own decoding (``StepCost.joint_plan``),
-and only where that pays more than the earlier methods' draft (prompt lookup's). The
-tokens are made once the plan is laid out (``fill``: one batched drafting for every run
-that asked). A run whose drafts stop paying rests from them (8 steps, doubling to 256
+"""Drafts a model makes, paced per run: a draft model beside the target
+(``draftmodel.py``, llama-server's ``-md``) or the target's own next-token heads
+(``mtp.py``). A run drafts only where its expected confirmed tokens pay for the rows
+they add to a step and for the drafter's own decoding (``StepCost.joint_plan``). The
+tokens are made after each step for the next (``prepare``: one batched drafting for
+every run that drafts; vLLM's ``update_draft_token_ids``), so the next plan is final as
+it is made: it takes as many of them as pay in its rows, or prompt lookup's where they
+promise more. A run whose drafts stop paying rests from them (8 steps, doubling to 256
 while they keep failing), then tries a short one."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from ..core.plan import Draft, StepPlan, Work
-from ..core.slots import Run
-from ..core.stepcost import Costs, StepCost
+from ..core.plan import Draft, StepPlan
+from ..core.slots import Run, Slot
+from ..core.stepcost import Costs, StepCost, expected_accepted
 from .draftmodel import Ask, DraftLimits
 from .lookup import Acceptance
 from .proposer import DraftCount, Weighing
@@ -45,6 +46,8 @@ class Pace:
     """Whether it has drafted since its last rest began, or since it started (else, where
     no draft the model's rate says pays, it tries a short one: a new request learns its
     own rate at once, where the model's so far says not to draft)."""
+    ready: list[int] = field(default_factory=list)
+    """Tokens made for its next step (after its last token), until it takes a token."""
 
 
 class Maker(Protocol):
@@ -73,9 +76,8 @@ class PacedDrafts:
         self.model = model
         self.acceptance = Acceptance()
         """How its drafts do on this model, all runs together: a new run's start."""
-        self._asked = 0
-        """Runs that asked for a draft for this step so far (``fill`` resets it)."""
         self.count = DraftCount(self.name)
+        self.makes = True
 
     def start(self, run: Run) -> Pace | None:
         spec = run.job.spec
@@ -84,53 +86,84 @@ class PacedDrafts:
         return Pace(self.acceptance.copy())
 
     def propose(self, pace: Pace, weighing: Weighing, best: Draft) -> Draft:
-        w, model = weighing, self.model
-        if w.room <= 0:
-            return best
-        if pace.rest > 0:
-            pace.rest -= 1
+        """The tokens made for the run before this step (``prepare``), as many as pay in
+        this step's rows now; or ``best`` where they promise less."""
+        w = weighing
+        tokens = pace.ready[:max(w.room, 0)]
+        if not tokens:
             return best
         rate = pace.acceptance.rate
-        available = min(w.room, model.limits.n_max)
-        # (it and its peers draft together: one drafting step of all their rows a token)
-        step = model.cost.estimate(1 + len(w.rows.peers) + self._asked) or 0.0
-        n, speed = w.cost.joint_plan(w.rows, w.expected, rate, available, lambda d: d * step)
-        if best.tokens and w.cost.draft_plan(w.rows, w.expected, best.rate,
-                                             len(best.tokens))[1] >= speed:
+        # (made already: no making to pay for; grown with its peers' alike)
+        n, speed = w.cost.joint_plan(w.rows, w.expected, rate, len(tokens), lambda d: 0.0)
+        if n == 0 or (best.tokens and w.cost.draft_plan(
+                w.rows, w.expected, best.rate, len(best.tokens))[1] >= speed):
             return best
-        if n == 0:
-            # A short try after a rest, to learn whether drafts pay again: only where a
-            # draft the target always confirmed would pay (on a CPU whose rows cost what
-            # a step does, with a draft model not much cheaper than the target, none
-            # does: trying costs the draft model's catching up, for nothing).
-            if not pace.tried and w.cost.joint_plan(w.rows, w.expected, 1.0, available,
-                                                    lambda d: d * step)[0]:
-                pace.tried = True
-                self._asked += 1
-                return Draft([], rate, self.name, min(PROBE, available))
-            pace.rest, pace.backoff = pace.backoff, min(2 * pace.backoff, REST_MAX)
-            pace.tried = False
-            return best
-        pace.backoff = REST_FIRST
-        self._asked += 1
-        return Draft([], rate, self.name, n)
+        return Draft(tokens[:n], rate, self.name)
 
     def offers(self, pace: Pace, n_batch: int) -> bool:
         return False
 
     def joins(self, pace: Pace) -> bool:
-        return not pace.rest
+        return bool(pace.ready)
 
-    def fill(self, works: Sequence[Work], rows: int) -> None:
-        """Make the tokens ``works`` asked for in one batched drafting; a work whose
-        draft came out empty (its sequence still catching up, the draft model unsure)
-        drafts nothing. Raises EverycycleError where the draft model fails."""
-        asks = [Ask(w.slot.seq, [*w.slot.cached, w.run.last], w.ask) for w in works]
-        self._asked = 0
-        for w, tokens in zip(works, self.model.draft(asks, self._catch_up(rows)),
-                             strict=True):
-            w.tokens.extend(tokens)
-            w.draft, w.ask = len(tokens), 0
+    def prepare(self, items: Sequence[tuple[Slot, Pace, Weighing]]) -> None:
+        """Decide, for each run on ``items`` with no draft ready, how many tokens to
+        draft for its next step (the pacing: only where they pay for their rows and their
+        making), and make them all in one batched drafting. Raises EverycycleError where
+        the model fails."""
+        waiting = [(slot, pace, w) for slot, pace, w in items if not pace.ready]
+        resting = {w.rows.at for _, pace, w in waiting if pace.rest}
+        asks: list[Ask] = []
+        paces: list[Pace] = []
+        grown: dict[int, int] = {}  # (the drafts asked so far, by row index, as a plan lays them)
+        gain = 0.0
+        for slot, pace, w in waiting:
+            rows = replace(
+                w.rows, shape=tuple((seq, n + grown.get(i, 0))
+                                    for i, (seq, n) in enumerate(w.rows.shape)),
+                # (its peers: the runs after it that may draft too, in one drafting step)
+                peers=tuple(i for i in w.rows.peers if i not in resting))
+            weighing = replace(w, rows=rows, expected=w.expected + gain)
+            n = self._length(pace, weighing, len(asks))
+            if n and slot.run is not None:
+                asks.append(Ask(slot.seq, [*slot.cached, slot.run.last], n))
+                paces.append(pace)
+                grown[w.rows.at] = n
+                gain += expected_accepted(pace.acceptance.rate, n)
+        if not asks:
+            return
+        made = self.model.draft(asks, self._catch_up(len(items)))
+        for pace, tokens in zip(paces, made, strict=True):
+            pace.ready = tokens
+
+    def _length(self, pace: Pace, w: Weighing, asked: int) -> int:
+        """How many tokens to draft for the run of ``pace`` (0: none), its rest counted
+        down; ``asked``: runs asked for a draft before it in this drafting step."""
+        rows = w.rows
+        if w.room <= 0:
+            return 0
+        if pace.rest > 0:
+            pace.rest -= 1
+            return 0
+        rate = pace.acceptance.rate
+        available = min(w.room, self.model.limits.n_max)
+        # (it and its peers draft together: one drafting step of all their rows a token)
+        step = self.model.cost.estimate(1 + len(rows.peers) + asked) or 0.0
+        n, _ = w.cost.joint_plan(rows, w.expected, rate, available, lambda d: d * step)
+        if n == 0:
+            # A short try after a rest, to learn whether drafts pay again: only where a
+            # draft the target always confirmed would pay (on a CPU whose rows cost what
+            # a step does, with a draft model not much cheaper than the target, none
+            # does: trying costs the draft model's catching up, for nothing).
+            if not pace.tried and w.cost.joint_plan(rows, w.expected, 1.0, available,
+                                                    lambda d: d * step)[0]:
+                pace.tried = True
+                return min(PROBE, available)
+            pace.rest, pace.backoff = pace.backoff, min(2 * pace.backoff, REST_MAX)
+            pace.tried = False
+            return 0
+        pace.backoff = REST_FIRST
+        return n
 
     def _catch_up(self, rows: int) -> int:
         """Tokens the draft model may read this step to catch up: as many as it reads in
@@ -145,7 +178,7 @@ class PacedDrafts:
         return budget
 
     def took(self, pace: Pace, token: int) -> None:
-        pass
+        pace.ready = []  # (made after the run's last token, which is not last now)
 
     def decoded(self, plan: StepPlan) -> None:
         self.model.decoded(plan)

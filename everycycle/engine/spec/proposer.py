@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..core.plan import Draft, StepPlan, Work
-from ..core.slots import Run
+from ..core.plan import Draft, StepPlan
+from ..core.slots import Run, Slot
 from ..core.stepcost import Rows, StepCost
 
 
@@ -51,6 +51,8 @@ class Proposer(Protocol):
 
     name: str
     count: DraftCount
+    makes: bool
+    """Whether it makes its drafts with a model, before each step (``prepare``)."""
 
     def start(self, run: Run) -> Any:
         """Its state for a newly seated run; None where it drafts nothing for it."""
@@ -66,12 +68,16 @@ class Proposer(Protocol):
         ...
 
     def joins(self, state: Any) -> bool:
-        """Whether its draft for the run would be made in one batch with others'."""
+        """Whether it has a draft made for the run's step, to grow with others' drafts
+        in one micro-batch."""
         ...
 
-    def fill(self, works: Sequence[Work], rows: int) -> None:
-        """Make the tokens ``works`` asked for (``Work.ask``), for a step of ``rows``
-        rows. Raises EverycycleError where it cannot (the method is then dropped)."""
+    def prepare(self, items: Sequence[tuple[Slot, Any, Weighing]]) -> None:
+        """Before the next step: make the drafts it makes with a model (a draft model's,
+        MTP heads') for the runs on ``items``' slots (each with its state and how its
+        next step's draft would be weighed), where they pay, in one go; the next plan
+        proposes them. Raises EverycycleError where it cannot (the method is then
+        dropped)."""
         ...
 
     def took(self, state: Any, token: int) -> None:

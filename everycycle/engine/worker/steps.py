@@ -1,15 +1,17 @@
 """The engine thread of a Runner: one step after another, each read top to bottom as
-admit → plan → run → apply.
+admit → plan → run → apply → prepare.
 
 - **admit** (under the lock): wait for work, end cancelled jobs, and carry out the
   scheduler's moves (``Scheduler.admit``: start, park, resume) through ``Seating``;
 - **plan**: ``Scheduler.plan`` lays out the one ``llama_decode`` as a ``StepPlan`` —
-  prompt chunks, a row per decoding slot, drafts (``Drafter``) — changing nothing;
+  prompt chunks, a row per decoding slot, drafts (``Drafter``) — final as returned;
 - **run**: ``BatchDecoder.decode`` decodes it (a background step may stop for an
   interactive job, and is then undone: its cells removed, the slots untouched);
 - **apply**: the plan is committed to the slots, each slot's next token is chosen from
   its row with its own chain within its grammar (a draft verified row by row), and the
-  step's outputs go to ``notify`` in one call.
+  step's outputs go to ``notify`` in one call;
+- **prepare**: the drafts a model makes (a draft model's, MTP heads') are made for the
+  next step (``Drafter.prepare``).
 
 Requests leave between steps, so a cancel takes effect within one step. A slot keeps
 its KV cells after a request ends; a new one sharing a prefix with them only prefills
@@ -137,8 +139,7 @@ class StepLoop:
             self._embed(embeds, out, self.progressed)
         self._read_images(out)
         plan = self.scheduler.plan([s for s in self.slots if s.run is not None])
-        if plan.asks:
-            self._draft(plan)
+        applied = False
         if plan.n:
             try:
                 rc = self.batches.decode(plan, self.inbox.pending)
@@ -160,7 +161,10 @@ class StepLoop:
             else:
                 self.drafter.decoded(plan)
                 self._apply(plan, out)
+                applied = True
         self._safe_notify(out)
+        if applied and self.drafter.makes:
+            self._prepare(plan)
         return True
 
     def _admit(self, out: Outputs) -> list[Job] | None:
@@ -208,12 +212,14 @@ class StepLoop:
                     out.append((move.parked.job, Output("", (), parked=False)))
             return embeds
 
-    def _draft(self, plan: StepPlan) -> None:
-        """Make the draft tokens the plan asked for (a draft model's), and lay its rows
-        out again. Where a method fails, the step goes on without its drafts (and the
-        model without that method, said once in the log)."""
-        self.drafter.fill(plan.asks, plan.n)
-        plan.settle()
+    def _prepare(self, plan: StepPlan) -> None:
+        """After a step (its outputs sent): the drafts a model makes for the next step,
+        for the slots that took a token in this one and decode next (vLLM's
+        ``update_draft_token_ids``)."""
+        slots = [w.slot for w in plan.work
+                 if w.sample is not None and w.slot.run is w.run and not w.run.todo]
+        if slots:
+            self.drafter.prepare(self.scheduler.draft_rows(slots))
 
     def _read_images(self, out: Outputs) -> None:
         """Jobs with images read them (and their prompt's chunks before the last text)."""
