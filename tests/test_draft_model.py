@@ -343,6 +343,8 @@ def test_a_slot_whose_drafts_fail_rests_then_tries_a_short_one_then_rests_longer
     slot = _slot(0.02)
     assert slot.run is not None
     assert _asked(drafter, slot) == PROBE  # a new request tries at once
+    # The try is taken as made, though the rate it is to test says it does not pay.
+    assert drafter.propose(slot.run, 50, ALONE, 1.0).tokens == [7] * PROBE
     drafter.verified(slot.run, PROBE, 0, "model")
     _took(drafter, slot)
     assert _asked(drafter, slot) == 0

@@ -67,7 +67,7 @@ def test_a_message_longer_than_one_read_is_put_together(
         pipe: tuple[Connection, Connection]) -> None:
     sender, receiver = pipe
     big = Outputs([output(1, embeddings=[[float(i) for i in range(40_000)]], finished=True,
-                          reason="eos")], 0, 0)
+                          reason="eos")])
     def write() -> None:
         for m in (Heartbeat(1), big, Heartbeat(2)):
             send_message(sender, m)

@@ -62,7 +62,7 @@ class _Fleet(Collector):
         drafted = GaugeMetricFamily(
             "everycycle_drafted_tokens",
             "Draft tokens the model verified since it was loaded, per speculative method "
-            "(forced, lookup, model).", labels=["model", "method"])
+            "(forced, lookup, mtp, model).", labels=["model", "method"])
         accepted = GaugeMetricFamily(
             "everycycle_draft_accepted_tokens",
             "Draft tokens the model confirmed since it was loaded, per speculative method.",

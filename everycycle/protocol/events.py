@@ -109,7 +109,7 @@ class ExecutorSummary:
 class DraftTokens:
     """One speculative method's draft tokens the model verified so far, and those it
     confirmed: ``forced`` (a grammar's forced tokens), ``lookup`` (prompt lookup),
-    ``model`` (a draft model)."""
+    ``mtp`` (the model's own MTP heads), ``model`` (a draft model)."""
 
     method: str
     drafted: int

@@ -14,7 +14,7 @@ import os
 import pickle
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple, Protocol
 
@@ -199,8 +199,8 @@ def send_message(conn: Connection, message: object) -> None:
     tuples: pickling a NamedTuple names its class and calls its ``__getnewargs__`` for
     every one, ten times the cost of the tuple's contents. ``MessageReader`` unpacks it."""
     if type(message) is Outputs:
-        items, *counts = message
-        message = ([tuple(o) for o in items], *counts)
+        items, drafts, *counts = message
+        message = ([tuple(o) for o in items], [tuple(astuple(d)) for d in drafts], *counts)
     conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
 
 
@@ -262,8 +262,9 @@ def _unpacked(message: Any) -> Any:
     """An ``Outputs`` again from its plain tuples (``send_message``); any other message
     is a NamedTuple already."""
     if type(message) is tuple:
-        items, *counts = message
-        return Outputs([tuple.__new__(JobOutput, o) for o in items], *counts)
+        items, drafts, *counts = message
+        return Outputs([tuple.__new__(JobOutput, o) for o in items],
+                       tuple(DraftCount(*d) for d in drafts), *counts)
     return message
 
 

@@ -85,7 +85,7 @@ class Drafter:
                 continue
             try:
                 p.prepare(items)
-            except EverycycleError as exc:
+            except Exception as exc:  # noqa: BLE001 - a method's failure ends only it
                 self._drop(p, exc)
 
     def decoded(self, plan: StepPlan) -> None:
@@ -94,7 +94,7 @@ class Drafter:
         for p in list(self.proposers):
             try:
                 p.decoded(plan)
-            except EverycycleError as exc:
+            except Exception as exc:  # noqa: BLE001 - a method's failure ends only it
                 self._drop(p, exc)
 
     def took(self, run: Run, token: int) -> None:
@@ -128,8 +128,9 @@ class Drafter:
         return tuple(DraftCount(p.name, p.count.drafted, p.count.accepted)
                      for p in self._by_name.values())
 
-    def _drop(self, p: Proposer, exc: EverycycleError) -> None:
-        log.error("%s: %s drafting stops: %s", self._label, p.name, exc.message)
+    def _drop(self, p: Proposer, exc: Exception) -> None:
+        why = exc.message if isinstance(exc, EverycycleError) else f"{type(exc).__name__}: {exc}"
+        log.error("%s: %s drafting stops: %s", self._label, p.name, why)
         self.proposers.remove(p)
         del self._asked[p.name]
 

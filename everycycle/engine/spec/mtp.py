@@ -71,13 +71,17 @@ class MtpHeads:
         """Each sequence's target states from its last step: (first position, rows)."""
         self.cost = StepCost()
         """A drafting step's time by its rows, as measured."""
+        self._off = False
+        """Its probe failed: it follows and drafts nothing (its cost unknown)."""
 
     # ------------------------------------------------------------ following the target
 
     def decoded(self, plan: StepPlan) -> None:
-        """The target decoded ``plan``: its rows go through the MTP layers too, each with
-        the target's state before it. Raises InternalError where llama.cpp fails."""
-        if not plan.n:
+        """The target decoded ``plan`` (and its slots took it: each work's first
+        ``start`` cached tokens are what came before its rows): its rows go through the
+        MTP layers too, each with the target's state before it. Raises InternalError
+        where llama.cpp fails."""
+        if not plan.n or self._off:
             return
         rows = np.ctypeslib.as_array(self._X.llama_get_embeddings_nextn(self._target),
                                      shape=(plan.n, self._n_embd))
@@ -98,23 +102,27 @@ class MtpHeads:
     def _state_before(self, seq: int, cached: Sequence[int], start: int
                       ) -> np.ndarray | None:
         """The target's state at position ``start - 1`` of ``seq``, with the MTP cells
-        cut to the target's ``cached`` (``start`` of them); None where they do not hold
-        the same tokens (the sequence is then cleared, and followed again once a job
-        starts it from its first token)."""
+        cut to the first ``start`` of the target's ``cached``; None where they do not
+        hold those tokens (the sequence is then cleared, and followed again once a job
+        starts it from its first token). A prefix a new job reuses has its cells but not
+        the state of its last token (that step was another job's): zeros stand in for it,
+        as for the first token (one MTP row less informed; drafts are verified)."""
         have = self._have[seq]
+        zero = np.zeros(self._n_embd, np.float32)
         if start == 0:
             if have:
                 self._L.llama_memory_seq_rm(self._mem, seq, -1, -1)
                 have.clear()
-            return np.zeros(self._n_embd, np.float32)
-        kept = self._states[seq]
-        if (len(have) >= start and have[:start] == cached and kept is not None
-                and kept[0] <= start - 1 < kept[0] + len(kept[1])):
+            return zero
+        if len(have) >= start and len(cached) >= start and have[:start] == cached[:start]:
             if len(have) > start:
                 self._L.llama_memory_seq_rm(self._mem, seq, start, -1)
                 del have[start:]
-            state: np.ndarray = kept[1][start - 1 - kept[0]]
-            return state
+            kept = self._states[seq]
+            if kept is not None and kept[0] <= start - 1 < kept[0] + len(kept[1]):
+                state: np.ndarray = kept[1][start - 1 - kept[0]]
+                return state
+            return zero
         if have:
             self._L.llama_memory_seq_rm(self._mem, seq, -1, -1)
             have.clear()
@@ -129,10 +137,12 @@ class MtpHeads:
         the MTP cells do not follow. (``budget`` is a draft model's catching up: the
         MTP cells never read what the target has not.)"""
         drafts: list[list[int]] = [[] for _ in asks]
+        if self._off:
+            return drafts
         live: list[tuple[int, int, int, np.ndarray]] = []  # (ask, token, position, state)
         for i, a in enumerate(asks):
             start = len(a.tokens) - 1  # (the last token is the one the target decodes next)
-            before = self._state_before(a.seq, a.tokens[:start], start)
+            before = self._state_before(a.seq, a.tokens, start)
             if before is not None and start > 0:
                 live.append((i, a.tokens[-1], start, before))
         while live:
@@ -196,15 +206,19 @@ class MtpHeads:
 
     def probe(self) -> None:
         """Time drafting steps of 1, 2 and 4 rows (engine thread, at start; the first,
-        which allocates, counts for little: ``StepCost`` keeps medians)."""
+        which allocates, counts for little: ``StepCost`` keeps medians). Raises
+        InternalError where llama.cpp fails (the heads are then not asked: ``draft``
+        makes nothing)."""
         zero = np.zeros(self._n_embd, np.float32)
         slots = len(self._have)
+        self._off = True
         for rows in (1, 1, 1, 1, 2, 2, 2, 4, 4, 4):
             if rows > slots:
                 continue
             self._L.llama_memory_clear(self._mem, True)
             self._process([(s, 5, 0, zero) for s in range(rows)], outputs=True)
         self._L.llama_memory_clear(self._mem, True)
+        self._off = False
         for have in self._have:
             have.clear()
 

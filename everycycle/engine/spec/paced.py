@@ -48,6 +48,10 @@ class Pace:
     own rate at once, where the model's so far says not to draft)."""
     ready: list[int] = field(default_factory=list)
     """Tokens made for its next step (after its last token), until it takes a token."""
+    trying: bool = False
+    """``ready`` is a short try after a rest: the next step takes it as it is, to learn
+    whether drafts pay again (weighed again at the rate that said they do not, it never
+    would be)."""
 
 
 class Maker(Protocol):
@@ -93,6 +97,8 @@ class PacedDrafts:
         if not tokens:
             return best
         rate = pace.acceptance.rate
+        if pace.trying and not best.tokens:
+            return Draft(tokens, rate, self.name)
         # (made already: no making to pay for; grown with its peers' alike)
         n, speed = w.cost.joint_plan(w.rows, w.expected, rate, len(tokens), lambda d: 0.0)
         if n == 0 or (best.tokens and w.cost.draft_plan(
@@ -112,7 +118,8 @@ class PacedDrafts:
         making), and make them all in one batched drafting. Raises EverycycleError where
         the model fails."""
         waiting = [(slot, pace, w) for slot, pace, w in items if not pace.ready]
-        resting = {w.rows.at for _, pace, w in waiting if pace.rest}
+        # (its peers: the runs after it this method may draft for in the same step)
+        drafting = {w.rows.at for _, pace, w in items if not pace.rest}
         asks: list[Ask] = []
         paces: list[Pace] = []
         grown: dict[int, int] = {}  # (the drafts asked so far, by row index, as a plan lays them)
@@ -121,8 +128,7 @@ class PacedDrafts:
             rows = replace(
                 w.rows, shape=tuple((seq, n + grown.get(i, 0))
                                     for i, (seq, n) in enumerate(w.rows.shape)),
-                # (its peers: the runs after it that may draft too, in one drafting step)
-                peers=tuple(i for i in w.rows.peers if i not in resting))
+                peers=tuple(i for i in w.rows.peers if i in drafting))
             weighing = replace(w, rows=rows, expected=w.expected + gain)
             n = self._length(pace, weighing, len(asks))
             if n and slot.run is not None:
@@ -140,6 +146,7 @@ class PacedDrafts:
         """How many tokens to draft for the run of ``pace`` (0: none), its rest counted
         down; ``asked``: runs asked for a draft before it in this drafting step."""
         rows = w.rows
+        pace.trying = False
         if w.room <= 0:
             return 0
         if pace.rest > 0:
@@ -157,7 +164,7 @@ class PacedDrafts:
             # does: trying costs the draft model's catching up, for nothing).
             if not pace.tried and w.cost.joint_plan(rows, w.expected, 1.0, available,
                                                     lambda d: d * step)[0]:
-                pace.tried = True
+                pace.tried = pace.trying = True
                 return min(PROBE, available)
             pace.rest, pace.backoff = pace.backoff, min(2 * pace.backoff, REST_MAX)
             pace.tried = False

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
+from ...errors import InternalError
 from ..core.jobs import Job
 from ..core.plan import StepPlan
 from ..core.stepcost import Costs, ubatches
@@ -69,5 +70,8 @@ class BatchDecoder:
 
     def forget(self, seq: int, start: int) -> None:
         """Sequence ``seq``'s cells from position ``start`` on are wrong (a draft's rows
-        the model did not confirm): removed."""
-        self._L.llama_memory_seq_rm(self._mem, seq, start, -1)
+        the model did not confirm): removed. Raises InternalError where llama.cpp cannot
+        (a recurrent state: such a model drafts nothing)."""
+        if not self._L.llama_memory_seq_rm(self._mem, seq, start, -1):
+            raise InternalError(f"llama.cpp could not take a rejected draft out of "
+                                f"sequence {seq}")

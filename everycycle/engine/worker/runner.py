@@ -142,6 +142,10 @@ class Runner:
                                    n_gpu_layers=n_gpu_layers, tensor_split=list(tensor_split),
                                    extra_bufts=extra_bufts, load_mtp=mtp)
         model = self._weights.model
+        # A draft's rejected rows are taken back out of the KV cache: a recurrent or
+        # hybrid model's state (Mamba, Qwen3-Next) cannot be, so nothing drafts there.
+        self.can_draft = not (L.llama_model_is_recurrent(model) or L.llama_model_is_hybrid(model))
+        mtp = mtp and self.can_draft
         self.offloaded = self._weights.offloaded
         """(layers on the devices, layers + output head), as llama.cpp reported them."""
         self._model = model
@@ -236,8 +240,7 @@ class Runner:
         """Stops a background step for an arriving interactive job (None: never)."""
         self._drafter = self.drafter_type(self.costs, proposers(
             self.costs, history=history, lookup=lambda: self.lookup_type, draft_model=drafts,
-            mtp=heads),
-            self.label)
+            mtp=heads) if self.can_draft else [], self.label)
         self._seating = Seating(
             L, ctx, self._mem, samplers=self._samplers, constraints=self._constraints,
             cache=cache, vision=self._vision, drafter=self._drafter,
@@ -268,12 +271,17 @@ class Runner:
         """Whether batches are bit-exact here, and a step's time by rows, measured."""
         toks = self.vocab.tokenize(
             "The quick brown fox jumps over the lazy dog again and again", special=False)
+        probed = batch_probe(self._L, self._ctx, self._mem, self._batch,
+                             n_vocab=self._n_vocab, n_batch=self._n_batch,
+                             n_ctx_slot=self.n_ctx_slot, toks=toks)
         if self.draft_model is not None:
             self.draft_model.probe()
         if self.mtp is not None:
-            self.mtp.probe()
-        return batch_probe(self._L, self._ctx, self._mem, self._batch, n_vocab=self._n_vocab,
-                           n_batch=self._n_batch, n_ctx_slot=self.n_ctx_slot, toks=toks)
+            try:
+                self.mtp.probe()
+            except EverycycleError as exc:
+                log.error("%s: its MTP heads draft nothing: %s", self.label, exc.message)
+        return probed
 
     def _embed(self, jobs: list[Job], out: Outputs, progressed: Callable[[], None]) -> None:
         """Embed every input of ``jobs`` in shared batches, in a context of their own."""

@@ -159,12 +159,13 @@ class StepLoop:
                     if s.run is not None:
                         self._finish(s, out, "error", err)
             else:
-                self.drafter.decoded(plan)
                 self._apply(plan, out)
                 applied = True
         self._safe_notify(out)
-        if applied and self.drafter.makes:
-            self._prepare(plan)
+        if applied:  # (after the outputs went: off the path of every token)
+            self.drafter.decoded(plan)
+            if self.drafter.makes:
+                self._prepare(plan)
         return True
 
     def _admit(self, out: Outputs) -> list[Job] | None:
@@ -319,7 +320,11 @@ class StepLoop:
         accepted = len(taken) - 1  # draft tokens confirmed
         cut = w.commit(accepted)
         if cut is not None:
-            self.batches.forget(w.slot.seq, cut)
+            try:
+                self.batches.forget(w.slot.seq, cut)
+            except EverycycleError as exc:
+                self._finish(w.slot, out, "error", exc)
+                return
         self.drafter.verified(run, k, accepted, w.source)
         for i, tok in enumerate(taken):
             if self._take(w.slot, tok, w.start + 1 + i, out):
