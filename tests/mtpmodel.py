@@ -5,7 +5,7 @@ Its architecture is Hunyuan-V3 (``hy_v3``, llama.cpp's src/models/hy-v3.cpp): th
 simplest of those whose MTP layers llama.cpp runs in this version (plain attention
 cache, plain RoPE, a dense FFN in the trunk and in the nextn block). ``block_count``
 is the trunk's layers plus the nextn ones, which come last. The vocabulary is
-tests/tinymodel.py's kind (SentencePiece bytes and a few words).
+tests/tinymodel.py's (SentencePiece bytes and a few words).
 
 ``perfect``: the trunk's and the nextn block's attention and FFN outputs are zero and
 ``eh_proj`` is ``[I | 0]``, so the model's next token depends on its current token
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from tinymodel import vocabulary
 
 ARCH = "hy_v3"
 N_EMBD = 64
@@ -28,23 +29,6 @@ N_TRUNK = 2
 N_NEXTN = 1
 N_FF = 128
 N_CTX = 4096
-WORDS = [" ", "hello", "world", " the", " a", "ing"]
-
-
-def vocabulary() -> tuple[list[str], list[float], list[int]]:
-    """SentencePiece-style byte vocab, as the project's tests/tinymodel.py builds."""
-    tokens = ["<unk>", "<s>", "</s>"]
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-    for b in range(256):
-        tokens.append(f"<0x{b:02X}>")
-        types.append(gguf.TokenType.BYTE)
-    for w in WORDS:
-        tokens.append(w.replace(" ", "\u2581"))
-        types.append(gguf.TokenType.NORMAL)
-    scores = [0.0] * len(tokens)
-    for i in range(len(WORDS)):
-        scores[259 + i] = -1.0 - i
-    return tokens, scores, [int(t) for t in types]
 
 
 def write_mtp_gguf(path: Path, *, seed: int = 1234, perfect: bool = False) -> Path:
