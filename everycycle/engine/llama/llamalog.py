@@ -12,10 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import os
 import re
-import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -51,33 +48,6 @@ def log_capture() -> Iterator[Captured]:
         yield captured
     finally:
         _local.capture = outer
-
-
-@dataclass
-class Printed:
-    text: str = ""
-
-
-_fd2_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def stderr_text() -> Iterator[Printed]:
-    """What C code writes to fd 2 meanwhile, kept off the user's terminal. fd 2 belongs
-    to the whole process: only around short calls (a grammar's parse)."""
-    printed = Printed()
-    with _fd2_lock:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        with tempfile.TemporaryFile() as sink:
-            os.dup2(sink.fileno(), 2)
-            try:
-                yield printed
-            finally:
-                os.dup2(saved, 2)
-                os.close(saved)
-                sink.seek(0)
-                printed.text = sink.read().decode("utf-8", "replace")
 
 
 def _quiet_log(level: int, text: bytes, user_data: Any) -> None:
