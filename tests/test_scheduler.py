@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 from everycycle.engine.core.jobs import Job, JobSpec
 from everycycle.engine.core.plan import NO_DRAFT, Draft, Park, Resume, Start, StepPlan, Work
-from everycycle.engine.core.scheduler import BACKGROUND_CHUNK, Scheduler
+from everycycle.engine.core.scheduler import BACKGROUND_CHUNK, STEP_BUDGET_S, Scheduler
 from everycycle.engine.core.slots import Parked, Run, Slot
-from everycycle.engine.core.stepcost import Costs, Rows, StepCost
+from everycycle.engine.core.stepcost import N_UBATCH, Costs, Rows, StepCost
 from everycycle.engine.spec.drafter import Drafter
 from everycycle.engine.spec.forced import ForcedTokens
 from everycycle.engine.spec.lookup import History, PromptLookup
@@ -199,6 +199,27 @@ def test_a_prompt_longer_than_the_batch_reads_in_chunks_without_logits() -> None
     w.commit()
     assert s.run is not None and s.run.n_past == 32 and len(s.run.todo) == 68
     assert s.cached == list(range(32))
+
+
+def test_prompts_arriving_together_are_read_in_one_step_as_long_as_it_stays_short() -> None:
+    """Up to llama-server's batch (2,048) a step, micro-batch by micro-batch while the
+    measured costs say such a step takes at most STEP_BUDGET_S; one micro-batch before
+    any prompt step was timed (a big model on a slow CPU must not be read 2,048 at once)."""
+    def plan(costs: Costs) -> list[int]:
+        slots = [running(i, job(), todo=list(range(600))) for i in range(3)]
+        return [w.prompt for w in scheduler(parallel=3, n_batch=2048, n_ctx_slot=4096,
+                                            costs=costs).plan(slots).work]
+
+    assert plan(Costs()) == [N_UBATCH]  # (nothing timed yet)
+    fast = Costs()  # (SmolLM2-135M on 2 cores: 512 prompt tokens in 1.5 s)
+    fast.fill = StepCost.fit([(512, 1.5)])
+    assert plan(fast) == [600, 600, 600]  # (all three start together)
+    slow = Costs()  # (an 8B model on the same CPU: 512 tokens in 6 s)
+    slow.fill = StepCost.fit([(512, 6.0)])
+    assert plan(slow) == [N_UBATCH] and 2 * 6.0 > STEP_BUDGET_S
+    middling = Costs()
+    middling.fill = StepCost.fit([(512, 4.0)])
+    assert plan(middling) == [600, 2 * N_UBATCH - 600]
 
 
 def test_while_an_interactive_prompt_is_read_background_jobs_sit_the_step_out() -> None:

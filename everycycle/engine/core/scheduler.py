@@ -25,8 +25,12 @@ from typing import Protocol
 from .jobs import Job, common_prefix
 from .plan import Draft, Move, Park, Resume, Start, StepPlan, Work
 from .slots import Parked, Run, Slot, best_slot, cells, parkable
-from .stepcost import Costs, Rows, expected_accepted
+from .stepcost import N_UBATCH, Costs, Rows, expected_accepted
 
+STEP_BUDGET_S = 10.0
+"""The longest a step reading prompts should take by the measured costs: past it, a long
+prompt is read over more steps (a step is what a cancel, an interactive arrival and the
+hung-engine watch wait for)."""
 BACKGROUND_CHUNK = 16
 """Prompt tokens of background jobs read in one step at most (short steps, where none stop)."""
 BACKGROUND_STRETCH = 2.0
@@ -203,10 +207,11 @@ class Scheduler:
             w.draft, w.source = len(draft.tokens), draft.source
             n += len(draft.tokens)
         background_room = self.background_room(n)
+        limit = self.step_rows() if any(r.todo for _, r in runs) else self.n_batch
         for s, r in runs:
-            if not r.todo or n >= self.n_batch:
+            if not r.todo or n >= limit:
                 continue
-            room = self.n_batch - n
+            room = limit - n
             if r.job.background:
                 room = min(room, background_room)
                 if room <= 0:
@@ -218,6 +223,18 @@ class Scheduler:
                                   sample=0 if len(take) == len(r.todo) else None))
         plan.settle()
         return plan
+
+    def step_rows(self) -> int:
+        """Rows a step reading prompts may have: micro-batches (``N_UBATCH``) up to the
+        whole batch (``n_batch``), as many as such a step is measured to take at most
+        STEP_BUDGET_S for; one micro-batch before any was measured."""
+        unit = min(self.n_batch, N_UBATCH)
+        rows = unit
+        while rows + unit <= self.n_batch and (
+                (took := self.costs.fill.estimate(rows + unit)) is not None
+                and took <= STEP_BUDGET_S):
+            rows += unit
+        return rows
 
     def draft_rows(self, slots: Sequence[Slot]) -> list[tuple[Slot, int, Rows, float]]:
         """For the drafts made before the next step (``Drafter.prepare``): each of

@@ -15,6 +15,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+N_UBATCH = 512
+"""Rows of a llama.cpp micro-batch (llama-server's ``-ub`` default): what one graph
+computes at once, so what the compute buffers are sized for. A step (``n_batch``: 2,048,
+llama-server's ``-b``) may hold several: prompts arriving together are read in one step
+and start together."""
+
 Shape = Sequence[tuple[int, int]]
 """A decode step's rows by sequence: (sequence id, rows), in the batch's order."""
 

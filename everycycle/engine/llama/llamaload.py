@@ -12,6 +12,7 @@ from typing import Any
 from ...errors import AllocationError, InternalError, InvalidRequestError
 from ...hardware.cpukernels import crash_if_simulated
 from ...hardware.memory import kv_type_id
+from ..core.stepcost import N_UBATCH
 from .llamalog import backend_init, log_capture
 
 
@@ -106,7 +107,7 @@ def create_context(L: Any, weights: Weights, path: Path, *, context: int, parall
         cparams.ctx_other = mtp_of
     cparams.n_ctx = context * parallel
     cparams.n_batch = n_batch
-    cparams.n_ubatch = n_batch
+    cparams.n_ubatch = min(n_batch, N_UBATCH)
     cparams.n_seq_max = parallel
     cparams.n_threads = threads
     cparams.n_threads_batch = threads

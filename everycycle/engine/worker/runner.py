@@ -111,7 +111,7 @@ class Runner:
         n_gpu_layers: int | None = None,
         tensor_split: Sequence[float] = (),
         n_threads: int | None = None,
-        n_batch: int = 512,
+        n_batch: int = 2048,
         kv_cache_type: str = "f16",
         extra_bufts: bool | None = None,
         mmproj: Path | None = None,
