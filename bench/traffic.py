@@ -51,6 +51,7 @@ from everycycle.models.registry import load_registry, local_file
 GUIDELLM = "0.8.1"
 CACHE = Path.home() / ".cache" / "everycycle-bench"
 CONTEXT = 4096  # per slot, both sides
+PROFILES = ("c4", "c8", "poisson", "prefix")
 METRICS = ("tok/s", "all tok/s", "TTFT p50", "TTFT p90", "ITL p50", "ITL p90")
 
 
@@ -176,14 +177,14 @@ def parse(report: Path) -> Result:
 
 
 def scenario(url: str, model: str, fmt: str, profile: dict[str, Any], data: dict[str, Any],
-             tokenizer: Path, seconds: int, out: Path) -> dict[str, Any]:
+             tokenizer: Path, seconds: int, out: Path, seed: int) -> dict[str, Any]:
     return {"metadata": {"name": "everycycle-traffic"}, "spec": {
         "backend": {"kind": "openai_http", "target": url, "model": model,
                     "request_format": fmt, "timeout": 600},
         "profile": profile,
         "data": [data],
         "tokenizer": {"kind": "hf_auto", "model": str(tokenizer)},
-        "seed": {"kind": "static", "value": 42},
+        "seed": {"kind": "static", "value": seed},
         "constraints": [{"kind": "max_duration", "seconds": seconds}],
         "outputs": [{"kind": "json", "path": str(out)}],
     }}
@@ -227,19 +228,22 @@ def report(profile: str, sides: list[Side], runs: dict[str, list[Result]],
     ours = runs[sides[0].name]
     for side in sides[1:]:
         theirs = runs[side.name]
-        why = next((w for o, t in zip(ours, theirs, strict=True)
-                    if (w := o.same_work(t, wanted, paced))), None)
-        if why:
-            print(f"ours / {side.name}: no ratio, the sides did not do the same work: {why}")
+        whys = [o.same_work(t, wanted, paced) for o, t in zip(ours, theirs, strict=True)]
+        kept = [i for i, why in enumerate(whys) if why is None]
+        if not kept:
+            print(f"ours / {side.name}: no ratio, the sides did not do the same work: "
+                  f"{whys[0]}")
             continue
         ratios = []
         for m in METRICS:
-            o, t = (statistics.median(r.figures[m] for r in x) for x in (ours, theirs))
+            o, t = (statistics.median(x[i].figures[m] for i in kept) for x in (ours, theirs))
             ratios.append(f"{m} {o / t:.3f}x")
+        aside = [f"run {i + 1}: {why}" for i, why in enumerate(whys) if why is not None]
         print(f"ours / {side.name}: " + ", ".join(ratios)
-              + "  (tok/s: higher is better; latencies: lower)")
+              + (f"  ({len(aside)} of {len(whys)} runs set aside: {'; '.join(aside)})"
+                 if aside else ""))
     print("(tok/s: guidellm's, finished requests' tokens over the run; all tok/s: every "
-          "token streamed in it)")
+          "token streamed in it; tok/s higher is better, latencies lower)")
 
 
 def bench_model(model: Path, args: argparse.Namespace) -> None:
@@ -249,6 +253,9 @@ def bench_model(model: Path, args: argparse.Namespace) -> None:
         (tok / "tokenizer_config.json").read_text())
     fmt = "/v1/chat/completions" if chat else "/v1/completions"
     profiles = args.profiles.split(",")
+    unknown = [p for p in profiles if p not in PROFILES]
+    if unknown:
+        raise SystemExit(f"unknown profile {unknown[0]!r} (profiles: {', '.join(PROFILES)})")
     counts = {p: (8 if p == "c8" else args.streams) for p in profiles}
     print(f"model {model.name}; {fmt}; {threads} threads, {CONTEXT} tokens a slot; guidellm "
           f"{GUIDELLM}, {args.prompt_tokens}-token prompts, {args.output_tokens} tokens asked "
@@ -284,18 +291,20 @@ def bench_slots(model: Path, args: argparse.Namespace, threads: int, tok: Path, 
             else:
                 shape = {"kind": "concurrent", "streams": [slots]}
 
-            def one(side: Side, seconds: int, name: str, shape: dict[str, Any] = shape,
-                    data: dict[str, Any] = data) -> Result:
+            def one(side: Side, seconds: int, name: str, seed: int,
+                    shape: dict[str, Any] = shape, data: dict[str, Any] = data) -> Result:
                 return run_guidellm(scenario(side.url, side.model, fmt, shape, data, tok,
-                                             seconds, work / name), work)
+                                             seconds, work / name, seed), work)
 
-            # (discarded: guidellm's first run of a profile makes its data as it goes, and
-            # a Poisson run's clock starts before: the arrivals due meanwhile come at once)
-            one(sides[0], 5, f"{profile}-warm.json")
+            # (each profile its own prompts, the same for every side and run: no side's
+            # cache holds another profile's; a short run first, discarded, of other
+            # prompts: guidellm's first run in a process tree is slow to start)
+            seed = 42 + PROFILES.index(profile)
+            one(sides[0], 5, f"{profile}-warm.json", seed + 1000)
             runs: dict[str, list[Result]] = {s.name: [] for s in sides}
             for n in range(args.runs):
                 for side in (sides if n % 2 == 0 else sides[::-1]):
-                    result = one(side, args.seconds, f"{profile}-{n}-{side.url[-5:]}.json")
+                    result = one(side, args.seconds, f"{profile}-{n}-{side.url[-5:]}.json", seed)
                     runs[side.name].append(result)
                     print(f"  {profile} run {n + 1} {side.name}: "
                           f"{result.figures['tok/s']:.1f} tok/s, {result.requests} requests",
@@ -314,7 +323,7 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path, required=True)
     ap.add_argument("--model", action="append",
                     help="a registry name or a GGUF path (repeatable; default smollm2-135m)")
-    ap.add_argument("--profiles", default="c4,c8,poisson,prefix")
+    ap.add_argument("--profiles", default=",".join(PROFILES))
     ap.add_argument("--streams", type=int, default=4, help="streams of c4/poisson/prefix")
     ap.add_argument("--seconds", type=int, default=60)
     ap.add_argument("--runs", type=int, default=3)
