@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -55,32 +57,51 @@ PROFILES = ("c4", "c8", "poisson", "prefix")
 METRICS = ("tok/s", "all tok/s", "TTFT p50", "TTFT p90", "ITL p50", "ITL p90")
 
 
+@contextlib.contextmanager
+def _installing() -> Iterator[None]:
+    """One bench at a time installs into CACHE (another waits, then finds it done)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with (CACHE / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def guidellm_bin() -> Path:
-    """guidellm's command, installed (pinned, with ``gguf`` for the tokenizer) on first use."""
+    """guidellm's command, installed (pinned, with ``gguf`` for the tokenizer) on first use;
+    a venv whose install did not finish (killed) is made again."""
     venv = CACHE / f"guidellm-{GUIDELLM}"
-    binary = venv / "bin" / "guidellm"
-    if not binary.exists():
-        print(f"installing guidellm {GUIDELLM} into {venv} …", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"guidellm=={GUIDELLM}",
-                        "gguf"], check=True)
-    return binary
+    done = venv / ".installed"
+    if not done.exists():
+        with _installing():
+            if not done.exists():
+                print(f"installing guidellm {GUIDELLM} into {venv} …", file=sys.stderr)
+                shutil.rmtree(venv, ignore_errors=True)
+                subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+                subprocess.run([str(venv / "bin" / "pip"), "install", "-q",
+                                f"guidellm=={GUIDELLM}", "gguf"], check=True)
+                done.touch()
+    return venv / "bin" / "guidellm"
 
 
 def tokenizer_dir(model: Path) -> Path:
     """A Hugging Face tokenizer directory made from ``model``'s own vocabulary
-    (transformers' GGUF loader), once per file."""
+    (transformers' GGUF loader), once per file: written beside, then renamed into place."""
     stat = model.stat()
     out = CACHE / "tokenizers" / f"{model.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-    if (out / "tokenizer_config.json").exists():
+    if out.is_dir():
         return out
     python = guidellm_bin().parent / "python"
     code = ("import sys\nfrom transformers import AutoTokenizer\n"
             "t = AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2])\n"
             "t.save_pretrained(sys.argv[3])\n")
-    subprocess.run([str(python), "-c", code, str(model.parent), model.name, str(out)],
-                   check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                   stdout=subprocess.DEVNULL)
+    with _installing():
+        if not out.is_dir():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            partial = Path(tempfile.mkdtemp(prefix=out.name, dir=out.parent))
+            subprocess.run([str(python), "-c", code, str(model.parent), model.name,
+                            str(partial)], check=True,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL)
+            partial.rename(out)
     return out
 
 
